@@ -1,0 +1,33 @@
+"""Pure-torch algorithm core: entropy, advantage estimators, policy losses,
+quadrant diagnostics and DAPO pieces. Imports torch only."""
+
+from .advantages import (
+    ESTIMATORS,
+    AdvantageInputs,
+    AdvantageOutput,
+    compute_advantages,
+    group_mean_std,
+    hapo_multiplier,
+    list_estimators,
+    run_estimator,
+)
+from .dapo import DynamicSamplingBuffer, informative_groups, overlong_penalty
+from .entropy import check_finite, entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
+from .losses import AGGREGATIONS, LOSSES, aggregate, compute_policy_loss, default_normalizer, k3_kl, list_losses
+from .quadrants import (
+    QUADRANTS,
+    entropy_threshold,
+    normalize_quadrants,
+    quadrant_entropy_change,
+    quadrant_masks,
+    quadrant_metrics,
+)
+
+__all__ = [
+    "AGGREGATIONS", "ESTIMATORS", "LOSSES", "QUADRANTS", "AdvantageInputs", "AdvantageOutput",
+    "DynamicSamplingBuffer", "aggregate", "check_finite", "compute_advantages", "compute_policy_loss",
+    "default_normalizer", "entropy_from_logits", "entropy_threshold", "group_mean_std", "hapo_multiplier",
+    "informative_groups", "k3_kl", "list_estimators", "list_losses", "logprobs_and_entropy",
+    "logprobs_from_logits", "normalize_quadrants", "overlong_penalty", "quadrant_entropy_change",
+    "quadrant_masks", "quadrant_metrics", "run_estimator",
+]

@@ -1,0 +1,248 @@
+"""Policy losses, registered by name, with one keyword-only contract.
+
+Shape legend: B sequences, T response tokens. Every loss takes
+``logprobs, old_logprobs, advantages, response_mask`` ([B,T]) plus
+``aggregation`` and ``normalizer``; it returns ``(loss, metrics)``.
+
+``normalizer`` is the *global* denominator (valid tokens for token-mean,
+sequences for the seq-mean modes) across micro-batches and data-parallel
+ranks, so summing each micro-batch's loss gives the one-big-batch gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .registry import Registry
+
+LOSSES = Registry(
+    "policy loss",
+    fixed=(
+        "logprobs",
+        "old_logprobs",
+        "advantages",
+        "response_mask",
+        "aggregation",
+        "normalizer",
+        "norm_constant",
+        "entropy",
+        "ref_logprobs",
+        "kl_coef",
+        "generator",
+    ),
+)
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def list_losses() -> list[str]:
+    return LOSSES.names()
+
+
+def default_normalizer(response_mask: torch.Tensor, aggregation: str) -> float:
+    """The local normaliser; pass the sum over micro-batches/ranks for split == whole."""
+    m = response_mask.bool()
+    if aggregation == "token-mean":
+        return float(m.sum())
+    if aggregation in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        return float(m.any(-1).sum())
+    raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+
+
+def aggregate(
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    aggregation: str,
+    normalizer: float | None = None,
+    norm_constant: float | None = None,
+) -> torch.Tensor:
+    """Reduce a token loss to a scalar.
+
+    token-mean: sum(loss*m) / N_tokens.  seq-mean-token-mean: sum_i mean_t(loss_i) / N_seqs
+    (sequences with no valid token contribute 0 and are not counted).
+    seq-mean-token-sum-norm (Dr. GRPO): sum_i sum_t(loss_i) / norm_constant / N_seqs, with
+    norm_constant a fixed budget (default T).
+    """
+    m = mask_BT.to(loss_BT.dtype)
+    if normalizer is None:
+        normalizer = default_normalizer(mask_BT, aggregation)
+    normalizer = max(float(normalizer), 1.0)
+    if aggregation == "token-mean":
+        return (loss_BT * m).sum() / normalizer
+    if aggregation == "seq-mean-token-mean":
+        per_seq = (loss_BT * m).sum(-1) / m.sum(-1).clamp(min=1)
+        return per_seq.sum() / normalizer
+    if aggregation == "seq-mean-token-sum-norm":
+        const = float(norm_constant if norm_constant is not None else mask_BT.shape[-1])
+        return (loss_BT * m).sum() / const / normalizer
+    raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+
+
+def compute_policy_loss(
+    name: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    **params: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(scalar loss, metrics) from the loss registered as ``name``.
+
+    Common keywords: aggregation ("token-mean"), normalizer (global count),
+    norm_constant, entropy ([B,T] current-policy entropy *with* grad, for
+    entro_reg), ref_logprobs + kl_coef (k3 KL to a reference), generator.
+    """
+    for k, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
+        if t.shape != response_mask.shape or t.dim() != 2:
+            raise ValueError(
+                f"{k} must be [B, T] like response_mask {tuple(response_mask.shape)}, got {tuple(t.shape)}"
+            )
+    params.setdefault("aggregation", "token-mean")
+    if params["aggregation"] not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {params['aggregation']!r}; expected one of {AGGREGATIONS}")
+    ref, kl_coef = params.pop("ref_logprobs", None), float(params.pop("kl_coef", 0.0))
+    loss, metrics = LOSSES.call(
+        name,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        response_mask=response_mask,
+        **params,
+    )
+    if kl_coef and ref is not None:
+        kl = k3_kl(logprobs, ref)
+        kl_term = aggregate(kl, response_mask, params["aggregation"], params.get("normalizer"), params.get("norm_constant"))
+        loss = loss + kl_coef * kl_term
+        metrics["actor/kl_ref"] = float(_mmean(kl.detach(), response_mask))
+    if not bool(torch.isfinite(loss.detach())):
+        raise FloatingPointError(f"non-finite policy loss from {name!r}: {float(loss.detach())}")
+    return loss, metrics
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = (ref_logprobs - logprobs).clamp(-20, 20)
+    return d.exp() - d - 1
+
+
+def _mmean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    m = m.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip):
+    log_ratio = (logprobs - old_logprobs).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
+    pg = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    if dual_clip is not None:
+        pg3 = -advantages * dual_clip
+        lower = (advantages < 0) & (pg > pg3)
+        pg = torch.where(advantages < 0, torch.minimum(pg, pg3), pg)
+        clipped = clipped | lower
+    return pg, ratio, log_ratio, clipped
+
+
+def _ppo_metrics(ratio, log_ratio, clipped, mask) -> dict[str, float]:
+    return {
+        "actor/clip_frac": float(_mmean(clipped.float(), mask)),
+        "actor/ratio_mean": float(_mmean(ratio.detach(), mask)),
+        "actor/approx_kl": float(_mmean((-log_ratio).detach(), mask)),
+    }
+
+
+def _check_clip(p) -> None:
+    if not (0 <= p["eps_low"] < 1 and p["eps_high"] >= 0):
+        raise ValueError(f"clip eps_low must be in [0, 1) and eps_high >= 0, got {p['eps_low']}, {p['eps_high']}")
+    if p.get("dual_clip") is not None and p["dual_clip"] <= 1:
+        raise ValueError(f"dual_clip must be > 1 (paper value 3), got {p['dual_clip']}")
+
+
+@LOSSES.register("ppo", validate=_check_clip)
+def ppo(
+    *,
+    logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
+    eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
+):
+    """PPO clipped surrogate; eps_high > eps_low is DAPO's clip-higher, dual_clip bounds
+    the loss of negative-advantage tokens at -A * c (Ye et al. 2020)."""
+    pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
+    loss = aggregate(pg, response_mask, aggregation, normalizer, norm_constant)
+    return loss, _ppo_metrics(ratio, log_ratio, clipped, response_mask)
+
+
+@LOSSES.register("entro_reg", validate=_check_clip)
+def entro_reg(
+    *,
+    logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
+    entropy=None, beta: float = 1e-3, eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
+):
+    """PPO clip minus beta * (aggregated current-policy entropy, gradient flows through H)."""
+    if entropy is None:
+        raise ValueError("entro_reg needs `entropy` (current policy, with grad) of shape [B, T]")
+    pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
+    pg_loss = aggregate(pg, response_mask, aggregation, normalizer, norm_constant)
+    ent = aggregate(entropy, response_mask, aggregation, normalizer, norm_constant)
+    metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
+    metrics["actor/entropy_bonus"] = float(ent.detach())
+    return pg_loss - beta * ent, metrics
+
+
+@LOSSES.register("kl_cov")
+def kl_cov(
+    *,
+    logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
+    k_ratio: float = 2e-4, kl_coef_cov: float = 1.0,
+):
+    """KL-Cov (Cui et al. 2025): unclipped PG; the top k_ratio of valid tokens by
+    cov(A, logp) also get kl_coef_cov * |logp - logp_old|. (int(k*N) tokens, as verl.)"""
+    log_ratio = (logprobs - old_logprobs).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    pg = -advantages * ratio
+    pg_kl = pg + kl_coef_cov * log_ratio.abs()
+    valid = response_mask.bool()
+    flat_idx = valid.flatten().nonzero().squeeze(-1)
+    a = advantages.detach().flatten()[flat_idx]
+    lp = logprobs.detach().flatten()[flat_idx]
+    cov = (a - a.mean()) * (lp - lp.mean())
+    k = int(k_ratio * flat_idx.numel())
+    chosen = torch.zeros(valid.numel(), dtype=torch.bool)
+    if k > 0:
+        chosen[flat_idx[torch.topk(cov, k).indices]] = True
+    chosen = chosen.view_as(valid)
+    pg = torch.where(chosen, pg_kl, pg)
+    loss = aggregate(pg, response_mask, aggregation, normalizer, norm_constant)
+    metrics = _ppo_metrics(ratio, log_ratio, torch.zeros_like(chosen), response_mask)
+    metrics["actor/kl_cov_frac"] = float(_mmean(chosen.float(), response_mask))
+    return loss, metrics
+
+
+@LOSSES.register("clip_cov", validate=_check_clip)
+def clip_cov(
+    *,
+    logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
+    generator=None, clip_ratio: float = 2e-4, cov_lb: float = 1.0, cov_ub: float = 5.0,
+    eps_low: float = 0.2, eps_high: float = 0.2,
+):
+    """Clip-Cov (Cui et al. 2025): PPO clip, then detach a random clip_ratio (at least one)
+    of the not-already-clipped tokens whose cov(A, logp) lies in (cov_lb, cov_ub)."""
+    pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, None)
+    m = response_mask.bool()
+    a, lp = advantages.detach(), logprobs.detach()
+    cov = (a - a[m].mean()) * (lp - lp[m].mean())
+    eligible = m & ~clipped & (cov > cov_lb) & (cov < cov_ub)
+    idx = eligible.flatten().nonzero().squeeze(-1)
+    n = max(int(clip_ratio * int(m.sum())), 1)
+    drop = torch.zeros(m.numel(), dtype=torch.bool)
+    if idx.numel():
+        perm = torch.randperm(idx.numel(), generator=generator)[: min(n, idx.numel())]
+        drop[idx[perm]] = True
+    drop = drop.view_as(m)
+    pg = torch.where(drop, torch.zeros_like(pg), pg)
+    loss = aggregate(pg, response_mask, aggregation, normalizer, norm_constant)
+    metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
+    metrics["actor/clip_cov_frac"] = float(_mmean(drop.float(), response_mask))
+    return loss, metrics

@@ -1,0 +1,85 @@
+"""Name -> function registries for advantage estimators and policy losses.
+
+The registry is the only way a trainer reaches an algorithm (no ``if name ==``
+chains elsewhere). Parameters are checked against the registered function's
+keyword-only signature, so a config typo fails at load time, not mid-run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    fn: Callable[..., Any]
+    validate: Callable[[Mapping[str, Any]], None] | None
+    params: tuple[str, ...]  # keyword-only parameters a config may set
+    defaults: Mapping[str, Any]
+    accepts: frozenset[str]  # every parameter name the function takes
+
+
+class Registry:
+    """A named collection of algorithm functions.
+
+    ``fixed`` names the keyword-only arguments a trainer supplies itself
+    (tensors, normalisers); everything else keyword-only is a tunable
+    parameter a config may set.
+    """
+
+    def __init__(self, kind: str, fixed: tuple[str, ...]):
+        self.kind = kind
+        self.fixed = fixed
+        self._entries: dict[str, Entry] = {}
+
+    def register(self, name: str, validate: Callable[[Mapping[str, Any]], None] | None = None):
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            sig = inspect.signature(fn)
+            params, defaults = [], {}
+            for p in sig.parameters.values():
+                if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in self.fixed:
+                    continue
+                params.append(p.name)
+                if p.default is not inspect.Parameter.empty:
+                    defaults[p.name] = p.default
+            accepts = frozenset(sig.parameters)
+            self._entries[name] = Entry(name, fn, validate, tuple(params), defaults, accepts)
+            return fn
+
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def get(self, name: str) -> Entry:
+        if name not in self._entries:
+            hint = difflib.get_close_matches(str(name), self._entries, n=1)
+            extra = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise ValueError(
+                f"unknown {self.kind} {name!r}{extra} (registered: {', '.join(self.names())})"
+            )
+        return self._entries[name]
+
+    def check_params(self, name: str, params: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` for parameters the function does not take or rejects."""
+        entry = self.get(name)
+        unknown = sorted(set(params) - set(entry.params))
+        if unknown:
+            raise ValueError(
+                f"{self.kind} {name!r} has no parameter(s) {unknown}; "
+                f"allowed: {list(entry.params)}"
+            )
+        if entry.validate is not None:
+            entry.validate({**entry.defaults, **params})
+
+    def call(self, name: str, /, **kwargs: Any) -> Any:
+        """Call ``name``; trainer-supplied (``fixed``) arguments it does not take are dropped."""
+        entry = self.get(name)
+        self.check_params(name, {k: v for k, v in kwargs.items() if k not in self.fixed})
+        return entry.fn(**{k: v for k, v in kwargs.items() if k in entry.accepts})

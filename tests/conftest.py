@@ -1,0 +1,29 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
+
+
+def run_cli(args, cwd=REPO, timeout=600, **kw):
+    """The real `hapo` CLI in a subprocess (the way a user runs it)."""
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", "hapo_openrlhf", *args], cwd=cwd, capture_output=True, text=True,
+        timeout=timeout, **kw,
+    )
