@@ -1,0 +1,94 @@
+import json
+
+import pytest
+
+from hapo_openrlhf.data.loader import BUNDLED, load_problems
+from hapo_openrlhf.data.synthetic import ArithmeticTask
+from hapo_openrlhf.data.templates import apply_template
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_bundled_files_load_with_expected_counts():
+    expected = {"aime24": 30, "aime25": 30, "amc23": 83, "math500": 500, "minerva": 272, "olympiadbench": 675,
+                "aime_1983_2023": 975}
+    for name, n in expected.items():
+        problems, rep = load_problems(name)
+        assert len(problems) == n == rep.kept, name
+    assert set(expected) < set(BUNDLED)
+
+
+def test_field_mapping_and_answer_types(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [
+        {"question": "Q1", "answer": "70"},
+        {"problem": "Q2", "answer": 142.0},
+        {"prompt": "Q3", "answer": ["$2$", "2.0"]},
+        {"problem": "Q4", "solution": "so \\boxed{\\frac{1}{2}}."},
+        {"problem": "Q5", "answer": 3},
+    ])
+    problems, rep = load_problems(p)
+    assert [x.answer for x in problems] == [("70",), ("142",), ("$2$", "2.0"), ("\\frac{1}{2}",), ("3",)]
+    assert rep.kept == 5
+
+
+def test_rows_without_answer_are_dropped_and_counted(tmp_path, caplog):
+    p = write_jsonl(tmp_path / "d.jsonl", [
+        {"problem": "ok", "answer": "1"}, {"problem": "no answer"}, {"problem": "empty", "answer": ""},
+        {"problem": "bad solution", "solution": "no box"}, {"answer": "no problem"},
+    ])
+    problems, rep = load_problems(p)
+    assert len(problems) == 1
+    assert (rep.dropped_no_answer, rep.dropped_no_problem) == (3, 1)
+    assert "1/5 rows kept" in caplog.text
+
+
+def test_malformed_row_is_an_error_naming_file_and_line(tmp_path):
+    p = write_jsonl(tmp_path / "bad.jsonl", [{"problem": "a", "answer": "1"}, "{not json", "[1, 2]"])
+    with pytest.raises(ValueError, match="bad.jsonl:2: malformed row"):
+        load_problems(p)
+    problems, rep = load_problems(p, on_bad_row="skip")
+    assert len(problems) == 1 and rep.skipped_malformed == 2
+
+
+def test_empty_and_missing_datasets(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="yielded no usable problems"):
+        load_problems(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(ValueError, match="not found"):
+        load_problems(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        load_problems(str(tmp_path / "x.csv"))
+
+
+def test_json_and_parquet(tmp_path):
+    rows = [{"problem": "A", "answer": "1"}, {"problem": "B", "answer": "2"}]
+    (tmp_path / "d.json").write_text(json.dumps({"data": rows}))
+    assert len(load_problems(str(tmp_path / "d.json"))[0]) == 2
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert [p.answer for p in load_problems(str(tmp_path / "d.parquet"))[0]] == [("1",), ("2",)]
+
+
+def test_templates():
+    assert apply_template("deepscaler", "1+1?").endswith(
+        "1+1?\nPlease reason step by step, and put your final answer within \\boxed{}.<｜Assistant｜><think>\n")
+    assert "\\boxed{}" in apply_template("qwen25_math", "x") and "<|im_start|>user\nx<|im_end|>" in apply_template("qwen25_math", "x")
+    with pytest.raises(ValueError, match="unknown prompt template"):
+        apply_template("llama", "x")
+
+
+def test_synthetic_split_is_disjoint_and_solutions_are_correct():
+    t = ArithmeticTask(n_terms=3, digits=1)
+    train = {p.problem for p in t.problems(500, 0, heldout=False)}
+    held = t.problems(50, 1, heldout=True)
+    assert not train & {p.problem for p in held}
+    from hapo_openrlhf.rewards import score
+
+    for p in held:
+        assert score(t.solution(p.problem), p.answer) == 1.0
