@@ -1,0 +1,356 @@
+"""Run configuration: one YAML file per run, loaded into frozen dataclasses.
+
+Unknown keys are errors naming the dotted key (with a close match when there is
+one); ranges are checked in ``__post_init__``. A config is never edited after
+validation: overrides (``--set a.b=1``) are applied to the raw dict first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .algos import ESTIMATORS, LOSSES
+from .algos.losses import AGGREGATIONS
+
+
+class FrozenDict(dict):
+    """A read-only, picklable dict for free-form parameter maps."""
+
+    def _ro(self, *a, **k):
+        raise TypeError("config parameters are read-only")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _ro  # type: ignore
+
+    def __reduce__(self):
+        return (FrozenDict, (dict(self),))
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return FrozenDict({k: _freeze(x) for k, x in v.items()})
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # a Hugging Face model dir; None builds the tiny model below
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        _require(self.hidden_size % self.num_heads == 0, "model.hidden_size must be divisible by model.num_heads")
+        _require(self.num_heads % self.num_kv_heads == 0, "model.num_heads must be divisible by model.num_kv_heads")
+        _require(min(self.hidden_size, self.num_layers, self.intermediate_size) > 0, "model sizes must be > 0")
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    n_terms: int = 3
+    digits: int = 2
+    ops: str = "+-"
+    slip_prob: float = 0.0  # warm-up teacher's per-step error rate (see data/synthetic.py)
+    shortcut_prob: float = 0.0  # share of warm-up answers given without the worked chain
+    shortcut_error: float = 0.0  # how often such a direct warm-up answer is a near-miss guess
+    train_size: int = 4000
+    eval_size: int = 128
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = "synthetic"  # "synthetic", a bundled name, a file, or hf:<id>
+    eval: str = "synthetic"
+    template: str = "tiny"
+    problem_field: str | None = None
+    answer_field: str | None = None
+    on_bad_row: str = "error"
+    eval_limit: int | None = None
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def __post_init__(self):
+        from .data.templates import TEMPLATES
+
+        _require(self.template in TEMPLATES, f"data.template must be one of {sorted(TEMPLATES)}, got {self.template!r}")
+        _require(self.on_bad_row in ("error", "skip"), f"data.on_bad_row must be 'error' or 'skip', got {self.on_bad_row!r}")
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Supervised warm-up on worked synthetic solutions before RL (embedded run)."""
+
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 3e-3
+
+    def __post_init__(self):
+        _require(self.steps >= 0 and self.batch_size > 0 and self.lr > 0, "warmup: steps >= 0, batch_size > 0, lr > 0")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 40
+
+    def __post_init__(self):
+        _require(self.prompts_per_step > 0, "rollout.prompts_per_step must be > 0")
+        _require(self.samples_per_prompt >= 2, "rollout.samples_per_prompt must be >= 2 (group baselines)")
+        _require(self.temperature > 0, "rollout.temperature must be > 0")
+        _require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _require(self.max_new_tokens > 0, "rollout.max_new_tokens must be > 0")
+
+
+@dataclass(frozen=True)
+class OverlongConfig:
+    enable: bool = False
+    cache_len: int = 8
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    estimator: str = "hapo"
+    estimator_params: Mapping[str, Any] = field(default_factory=dict)
+    loss: str = "ppo"
+    loss_params: Mapping[str, Any] = field(default_factory=dict)
+    aggregation: str = "token-mean"
+    kl_coef: float = 0.0
+    dynamic_sampling: bool = False
+    max_gen_rounds: int = 4
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    quadrant_quantile: float = 0.8  # tau for the logged Four Quadrant metrics
+    quadrant_threshold: float | None = None  # fixed tau instead of the quantile
+    entropy_chunk_size: int = 1024
+    reward_wrong: float = 0.0
+    reward_timeout_s: float = 5.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "estimator_params", _freeze(self.estimator_params))
+        object.__setattr__(self, "loss_params", _freeze(self.loss_params))
+        ESTIMATORS.check_params(self.estimator, self.estimator_params)
+        LOSSES.check_params(self.loss, self.loss_params)
+        _require(self.aggregation in AGGREGATIONS, f"algorithm.aggregation must be one of {AGGREGATIONS}")
+        _require(self.kl_coef >= 0, "algorithm.kl_coef must be >= 0")
+        _require(0 < self.quadrant_quantile < 1, "algorithm.quadrant_quantile must be in (0, 1)")
+        _require(self.entropy_chunk_size > 0, "algorithm.entropy_chunk_size must be > 0")
+        _require(self.max_gen_rounds >= 1, "algorithm.max_gen_rounds must be >= 1")
+        _require(self.reward_timeout_s > 0, "algorithm.reward_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_warmup_steps: int = 0
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    micro_batch_size: int = 32
+
+    def __post_init__(self):
+        _require(self.lr > 0, "optim.lr must be > 0")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas must be two values in [0, 1)")
+        _require(self.ppo_epochs >= 1 and self.micro_batch_size >= 1, "optim.ppo_epochs and optim.micro_batch_size must be >= 1")
+        _require(self.grad_clip > 0, "optim.grad_clip must be > 0")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    steps: int = 60
+    eval_every: int = 0  # 0: only before and after RL
+    save_every: int = 10
+    keep_last: int = 2
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+
+    def __post_init__(self):
+        _require(self.steps >= 0, "trainer.steps must be >= 0")
+        _require(self.save_every >= 0 and self.eval_every >= 0, "trainer.save_every/eval_every must be >= 0")
+        _require(self.keep_last >= 1, "trainer.keep_last must be >= 1")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    temperature: float = 0.6
+    top_p: float = 0.95
+    n_samples: int = 4
+    max_new_tokens: int = 40
+
+    def __post_init__(self):
+        _require(self.n_samples >= 1 and self.temperature > 0 and 0 < self.top_p <= 1, "eval: n_samples >= 1, temperature > 0, top_p in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_name: str = "run"
+    seed: int = 1234
+    output_dir: str = "runs/run"
+    backend: str = "local"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        _require(self.backend in ("local", "openrlhf", "megatron"), f"backend must be local, openrlhf or megatron, got {self.backend!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {k: _to_plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_to_plain(x) for x in v]
+    return v
+
+
+# ------------------------------------------------------------------ loading
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, key)
+    if tp is Any or origin in (Mapping, dict) or tp is Mapping:
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {value!r}")
+        return tuple(_coerce(v, args[0], key) for v in value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML 1.1 reads "1e-4" as a string; accept it explicitly
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{key}: expected a number, got {value!r}") from None
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
+    """Build dataclass ``cls`` from ``data``; unknown keys raise naming the dotted key."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown config key {key!r}{hint}")
+        kwargs[k] = _coerce(v, hints[k], key)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"invalid config{' section ' + repr(prefix) if prefix else ''}: {e}") from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``["trainer.steps=5", "algorithm.estimator=grpo"]`` applied to a raw dict (YAML values)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        path, val = item.split("=", 1)
+        node = raw
+        parts = path.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(val)
+    return raw
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge: sections merge key by key; any other value replaces the base's."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict) and k not in _OPAQUE:
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# free-form parameter maps are replaced whole, never merged (params of another algorithm
+# would otherwise leak in and be rejected)
+_OPAQUE = ("estimator_params", "loss_params")
+
+
+def read_raw(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The YAML mapping at ``path`` with its ``base:`` chain (relative paths) merged in."""
+    p = Path(path).resolve()
+    if not p.exists():
+        raise ValueError(f"config file {str(path)!r} not found")
+    if p in _seen:
+        raise ValueError(f"config base cycle: {' -> '.join(str(s) for s in (*_seen, p))}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    return _merge(read_raw(p.parent / str(base), (*_seen, p)), raw)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Load a run config: ``base:`` chain, then ``--set`` overrides, then validation."""
+    return from_dict(RunConfig, apply_overrides(read_raw(path), list(overrides or [])))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,91 @@
+import pickle
+from pathlib import Path
+
+import pytest
+
+from hapo_openrlhf.config import RunConfig, apply_overrides, dump_config, from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_round_trips(path):
+    cfg = load_config(path)
+    again = from_dict(RunConfig, __import__("yaml").safe_load(dump_config(cfg)))
+    assert again == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_cpu_tiny_uses_paper_hapo_defaults():
+    cfg = load_config(REPO / "configs/cpu_tiny.yaml")
+    assert cfg.algorithm.estimator == "hapo"
+    assert (cfg.algorithm.estimator_params["alpha"], cfg.algorithm.estimator_params["phi"]) == (0.2, 2.0)
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"trainr": {}}, "unknown config key 'trainr' \\(did you mean 'trainer'\\?\\)"),
+        ({"optim": {"lrr": 1e-4}}, "unknown config key 'optim.lrr' \\(did you mean 'optim.lr'\\?\\)"),
+        ({"algorithm": {"estimator": "hapoo"}}, "unknown advantage estimator 'hapoo'"),
+        ({"algorithm": {"estimator_params": {"alpha": 0.6}}}, "alpha \\* hapo.phi = 1.2 >= 1"),
+        ({"algorithm": {"estimator": "grpo", "estimator_params": {"alpha": 0.1}}}, "has no parameter"),
+        ({"algorithm": {"loss_params": {"eps_low": 1.5}}}, "eps_low must be in"),
+        ({"algorithm": {"aggregation": "sum"}}, "aggregation must be one of"),
+        ({"rollout": {"samples_per_prompt": 1}}, "samples_per_prompt must be >= 2"),
+        ({"rollout": {"temperature": "hot"}}, "rollout.temperature: expected a number"),
+        ({"trainer": {"steps": 1.5}}, "trainer.steps: expected an integer"),
+        ({"backend": "jax"}, "backend must be"),
+        ({"algorithm": {"estimator": "quadrant", "estimator_params": {"quadrants": ["XYZ"]}}}, "unknown quadrant"),
+        ({"data": {"template": "llama"}}, "data.template must be one of"),
+    ],
+)
+def test_bad_configs_name_the_problem(raw, match):
+    with pytest.raises(ValueError, match=match):
+        from_dict(RunConfig, raw)
+
+
+def test_config_is_frozen():
+    cfg = from_dict(RunConfig, {"algorithm": {"estimator_params": {"alpha": 0.1}}})
+    with pytest.raises(Exception):
+        cfg.seed = 3
+    with pytest.raises(TypeError, match="read-only"):
+        cfg.algorithm.estimator_params["alpha"] = 0.4
+
+
+def test_overrides_and_scientific_notation(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("optim:\n  lr: 1e-4\n")
+    cfg = load_config(p, ["trainer.steps=3", "algorithm.estimator=grpo", "algorithm.estimator_params={}"])
+    assert cfg.optim.lr == 1e-4 and cfg.trainer.steps == 3 and cfg.algorithm.estimator == "grpo"
+    with pytest.raises(ValueError, match="must look like"):
+        apply_overrides({}, ["trainer.steps"])
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("a: [1,\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_base_chain_merges_sections_and_replaces_param_maps(tmp_path):
+    (tmp_path / "a.yaml").write_text("seed: 1\noptim: {lr: 0.5, grad_clip: 2.0}\n"
+                                     "algorithm: {estimator: hapo, estimator_params: {alpha: 0.1, ablate: [PLR]}}\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\noptim: {lr: 0.25}\nalgorithm: {estimator: grpo, estimator_params: {}}\n")
+    cfg = load_config(tmp_path / "b.yaml")
+    assert (cfg.seed, cfg.optim.lr, cfg.optim.grad_clip) == (1, 0.25, 2.0)
+    assert cfg.algorithm.estimator == "grpo" and dict(cfg.algorithm.estimator_params) == {}
+    (tmp_path / "c.yaml").write_text("base: d.yaml\n")
+    (tmp_path / "d.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(ValueError, match="config base cycle"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_baseline_configs_select_their_algorithms():
+    got = {p.stem: load_config(p).algorithm for p in (REPO / "configs").glob("cpu_tiny_*.yaml")}
+    assert got["cpu_tiny_dapo"].dynamic_sampling and got["cpu_tiny_dapo"].overlong.enable
+    assert got["cpu_tiny_grpo"].aggregation == "seq-mean-token-mean"
+    assert got["cpu_tiny_kl_cov"].loss == "kl_cov"
+    assert got["cpu_tiny_quadrant_nhr"].estimator_params["quadrants"] == ("NHR",)
