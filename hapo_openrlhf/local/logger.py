@@ -1,0 +1,56 @@
+"""Metrics sink for the embedded trainer: JSONL (source of truth) + TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: Path, resume_step: int | None):
+        self.path = out_dir / "metrics.jsonl"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        else:
+            self._truncate_after(resume_step)
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=(resume_step or 0) + 1)
+        except ImportError:  # tensorboard is a base dependency; keep logging if it is missing
+            pass
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop records of steps after the checkpoint, so a resumed run's file equals an
+        uninterrupted run's (the killed run may have logged steps it never saved)."""
+        if not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            if line.strip() and json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        self.path.write_text("".join(l + "\n" for l in keep))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        rec = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists():
+        raise ValueError(f"{str(p)!r} not found: is {str(run_dir)!r} a run directory?")
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]

@@ -1,0 +1,85 @@
+"""The embedded default's tiny Qwen2-architecture model and character tokenizer.
+
+The tokenizer is a ``tokenizers`` BPE with no merges over printable ASCII: one
+token per character, deterministic, nothing to download. Both are saved as a
+normal Hugging Face directory, so every other tool (eval, OpenRLHF, vLLM) can
+load the result by path.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {t: i for i, t in enumerate([PAD, EOS, UNK, *chars])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
+    )
+    return fast
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_model(cfg, tokenizer, seed: int):
+    """A randomly initialised Qwen2ForCausalLM from ``ModelConfig`` (fp32, CPU)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    qcfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(qcfg)
+    model.config.use_cache = True
+    return model
+
+
+def load_or_build(cfg, seed: int):
+    """(model, tokenizer): from ``cfg.path`` when set, else the tiny model + char tokenizer."""
+    if cfg.path:
+        from transformers import AutoModelForCausalLM
+
+        if not Path(cfg.path).exists():
+            raise ValueError(f"model.path {cfg.path!r} does not exist (hub downloads are not used)")
+        tok = load_tokenizer(cfg.path)
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)
+        return model, tok
+    tok = build_tokenizer()
+    return build_model(cfg, tok, seed), tok
+
+
+def save_hf(model, tokenizer, path: str | Path) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))

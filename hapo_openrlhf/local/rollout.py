@@ -1,0 +1,105 @@
+"""Sampling and scoring forwards for the embedded trainer (Hugging Face generate).
+
+Shape legend: B sequences, P prompt tokens (left padded), R response tokens
+(right padded), L = P + R.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..algos import check_finite, logprobs_and_entropy
+
+
+@dataclass
+class Rollout:
+    sequences_BL: torch.Tensor  # prompt (left-padded) + response (right-padded)
+    attention_mask_BL: torch.Tensor
+    response_mask_BR: torch.Tensor  # 1 on generated tokens up to and including EOS
+    prompt_len: int
+    responses: list[str]
+    truncated_B: torch.Tensor  # bool: hit max_new_tokens without EOS
+
+    @property
+    def response_ids_BR(self) -> torch.Tensor:
+        return self.sequences_BL[:, self.prompt_len :]
+
+    def select(self, idx: list[int]) -> "Rollout":
+        i = torch.as_tensor(idx, dtype=torch.long)
+        return Rollout(
+            self.sequences_BL[i], self.attention_mask_BL[i], self.response_mask_BR[i],
+            self.prompt_len, [self.responses[j] for j in idx], self.truncated_B[i],
+        )
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float, top_p: float,
+             max_new_tokens: int) -> Rollout:
+    """Sample ``n`` responses per prompt; rows are grouped: prompt j -> rows [j*n, (j+1)*n)."""
+    from transformers import GenerationConfig
+
+    expanded = [p for p in prompts for _ in range(n)]
+    enc = tokenizer(expanded, return_tensors="pt", padding=True, add_special_tokens=False)
+    gen_cfg = GenerationConfig(
+        do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    was_training = model.training
+    model.eval()
+    out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, generation_config=gen_cfg)
+    model.train(was_training)
+    P = enc.input_ids.shape[1]
+    resp = out[:, P:]
+    if resp.shape[1] == 0:
+        resp = torch.full((out.shape[0], 1), tokenizer.pad_token_id, dtype=out.dtype)
+        out = torch.cat([out, resp], 1)
+    is_eos = resp == tokenizer.eos_token_id
+    # valid = positions up to and including the first EOS
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    resp_mask = (~after_eos).long()
+    if tokenizer.pad_token_id != tokenizer.eos_token_id:
+        resp_mask &= (resp != tokenizer.pad_token_id).long() | is_eos.long()
+    truncated = ~is_eos.any(-1)
+    texts = [
+        tokenizer.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(resp, resp_mask)
+    ]
+    attn = torch.cat([enc.attention_mask, resp_mask], dim=1)
+    return Rollout(out, attn, resp_mask, P, texts, truncated)
+
+
+def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: int, with_entropy_grad: bool = False):
+    """(log-probs [B,R], entropy [B,R]) of the response tokens under ``model`` at
+    ``temperature``; entropy is detached unless ``with_entropy_grad``."""
+    seq, attn = rollout.sequences_BL, rollout.attention_mask_BL
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits
+    P = rollout.prompt_len
+    # logits at t predict token t+1: the response tokens are predicted from P-1 .. L-2
+    resp_logits = logits[:, P - 1 : -1]
+    mask = rollout.response_mask_BR
+    check_finite("logits", resp_logits.detach().amax(-1), mask)
+    logp, ent = logprobs_and_entropy(resp_logits, rollout.response_ids_BR, chunk_size, temperature)
+    if not with_entropy_grad:
+        ent = ent.detach()
+    return logp * mask, ent * mask
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Stack rollouts with different prompt/response widths (re-padding both sides)."""
+    P = max(p.prompt_len for p in parts)
+    R = max(p.response_mask_BR.shape[1] for p in parts)
+    seqs, attns, masks = [], [], []
+    for p in parts:
+        B, dp, dr = p.sequences_BL.shape[0], P - p.prompt_len, R - p.response_mask_BR.shape[1]
+        left = torch.full((B, dp), pad_id, dtype=p.sequences_BL.dtype)
+        right = torch.full((B, dr), pad_id, dtype=p.sequences_BL.dtype)
+        seqs.append(torch.cat([left, p.sequences_BL, right], 1))
+        z = lambda n: torch.zeros((B, n), dtype=p.attention_mask_BL.dtype)  # noqa: E731
+        attns.append(torch.cat([z(dp), p.attention_mask_BL, z(dr)], 1))
+        masks.append(torch.cat([p.response_mask_BR, z(dr)], 1))
+    return Rollout(
+        torch.cat(seqs), torch.cat(attns), torch.cat(masks), P,
+        [t for p in parts for t in p.responses], torch.cat([p.truncated_B for p in parts]),
+    )

@@ -1,0 +1,292 @@
+"""The embedded single-process RLVR trainer (CPU): the same ``algos`` registry,
+reward and data code the cluster back ends use, driven by one small loop.
+
+Per step: prompts -> G samples each -> reward -> behaviour log-probs + entropy ->
+registry advantages -> registry loss -> update -> quadrant entropy change ->
+metrics -> (atomic) checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import algos
+from ..algos.advantages import grpo_sequence_advantage
+from ..checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ..config import RunConfig, dump_config
+from ..data.templates import apply_template
+from ..rewards import MathVerifier, RewardStats
+from .data import make_datasets
+from .evaluate import evaluate
+from .logger import MetricsLogger
+from .model import load_or_build, save_hf
+from .rollout import Rollout, generate, policy_forward
+from .sft import warmup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    consumed_prompts: int = 0
+    warmup_done: bool = False
+    eval_before: dict = field(default_factory=dict)
+    eval_history: list = field(default_factory=list)
+
+
+@dataclass
+class Batch:
+    rollout: Rollout
+    rewards: torch.Tensor  # [B]
+    correct: torch.Tensor  # [B] bool
+    group_index: torch.Tensor  # [B]
+
+
+class LocalTrainer:
+    def __init__(self, cfg: RunConfig, output_dir: str | Path | None = None, resume: bool = False):
+        self.cfg = cfg
+        self.out = Path(output_dir or cfg.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        if cfg.trainer.threads:
+            torch.set_num_threads(cfg.trainer.threads)
+        self.state = TrainState()
+        self._seed_everything(cfg.seed)
+        self.model, self.tok = load_or_build(cfg.model, cfg.seed)
+        self.task, self.train_problems, self.eval_problems = make_datasets(cfg)
+        self.optim = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
+        )
+        warm = max(cfg.optim.lr_warmup_steps, 1)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lambda s: min(1.0, (s + 1) / warm))
+        self.verifier = MathVerifier(timeout_s=cfg.algorithm.reward_timeout_s, wrong_value=cfg.algorithm.reward_wrong)
+        self.loss_rng = torch.Generator().manual_seed(cfg.seed + 7)
+        resumed_from = self._maybe_resume() if resume else None
+        if not resume and latest_checkpoint(self.ckpt_root) is not None:
+            raise ValueError(
+                f"{str(self.ckpt_root)!r} already holds checkpoints; pass --resume to continue "
+                f"or choose another --output-dir"
+            )
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(dump_config(cfg))
+        self.logger = MetricsLogger(self.out, resume_step=self.state.step if resumed_from else None)
+
+    # ------------------------------------------------------------------ setup
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _maybe_resume(self) -> Path | None:
+        ckpt = latest_checkpoint(self.ckpt_root)
+        if ckpt is None:
+            log.warning("--resume: no complete checkpoint under %s; starting fresh", self.ckpt_root)
+            return None
+        shard, _ = load_checkpoint(ckpt)
+        self.model.load_state_dict(shard["model"])
+        self.optim.load_state_dict(shard["optimizer"])
+        self.sched.load_state_dict(shard["scheduler"])
+        self.loss_rng.set_state(shard["loss_rng"])
+        self.state = TrainState(**shard["trainer"])
+        set_rng_state(shard["rng"])
+        log.info("resumed from %s (step %d)", ckpt, self.state.step)
+        return ckpt
+
+    def save(self) -> Path:
+        shard = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optim.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "trainer": vars(self.state),
+            "rng": rng_state(),
+            "loss_rng": self.loss_rng.get_state(),
+        }
+        meta = {"config": self.cfg.to_dict(), "consumed_prompts": self.state.consumed_prompts}
+        return save_checkpoint(self.ckpt_root, self.state.step, {0: shard}, meta, self.cfg.trainer.keep_last)
+
+    # ---------------------------------------------------------------- phases
+    def run_warmup(self, on_step=None) -> float:
+        w = self.cfg.warmup
+        loss = warmup(self.model, self.tok, self.task, self.cfg.data.template, steps=w.steps,
+                      batch_size=w.batch_size, lr=w.lr, seed=self.cfg.seed + 1, on_step=on_step)
+        self.state.warmup_done = True
+        return loss
+
+    def evaluate(self) -> dict[str, float]:
+        e = self.cfg.eval
+        return evaluate(self.model, self.tok, self.eval_problems, template=self.cfg.data.template, n=e.n_samples,
+                        temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
+                        seed=self.cfg.seed + 99)
+
+    def next_prompts(self, n: int):
+        """The next ``n`` training problems: a fixed per-epoch permutation, so the data
+        position is just ``consumed_prompts`` (saved in every checkpoint)."""
+        out, N = [], len(self.train_problems)
+        for _ in range(n):
+            epoch, i = divmod(self.state.consumed_prompts, N)
+            perm = list(range(N))
+            random.Random(self.cfg.seed * 100_003 + epoch).shuffle(perm)
+            out.append(self.train_problems[perm[i]])
+            self.state.consumed_prompts += 1
+        return out
+
+    # ------------------------------------------------------------------ rollout
+    def _sample(self, problems) -> Batch:
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        prompts = [apply_template(self.cfg.data.template, p.problem) for p in problems]
+        ro = generate(self.model, self.tok, prompts, n=r.samples_per_prompt, temperature=r.temperature,
+                      top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+        answers = [p.answer for p in problems for _ in range(r.samples_per_prompt)]
+        scores = torch.tensor(self.verifier.score_batch(ro.responses, answers), dtype=torch.float32)
+        rewards = scores.clone()
+        if a.overlong.enable:
+            lengths = ro.response_mask_BR.sum(-1)
+            rewards += algos.overlong_penalty(lengths, r.max_new_tokens, a.overlong.cache_len)
+        group = torch.arange(len(problems)).repeat_interleave(r.samples_per_prompt)
+        return Batch(ro, rewards, scores > 0.5, group)
+
+    def collect(self) -> tuple[Batch, dict[str, float]]:
+        """One step's batch; with dynamic sampling, refill until every group is informative."""
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        self.verifier.stats = RewardStats()  # reward outcome counts are per step
+        if not a.dynamic_sampling:
+            return self._sample(self.next_prompts(r.prompts_per_step)), {}
+        buf = algos.DynamicSamplingBuffer(r.prompts_per_step, a.max_gen_rounds)
+        while not buf.ready and not buf.exhausted:
+            b = self._sample(self.next_prompts(r.prompts_per_step))
+            ok = algos.informative_groups(b.rewards, b.group_index)
+            G = r.samples_per_prompt
+            groups = [(b, list(range(j * G, (j + 1) * G))) for j in range(r.prompts_per_step)]
+            buf.add(groups, [bool(ok[j * G]) for j in range(r.prompts_per_step)])
+        kept = buf.take()
+        if not kept:  # every group degenerate for max_gen_rounds: train on the last batch
+            log.warning("dynamic sampling: no informative group in %d rounds; using the last batch", buf.rounds)
+            return b, buf.metrics()
+        return _merge_groups(kept, self.tok.pad_token_id), buf.metrics()
+
+    # ------------------------------------------------------------------- update
+    def _behaviour(self, ro: Rollout):
+        a, T = self.cfg.algorithm, self.cfg.rollout.temperature
+        with torch.no_grad():
+            return policy_forward(self.model, ro, temperature=T, chunk_size=a.entropy_chunk_size)
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        cfg, a = self.cfg, self.cfg.algorithm
+        batch, metrics = self.collect()
+        ro = batch.rollout
+        mask = ro.response_mask_BR
+        old_logp, ent = self._behaviour(ro)
+        inputs = algos.AdvantageInputs(
+            rewards=batch.rewards, response_mask=mask, entropy=ent, group_index=batch.group_index,
+            old_logprobs=old_logp,
+        )
+        adv_out = algos.run_estimator(a.estimator, inputs, **a.estimator_params)
+        loss_mask = adv_out.loss_mask if adv_out.loss_mask is not None else mask
+        polarity = torch.sign(grpo_sequence_advantage(inputs))
+        tau = algos.entropy_threshold(ent, mask, quantile=a.quadrant_quantile, value=a.quadrant_threshold)
+        qmasks = algos.quadrant_masks(polarity, ent, mask, tau)
+        metrics.update(algos.quadrant_metrics(adv_out.advantages, ent, mask, tau, polarity=polarity))
+        metrics.update(adv_out.metrics)
+        metrics.update(self._update(ro, old_logp, adv_out.advantages, loss_mask))
+        _, ent_after = self._behaviour(ro)
+        metrics.update(algos.quadrant_entropy_change(qmasks, ent, ent_after))
+        metrics.update(self._rollout_metrics(batch, ent, ent_after, adv_out.advantages))
+        self.state.step += 1
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _update(self, ro: Rollout, old_logp, adv, loss_mask) -> dict[str, float]:
+        cfg, a = self.cfg, self.cfg.algorithm
+        B = adv.shape[0]
+        normalizer = algos.default_normalizer(loss_mask, a.aggregation)
+        needs_entropy = a.loss == "entro_reg"
+        self.model.train()
+        sums: dict[str, float] = {}
+        for _ in range(cfg.optim.ppo_epochs):
+            self.optim.zero_grad(set_to_none=True)
+            total = 0.0
+            for s in range(0, B, cfg.optim.micro_batch_size):
+                idx = list(range(s, min(B, s + cfg.optim.micro_batch_size)))
+                mro = ro.select(idx)
+                logp, ent = policy_forward(self.model, mro, temperature=cfg.rollout.temperature,
+                                           chunk_size=a.entropy_chunk_size, with_entropy_grad=needs_entropy)
+                loss, m = algos.compute_policy_loss(
+                    a.loss, logp, old_logp[idx], adv[idx], loss_mask[idx], aggregation=a.aggregation,
+                    normalizer=normalizer, entropy=ent, generator=self.loss_rng, **a.loss_params,
+                )
+                loss.backward()
+                total += float(loss.detach())
+                w = len(idx) / B
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + w * v / cfg.optim.ppo_epochs
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm at step {self.state.step + 1}; update skipped")
+            self.optim.step()
+            self.sched.step()
+        sums.update({"actor/loss": total, "actor/grad_norm": float(grad_norm), "actor/lr": self.sched.get_last_lr()[0]})
+        return sums
+
+    def _rollout_metrics(self, batch: Batch, ent, ent_after, adv) -> dict[str, float]:
+        mask = batch.rollout.response_mask_BR.bool()
+        lengths = mask.sum(-1).float()
+        return {
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/accuracy": float(batch.correct.float().mean()),
+            **self.verifier.stats.metrics(),
+            "response/length_mean": float(lengths.mean()),
+            "response/truncated_frac": float(batch.rollout.truncated_B.float().mean()),
+            "actor/entropy": float(ent[mask].mean()),
+            "actor/entropy_after": float(ent_after[mask].mean()),
+            "adv/abs_mean": float(adv.abs()[mask].mean()),
+            "adv/nonzero_frac": float((adv[mask] != 0).float().mean()),
+        }
+
+    # --------------------------------------------------------------------- run
+    def fit(self, progress=None) -> dict[str, float]:
+        cfg = self.cfg
+        if not self.state.warmup_done:
+            self.run_warmup(on_step=progress.warmup if progress else None)
+            self.state.eval_before = self.evaluate()
+            self.logger.log(0, self.state.eval_before)
+            if cfg.trainer.save_every:
+                self.save()
+        while self.state.step < cfg.trainer.steps:
+            metrics = self.train_step()
+            s = self.state.step
+            if cfg.trainer.eval_every and s % cfg.trainer.eval_every == 0 and s < cfg.trainer.steps:
+                metrics.update(self.evaluate())
+            self.logger.log(s, metrics)
+            if progress:
+                progress.step(s, metrics)
+            if cfg.trainer.save_every and (s % cfg.trainer.save_every == 0 or s == cfg.trainer.steps):
+                self.save()
+        final = self.evaluate()
+        self.logger.log(self.state.step, {**final, "final": 1})
+        save_hf(self.model, self.tok, self.out / "final_model")
+        summary = {"before": self.state.eval_before, "after": final}
+        (self.out / "summary.json").write_text(__import__("json").dumps(summary, indent=2))
+        self.logger.close()
+        self.verifier.close()
+        return summary
+
+
+def _merge_groups(kept, pad_id: int) -> Batch:
+    from .rollout import concat_rollouts
+
+    parts, rewards, correct, group = [], [], [], []
+    for g, (b, idx) in enumerate(kept):
+        parts.append(b.rollout.select(idx))
+        rewards.append(b.rewards[idx])
+        correct.append(b.correct[idx])
+        group.append(torch.full((len(idx),), g, dtype=torch.long))
+    return Batch(concat_rollouts(parts, pad_id), torch.cat(rewards), torch.cat(correct), torch.cat(group))

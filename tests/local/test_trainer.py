@@ -1,0 +1,160 @@
+"""The embedded trainer: real CLI runs in a subprocess, exact resume after SIGKILL,
+every registered estimator and loss through the real loop, bad input."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hapo_openrlhf.algos import list_estimators, list_losses
+from hapo_openrlhf.config import load_config
+from hapo_openrlhf.local.trainer import LocalTrainer
+
+from ..conftest import REPO, run_cli
+
+SMALL = [
+    "warmup.steps=30", "trainer.steps=6", "trainer.save_every=2", "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4", "data.synthetic.eval_size=8", "data.synthetic.train_size=200",
+    "eval.n_samples=2", "trainer.threads=1", "rollout.max_new_tokens=24", "eval.max_new_tokens=24",
+]
+CONFIG = str(REPO / "configs" / "cpu_tiny.yaml")
+
+
+def sets(extra=()):
+    out = []
+    for s in [*SMALL, *extra]:
+        out += ["--set", s]
+    return out
+
+
+def records(run_dir: Path):
+    """metrics.jsonl without wall-clock timings (the only thing allowed to differ)."""
+    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in recs]
+
+
+@pytest.mark.slow
+def test_cli_run_writes_metrics_tensorboard_plots_and_model(tmp_path):
+    out = tmp_path / "run"
+    res = run_cli(["train", "--config", CONFIG, "--output-dir", str(out), *sets()])
+    assert res.returncode == 0, res.stderr[-3000:]
+    last = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(last) == {"heldout_accuracy_before", "heldout_accuracy_after", "output_dir"}
+    recs = records(out)
+    steps = [r for r in recs if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for key in ("reward/mean", "hapo/adv_scale_mean", "quadrant/PHR/token_frac", "quadrant/NLR/entropy_delta",
+                "actor/entropy", "actor/clip_frac", "actor/grad_norm", "response/length_mean"):
+        assert key in steps[0], key
+    fracs = [steps[0][f"quadrant/{q}/token_frac"] for q in ("PHR", "PLR", "NHR", "NLR")]
+    assert sum(fracs) + steps[0]["quadrant/zero_adv_frac"] == pytest.approx(1.0)
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert {p.name for p in (out / "plots").glob("*.png")} == {"reward.png", "entropy.png", "quadrants.png"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["before"]["eval/accuracy"] == last["heldout_accuracy_before"]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out / "final_model").config.model_type == "qwen2"
+    # a second start on the same directory without --resume refuses instead of clobbering
+    again = run_cli(["train", "--config", CONFIG, "--output-dir", str(out), *sets()])
+    assert again.returncode == 2 and "pass --resume" in again.stderr
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    extra = ["trainer.steps=8"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    res = run_cli(["train", "--config", CONFIG, "--output-dir", str(full), *sets(extra)])
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    cmd = [sys.executable, "-m", "hapo_openrlhf", "train", "--config", CONFIG, "--output-dir", str(killed), *sets(extra)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = killed / "checkpoints" / "step_00000004" / "meta.json"
+    deadline = time.time() + 300
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert target.exists(), "the run never reached its step-4 checkpoint"
+    assert not (killed / "summary.json").exists(), "killed too late: the run had finished"
+
+    res = run_cli(["train", "--config", CONFIG, "--output-dir", str(killed), "--resume", *sets(extra)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = records(full), records(killed)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert a == b
+    assert json.loads((full / "summary.json").read_text()) == json.loads((killed / "summary.json").read_text())
+
+
+def _trainer(tmp_path, extra=()):
+    cfg = load_config(CONFIG, [*SMALL, "warmup.steps=0", "trainer.save_every=0", *extra])
+    t = LocalTrainer(cfg, tmp_path / "run")
+    rng = random.Random(0)
+    # a random model solves nothing; random rewards exercise every code path
+    t.verifier.score_batch = lambda responses, answers: [float(rng.random() < 0.5) for _ in responses]
+    return t
+
+
+@pytest.mark.parametrize("name", list_estimators())
+def test_every_estimator_runs_a_real_step(tmp_path, name):
+    params = {"quadrant": "{quadrants: [PHR, NLR]}", "hapo": "{ablate: [PLR]}"}.get(name, "{}")
+    t = _trainer(tmp_path, [f"algorithm.estimator={name}", f"algorithm.estimator_params={params}"])
+    before = [p.detach().clone() for p in t.model.parameters()]
+    m = t.train_step()
+    assert t.state.step == 1 and torch.isfinite(torch.tensor(m["actor/loss"]))
+    assert any(not torch.equal(a, b) for a, b in zip(before, t.model.parameters()))
+
+
+@pytest.mark.parametrize("name", list_losses())
+def test_every_loss_runs_a_real_step(tmp_path, name):
+    params = {"kl_cov": "{k_ratio: 0.05}", "entro_reg": "{beta: 0.01}"}.get(name, "{}")
+    t = _trainer(tmp_path, [f"algorithm.loss={name}", f"algorithm.loss_params={params}", "algorithm.estimator=grpo",
+                            "algorithm.estimator_params={}"])
+    m = t.train_step()
+    assert torch.isfinite(torch.tensor(m["actor/loss"]))
+
+
+def test_dapo_dynamic_sampling_fills_with_informative_groups(tmp_path):
+    t = _trainer(tmp_path, ["algorithm.estimator=grpo", "algorithm.estimator_params={}", "algorithm.dynamic_sampling=true",
+                            "algorithm.max_gen_rounds=6", "algorithm.overlong.enable=true", "algorithm.overlong.cache_len=4"])
+    batch, metrics = t.collect()
+    G, P = t.cfg.rollout.samples_per_prompt, t.cfg.rollout.prompts_per_step
+    assert batch.rewards.shape == (G * P,) and batch.rollout.sequences_BL.shape[0] == G * P
+    assert metrics["dapo/gen_rounds"] >= 1
+    # every kept group has reward variance (overlong penalty may add more)
+    correct = batch.correct.view(P, G).float()
+    assert ((correct.max(1).values - correct.min(1).values) > 0).all()
+    # the merged batch is still a valid rollout: re-scoring it works
+    m = t.train_step()
+    assert "dapo/dropped_group_frac" in m
+
+
+def test_non_finite_logits_are_a_clear_error(tmp_path):
+    t = _trainer(tmp_path)
+    batch, _ = t.collect()
+    with torch.no_grad():
+        t.model.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="non-finite logits"):
+        t._behaviour(batch.rollout)
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(CONFIG).read_text().replace("prompts_per_step", "prompt_per_step"))
+    res = run_cli(["train", "--config", str(bad), "--output-dir", str(tmp_path / "o")])
+    assert res.returncode == 2
+    assert "unknown config key 'rollout.prompt_per_step' (did you mean 'rollout.prompts_per_step'?)" in res.stderr
+    res = run_cli(["train", "--config", CONFIG, "--set", "algorithm.estimator=nope", "--output-dir", str(tmp_path / "o")])
+    assert res.returncode == 2 and "unknown advantage estimator 'nope'" in res.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    res = run_cli(["train", "--config", CONFIG, "--set", f"data.train={empty}", "--set", "warmup.steps=0",
+                   "--output-dir", str(tmp_path / "o")])
+    assert res.returncode == 2 and "yielded no usable problems" in res.stderr
