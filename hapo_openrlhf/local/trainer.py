@@ -90,7 +90,10 @@ class LocalTrainer:
         if ckpt is None:
             log.warning("--resume: no complete checkpoint under %s; starting fresh", self.ckpt_root)
             return None
-        shard, _ = load_checkpoint(ckpt)
+        shard, meta = load_checkpoint(ckpt)
+        changed = _config_diff(meta.get("config", {}), self.cfg.to_dict())
+        if changed:
+            log.warning("resuming %s with a changed config: %s", ckpt, ", ".join(changed))
         self.model.load_state_dict(shard["model"])
         self.optim.load_state_dict(shard["optimizer"])
         self.sched.load_state_dict(shard["scheduler"])
@@ -290,3 +293,15 @@ def _merge_groups(kept, pad_id: int) -> Batch:
         correct.append(b.correct[idx])
         group.append(torch.full((len(idx),), g, dtype=torch.long))
     return Batch(concat_rollouts(parts, pad_id), torch.cat(rewards), torch.cat(correct), torch.cat(group))
+
+
+def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two plain config dicts."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b, key = old.get(k), new.get(k), f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, key + ".")
+        elif a != b:
+            out.append(f"{key}: {a!r} -> {b!r}")
+    return out

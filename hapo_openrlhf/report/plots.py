@@ -33,7 +33,11 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         for k in keys:
             pts = [(r["step"], r[k]) for r in recs if r.get(k) is not None]
             if pts:
-                ax.plot(*zip(*pts), label=k.removeprefix("quadrant/"))
+                line, = ax.plot(*zip(*pts), alpha=0.35, lw=0.8)
+                xs, ys = zip(*pts)
+                w = max(1, len(ys) // 10)  # a moving average makes the trend readable
+                smooth = [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))]
+                ax.plot(xs, smooth, color=line.get_color(), lw=1.8, label=f"{k.removeprefix('quadrant/')} (avg {w})")
         ax.set_xlabel("RL step")
         ax.set_title(f"{title} — {run_dir.name}")
         ax.grid(alpha=0.3)
