@@ -8,6 +8,7 @@ metrics -> (atomic) checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -27,7 +28,7 @@ from .data import make_datasets
 from .evaluate import evaluate
 from .logger import MetricsLogger
 from .model import load_or_build, save_hf
-from .rollout import Rollout, generate, policy_forward
+from .rollout import Rollout, concat_rollouts, generate, policy_forward
 from .sft import warmup
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ class TrainState:
     consumed_prompts: int = 0
     warmup_done: bool = False
     eval_before: dict = field(default_factory=dict)
-    eval_history: list = field(default_factory=list)
 
 
 @dataclass
@@ -132,14 +132,19 @@ class LocalTrainer:
     def next_prompts(self, n: int):
         """The next ``n`` training problems: a fixed per-epoch permutation, so the data
         position is just ``consumed_prompts`` (saved in every checkpoint)."""
-        out, N = [], len(self.train_problems)
+        out = []
         for _ in range(n):
-            epoch, i = divmod(self.state.consumed_prompts, N)
-            perm = list(range(N))
-            random.Random(self.cfg.seed * 100_003 + epoch).shuffle(perm)
-            out.append(self.train_problems[perm[i]])
+            epoch, i = divmod(self.state.consumed_prompts, len(self.train_problems))
+            out.append(self.train_problems[self._permutation(epoch)[i]])
             self.state.consumed_prompts += 1
         return out
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if getattr(self, "_perm_epoch", None) != epoch:
+            perm = list(range(len(self.train_problems)))
+            random.Random(self.cfg.seed * 100_003 + epoch).shuffle(perm)
+            self._perm_epoch, self._perm = epoch, perm
+        return self._perm
 
     # ------------------------------------------------------------------ rollout
     def _sample(self, problems) -> Batch:
@@ -165,7 +170,9 @@ class LocalTrainer:
         buf = algos.DynamicSamplingBuffer(r.prompts_per_step, a.max_gen_rounds)
         while not buf.ready and not buf.exhausted:
             b = self._sample(self.next_prompts(r.prompts_per_step))
-            ok = algos.informative_groups(b.rewards, b.group_index)
+            # DAPO filters on accuracy: a group whose answers are all right or all wrong
+            # carries no signal even if the overlong penalty makes its rewards differ
+            ok = algos.informative_groups(b.correct.float(), b.group_index)
             G = r.samples_per_prompt
             groups = [(b, list(range(j * G, (j + 1) * G))) for j in range(r.prompts_per_step)]
             buf.add(groups, [bool(ok[j * G]) for j in range(r.prompts_per_step)])
@@ -211,12 +218,13 @@ class LocalTrainer:
         cfg, a = self.cfg, self.cfg.algorithm
         B = adv.shape[0]
         normalizer = algos.default_normalizer(loss_mask, a.aggregation)
-        needs_entropy = a.loss == "entro_reg"
+        # losses that take `entropy` (EntroReg) need the current policy's entropy with grad
+        needs_entropy = "entropy" in algos.LOSSES.get(a.loss).accepts
         self.model.train()
         sums: dict[str, float] = {}
-        for _ in range(cfg.optim.ppo_epochs):
+        epochs, total = cfg.optim.ppo_epochs, 0.0
+        for _ in range(epochs):
             self.optim.zero_grad(set_to_none=True)
-            total = 0.0
             for s in range(0, B, cfg.optim.micro_batch_size):
                 idx = list(range(s, min(B, s + cfg.optim.micro_batch_size)))
                 mro = ro.select(idx)
@@ -227,13 +235,16 @@ class LocalTrainer:
                     normalizer=normalizer, entropy=ent, generator=self.loss_rng, **a.loss_params,
                 )
                 loss.backward()
-                total += float(loss.detach())
+                total += float(loss.detach()) / epochs
                 w = len(idx) / B
                 for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + w * v / cfg.optim.ppo_epochs
+                    sums[k] = sums.get(k, 0.0) + w * v / epochs
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm at step {self.state.step + 1}; update skipped")
+                raise FloatingPointError(
+                    f"non-finite gradient norm at step {self.state.step + 1}; the update was not applied "
+                    f"(the last checkpoint is intact)"
+                )
             self.optim.step()
             self.sched.step()
         sums.update({"actor/loss": total, "actor/grad_norm": float(grad_norm), "actor/lr": self.sched.get_last_lr()[0]})
@@ -277,15 +288,13 @@ class LocalTrainer:
         self.logger.log(self.state.step, {**final, "final": 1})
         save_hf(self.model, self.tok, self.out / "final_model")
         summary = {"before": self.state.eval_before, "after": final}
-        (self.out / "summary.json").write_text(__import__("json").dumps(summary, indent=2))
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         self.logger.close()
         self.verifier.close()
         return summary
 
 
 def _merge_groups(kept, pad_id: int) -> Batch:
-    from .rollout import concat_rollouts
-
     parts, rewards, correct, group = [], [], [], []
     for g, (b, idx) in enumerate(kept):
         parts.append(b.rollout.select(idx))

@@ -158,3 +158,9 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     res = run_cli(["train", "--config", CONFIG, "--set", f"data.train={empty}", "--set", "warmup.steps=0",
                    "--output-dir", str(tmp_path / "o")])
     assert res.returncode == 2 and "yielded no usable problems" in res.stderr
+    bad_rows = tmp_path / "bad.jsonl"
+    bad_rows.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": oops}\n')
+    res = run_cli(["train", "--config", CONFIG, "--set", f"data.train={bad_rows}", "--set", "warmup.steps=0",
+                   "--output-dir", str(tmp_path / "o")])
+    assert res.returncode == 2 and "bad.jsonl:2: malformed row" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
