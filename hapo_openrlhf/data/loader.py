@@ -114,9 +114,15 @@ def _iter_rows(path: Path, on_bad_row: str, report: LoadReport) -> Iterator[tupl
 
 
 def _iter_hf(name: str, split: str) -> Iterator[tuple[int, dict]]:
+    """A hub id, a local dataset repo (data files) or a ``save_to_disk`` directory."""
     import datasets  # optional extra: hapo-openrlhf[data]
 
-    yield from enumerate(datasets.load_dataset(name, split=split), 1)
+    if (Path(name) / "dataset_info.json").exists() or (Path(name) / "dataset_dict.json").exists():
+        ds = datasets.load_from_disk(name)
+        ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+    else:
+        ds = datasets.load_dataset(name, split=split)
+    yield from enumerate(ds, 1)
 
 
 def load_problems(

@@ -92,3 +92,14 @@ def test_synthetic_split_is_disjoint_and_solutions_are_correct():
 
     for p in held:
         assert score(t.solution(p.problem), p.answer) == 1.0
+
+
+def test_hugging_face_dataset_dir_and_save_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_jsonl(repo / "train.jsonl", [{"question": "Q", "answer": 5}, {"question": "R"}])
+    problems, rep = load_problems(f"hf:{repo}", split="train")
+    assert [p.answer for p in problems] == [("5",)] and rep.dropped_no_answer == 1
+    datasets.Dataset.from_list([{"problem": "P", "answer": "7"}]).save_to_disk(str(tmp_path / "saved"))
+    assert load_problems(f"hf:{tmp_path / 'saved'}")[0][0].answer == ("7",)
