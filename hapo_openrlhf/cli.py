@@ -1,7 +1,8 @@
 """``hapo``: the command-line entry point.
 
     hapo train --config configs/cpu_tiny.yaml [--output-dir DIR] [--resume] [--set k=v ...]
-    hapo report RUN_DIR
+    hapo eval --model DIR [--benchmarks aime24,math500,...] [--output-dir DIR]
+    hapo report RUN_DIR [RUN_DIR ...]
     hapo list
 """
 
@@ -11,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 
 def _train(args) -> int:
@@ -19,7 +21,7 @@ def _train(args) -> int:
     from .config import load_config
     from .local.progress import RichProgress, summary_table
     from .local.trainer import LocalTrainer
-    from .report.plots import plot_run
+    from .report.html import build_report
 
     cfg = load_config(args.config, args.set)
     if cfg.backend != "local":
@@ -31,20 +33,41 @@ def _train(args) -> int:
     with RichProgress(cfg.warmup.steps, cfg.trainer.steps, console) as prog:
         summary = trainer.fit(progress=prog)
     console.print(summary_table(summary))
-    plots = plot_run(trainer.out) if cfg.trainer.steps else []
-    for p in plots:
-        console.print(f"plot: {p}")
+    if cfg.trainer.steps:
+        console.print(f"report: {build_report([trainer.out], trainer.out / 'report')}")
     b, a = summary["before"]["eval/accuracy"], summary["after"]["eval/accuracy"]
     print(json.dumps({"heldout_accuracy_before": b, "heldout_accuracy_after": a, "output_dir": str(trainer.out)}))
     return 0
 
 
-def _report(args) -> int:
-    from .report.plots import plot_run
+def _eval(args) -> int:
+    from rich.console import Console
 
-    for d in args.run_dirs:
-        for p in plot_run(d):
-            print(p)
+    from .eval.benchmarks import parse_benchmarks, resolve_template
+    from .eval.engines import make_engine
+    from .eval.harness import EvalSettings, markdown_table, run_eval
+
+    benches = parse_benchmarks(args.benchmarks)
+    settings = EvalSettings(
+        template=resolve_template(args.model, args.template), temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, batch_prompts=args.batch_prompts, k=args.k,
+        limit=args.limit,
+    )
+    out = args.output_dir or str(Path(args.model) / "eval")
+    console = Console(stderr=True)
+    engine = make_engine(args.engine, args.model)
+    report = run_eval(engine, args.model, benches, settings, out,
+                      progress=lambda b, d, n: console.print(f"{b}: {d}/{n} problems", highlight=False))
+    print(markdown_table(args.model, report["results"]))
+    print(json.dumps({"results": str(Path(out) / "results.json")}))
+    return 0
+
+
+def _report(args) -> int:
+    from .report.html import build_report
+
+    out = args.output_dir or (Path(args.run_dirs[0]) / "report" if len(args.run_dirs) == 1 else Path("hapo_report"))
+    print(build_report(args.run_dirs, out))
     return 0
 
 
@@ -65,8 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     t.set_defaults(fn=_train)
+    e = sub.add_parser("eval", help="Avg@k / Pass@k of a model on the benchmarks (resumable)")
+    e.add_argument("--model", required=True, help="a Hugging Face model directory")
+    e.add_argument("--benchmarks", default="aime24,aime25,amc23,math500,minerva,olympiadbench")
+    e.add_argument("--output-dir", default=None, help="default: MODEL/eval")
+    e.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"])
+    e.add_argument("--template", default="auto", help="prompt template; auto: from hapo.json or the model name")
+    e.add_argument("--temperature", type=float, default=0.6)
+    e.add_argument("--top-p", type=float, default=0.95)
+    e.add_argument("--max-new-tokens", type=int, default=4096)
+    e.add_argument("--k", type=int, default=None, help="samples per problem (default: 32 AIME/AMC, 4 others)")
+    e.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    e.add_argument("--batch-prompts", type=int, default=16)
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(fn=_eval)
     r = sub.add_parser("report", help="plots from one or more run directories")
     r.add_argument("run_dirs", nargs="+")
+    r.add_argument("--output-dir", default=None, help="default: RUN_DIR/report (one run) or ./hapo_report")
     r.set_defaults(fn=_report)
     sub.add_parser("list", help="registered estimators and losses").set_defaults(fn=_list)
     return ap

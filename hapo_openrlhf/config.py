@@ -181,6 +181,8 @@ class TrainerConfig:
     save_every: int = 10
     keep_last: int = 2
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    sample_every: int = 10  # dump token-level samples (token-credit view) every N steps; 0: never
+    sample_count: int = 16
 
     def __post_init__(self):
         _require(self.steps >= 0, "trainer.steps must be >= 0")

@@ -1,4 +1,4 @@
-"""Evaluation metrics: unbiased Pass@k and Avg@k."""
+"""Evaluation: unbiased Pass@k and Avg@k, the benchmark harness behind `hapo eval`."""
 
 from .metrics import avg_at_k, pass_at_k, summarize_samples
 

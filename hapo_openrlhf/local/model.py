@@ -1,7 +1,7 @@
 """The embedded default's tiny Qwen2-architecture model and character tokenizer.
 
-The tokenizer is a ``tokenizers`` BPE with no merges over printable ASCII: one
-token per character, deterministic, nothing to download. Both are saved as a
+The tokenizer is a byte-level ``tokenizers`` BPE with no merges: one token per
+UTF-8 byte, deterministic, nothing to download. Both are saved as a
 normal Hugging Face directory, so every other tool (eval, OpenRLHF, vLLM) can
 load the result by path.
 """
@@ -17,17 +17,25 @@ PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
 
 
 def build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models
+    """One token per UTF-8 byte: a byte-level BPE without merges.
+
+    Byte-level (Qwen2 / GPT-2 style) rather than plain characters because
+    ``AutoTokenizer`` on a ``qwen2`` model directory rebuilds a Qwen2 tokenizer
+    (byte-level pre-tokenizer and decoder) around the saved vocabulary: with
+    this vocabulary every loader (ours, transformers, vLLM, OpenRLHF) splits
+    text identically.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    vocab = {t: i for i, t in enumerate([PAD, EOS, UNK, *chars])}
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate([PAD, EOS, UNK, *alphabet])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
     )
-    return fast
 
 
 def load_tokenizer(path: str | Path):

@@ -29,6 +29,7 @@ from .evaluate import evaluate
 from .logger import MetricsLogger
 from .model import load_or_build, save_hf
 from .rollout import Rollout, concat_rollouts, generate, policy_forward
+from .samples import dump_token_samples
 from .sft import warmup
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,8 @@ class LocalTrainer:
         )
         adv_out = algos.run_estimator(a.estimator, inputs, **a.estimator_params)
         loss_mask = adv_out.loss_mask if adv_out.loss_mask is not None else mask
-        polarity = torch.sign(grpo_sequence_advantage(inputs))
+        seq_adv = grpo_sequence_advantage(inputs)
+        polarity = torch.sign(seq_adv)
         tau = algos.entropy_threshold(ent, mask, quantile=a.quadrant_quantile, value=a.quadrant_threshold)
         qmasks = algos.quadrant_masks(polarity, ent, mask, tau)
         metrics.update(algos.quadrant_metrics(adv_out.advantages, ent, mask, tau, polarity=polarity))
@@ -211,6 +213,11 @@ class LocalTrainer:
         metrics.update(algos.quadrant_entropy_change(qmasks, ent, ent_after))
         metrics.update(self._rollout_metrics(batch, ent, ent_after, adv_out.advantages))
         self.state.step += 1
+        t = cfg.trainer
+        if t.sample_every and (self.state.step % t.sample_every == 0 or self.state.step == 1):
+            dump_token_samples(self.out / "samples" / f"step_{self.state.step:08d}.jsonl", self.tok, ro,
+                               batch.rewards, ent, adv_out.advantages, seq_adv.unsqueeze(-1) * mask, qmasks,
+                               t.sample_count)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
@@ -287,6 +294,8 @@ class LocalTrainer:
         final = self.evaluate()
         self.logger.log(self.state.step, {**final, "final": 1})
         save_hf(self.model, self.tok, self.out / "final_model")
+        # lets `hapo eval --template auto` pick the prompt format this model was trained on
+        (self.out / "final_model" / "hapo.json").write_text(json.dumps({"template": cfg.data.template}))
         summary = {"before": self.state.eval_before, "after": final}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         self.logger.close()

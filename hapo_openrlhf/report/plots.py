@@ -1,4 +1,6 @@
-"""PNG plots of a run's metrics.jsonl: reward, entropy, quadrant shares."""
+"""PNG plots from one or more runs' metrics.jsonl, runs overlaid (the paper's
+Figure 2 / 6 views: reward, entropy, clip fraction, per-quadrant token share,
+entropy and |A| over steps; Figure 3: accuracy vs response tokens)."""
 
 from __future__ import annotations
 
@@ -7,44 +9,89 @@ from pathlib import Path
 from ..algos.quadrants import QUADRANTS
 from ..local.logger import read_metrics
 
-PANELS = {
-    "reward": (["reward/mean", "reward/accuracy"], "training reward"),
-    "entropy": (["actor/entropy"] + [f"quadrant/{q}/entropy_mean" for q in QUADRANTS], "token entropy (behaviour policy)"),
-    "quadrants": ([f"quadrant/{q}/token_frac" for q in QUADRANTS], "token share per quadrant"),
+SINGLE = {
+    "reward": (["reward/accuracy"], "training accuracy (rollouts)"),
+    "entropy": (["actor/entropy"], "mean token entropy (behaviour policy)"),
+    "clip_frac": (["actor/clip_frac"], "PPO clip fraction"),
+    "response_len": (["response/length_mean"], "response length (tokens)"),
+}
+PER_QUADRANT = {
+    "quadrant_share": ("token_frac", "token share"),
+    "quadrant_entropy": ("entropy_mean", "mean entropy"),
+    "quadrant_adv": ("adv_abs_mean", "mean |A|"),
+    "quadrant_entropy_delta": ("entropy_delta", "entropy change per update"),
 }
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write reward.png, entropy.png, quadrants.png for ``run_dir``; returns the paths."""
+def _smooth(ys: list[float]) -> tuple[list[float], int]:
+    w = max(1, len(ys) // 10)
+    return [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))], w
+
+
+def _series(recs, key):
+    pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None and "reward/mean" in r]
+    return zip(*pts) if pts else ((), ())
+
+
+def _draw(ax, runs, key, label_suffix=""):
+    for name, recs in runs:
+        xs, ys = _series(recs, key)
+        if not xs:
+            continue
+        (line,) = ax.plot(xs, ys, alpha=0.3, lw=0.8)
+        sm, w = _smooth(list(ys))
+        ax.plot(xs, sm, color=line.get_color(), lw=1.8, label=f"{name}{label_suffix}")
+    ax.grid(alpha=0.3)
+
+
+def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """Write the PNGs for ``run_dirs`` into ``out_dir``; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    out_dir = Path(out_dir or run_dir / "plots")
+    runs = [(Path(d).name, read_metrics(d)) for d in run_dirs]
+    if not any("reward/mean" in r for _, recs in runs for r in recs):
+        raise ValueError(f"no training steps in {[str(d) for d in run_dirs]} (metrics.jsonl)")
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    recs = [r for r in read_metrics(run_dir) if "reward/mean" in r]
-    if not recs:
-        raise ValueError(f"{str(run_dir)!r} has no training steps in metrics.jsonl yet")
     written = []
-    for name, (keys, title) in PANELS.items():
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for k in keys:
-            pts = [(r["step"], r[k]) for r in recs if r.get(k) is not None]
-            if pts:
-                line, = ax.plot(*zip(*pts), alpha=0.35, lw=0.8)
-                xs, ys = zip(*pts)
-                w = max(1, len(ys) // 10)  # a moving average makes the trend readable
-                smooth = [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))]
-                ax.plot(xs, smooth, color=line.get_color(), lw=1.8, label=f"{k.removeprefix('quadrant/')} (avg {w})")
-        ax.set_xlabel("RL step")
-        ax.set_title(f"{title} — {run_dir.name}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+
+    def save(fig, name):
         fig.tight_layout()
         p = out_dir / f"{name}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)
+
+    for name, (keys, title) in SINGLE.items():
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for k in keys:
+            _draw(ax, runs, k)
+        ax.set(title=f"{title} (moving average)", xlabel="RL step")
+        ax.legend(fontsize=7)
+        save(fig, name)
+    for name, (stat, title) in PER_QUADRANT.items():
+        fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharex=True)
+        for ax, q in zip(axes.flat, QUADRANTS):
+            _draw(ax, runs, f"quadrant/{q}/{stat}")
+            ax.set_title(f"{q}: {title}", fontsize=9)
+        axes[1, 0].set_xlabel("RL step")
+        axes[0, 0].legend(fontsize=7)
+        save(fig, name)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, recs in runs:
+        pts = [(r["eval/response_len"], r["eval/accuracy"]) for r in recs if "eval/accuracy" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+            ax.annotate("start", pts[0], fontsize=7)
+    ax.set(title="held-out accuracy vs response tokens", xlabel="mean response tokens", ylabel="Avg@k")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    save(fig, "accuracy_vs_tokens")
     return written
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    return plot_runs([run_dir], out_dir or Path(run_dir) / "plots")

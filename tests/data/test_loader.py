@@ -103,3 +103,21 @@ def test_hugging_face_dataset_dir_and_save_to_disk(tmp_path):
     assert [p.answer for p in problems] == [("5",)] and rep.dropped_no_answer == 1
     datasets.Dataset.from_list([{"problem": "P", "answer": "7"}]).save_to_disk(str(tmp_path / "saved"))
     assert load_problems(f"hf:{tmp_path / 'saved'}")[0][0].answer == ("7",)
+
+
+def test_tiny_tokenizer_survives_autotokenizer_round_trip(tmp_path):
+    """AutoTokenizer rebuilds a Qwen2 tokenizer for a qwen2 model dir; ours must split identically."""
+    from transformers import AutoTokenizer
+
+    from hapo_openrlhf.config import ModelConfig
+    from hapo_openrlhf.local.model import build_model, build_tokenizer, save_hf
+
+    tok = build_tokenizer()
+    save_hf(build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32),
+                        tok, 0), tok, tmp_path)
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["Q: 7-2+9\nA: ", "7-2=5. \\boxed{5}", "héllo ∑ x\n\n  y"]:
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert auto(text, add_special_tokens=False).input_ids == ids
+        assert auto.decode(ids) == tok.decode(ids) == text
+    assert (auto.pad_token_id, auto.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)

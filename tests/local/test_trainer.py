@@ -56,7 +56,10 @@ def test_cli_run_writes_metrics_tensorboard_plots_and_model(tmp_path):
     fracs = [steps[0][f"quadrant/{q}/token_frac"] for q in ("PHR", "PLR", "NHR", "NLR")]
     assert sum(fracs) + steps[0]["quadrant/zero_adv_frac"] == pytest.approx(1.0)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    assert {p.name for p in (out / "plots").glob("*.png")} == {"reward.png", "entropy.png", "quadrants.png"}
+    pngs = {p.name for p in (out / "report").glob("*.png")}
+    assert {"reward.png", "entropy.png", "clip_frac.png", "quadrant_share.png", "accuracy_vs_tokens.png"} <= pngs
+    assert (out / "report" / "index.html").exists() and list((out / "report" / "token_credit").glob("*.html"))
+    assert (out / "final_model" / "hapo.json").exists()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["before"]["eval/accuracy"] == last["heldout_accuracy_before"]
     from transformers import AutoModelForCausalLM

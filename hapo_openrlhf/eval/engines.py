@@ -1,0 +1,85 @@
+"""Generation engines for evaluation: vLLM on GPU, Hugging Face generate on CPU.
+
+Both return, per prompt, ``n`` (text, number of generated tokens) pairs. vLLM is
+imported lazily: the CPU path never needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+
+
+class Engine(Protocol):
+    tokenizer: object
+
+    def generate(self, prompts: list[str], spec: SamplingSpec) -> list[list[tuple[str, int]]]: ...
+
+
+class HFEngine:
+    """transformers ``generate`` (CPU or a single GPU), deterministic per call via ``spec.seed``."""
+
+    def __init__(self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        from ..local.model import load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+
+    def generate(self, prompts, spec):
+        from ..local.rollout import generate
+
+        with torch.random.fork_rng():
+            torch.manual_seed(spec.seed)
+            ro = generate(self.model, self.tokenizer, prompts, n=spec.n, temperature=spec.temperature,
+                          top_p=spec.top_p, max_new_tokens=spec.max_new_tokens)
+        lengths = ro.response_mask_BR.sum(-1).tolist()
+        flat = list(zip(ro.responses, lengths))
+        return [flat[i * spec.n : (i + 1) * spec.n] for i in range(len(prompts))]
+
+
+class VLLMEngine:
+    """vLLM offline inference (GPU; ``vllm`` is an optional, GPU-only dependency)."""
+
+    def __init__(self, model_path: str, tensor_parallel_size: int = 1, max_model_len: int | None = None):
+        from vllm import LLM
+
+        self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                       trust_remote_code=False)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompts, spec):
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
+                                max_tokens=spec.max_new_tokens, seed=spec.seed)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [[(c.text, len(c.token_ids)) for c in o.outputs] for o in outs]
+
+
+def make_engine(kind: str, model_path: str, **kw) -> Engine:
+    """``auto`` picks vLLM when CUDA and vllm are available, else Hugging Face on CPU."""
+    if kind == "auto":
+        try:
+            import vllm  # noqa: F401
+
+            kind = "vllm" if torch.cuda.is_available() else "hf"
+        except ImportError:
+            kind = "hf"
+    if kind == "vllm":
+        return VLLMEngine(model_path, **kw)
+    if kind == "hf":
+        return HFEngine(model_path, device="cuda" if torch.cuda.is_available() else "cpu")
+    raise ValueError(f"unknown engine {kind!r}; expected auto, hf or vllm")

@@ -1,0 +1,43 @@
+"""`hapo report`: plots + token-credit pages + one index.html."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from .plots import plot_runs
+from .token_credit import render_token_credit
+
+
+def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    pngs = plot_runs(run_dirs, out)
+    rows, credit_links = [], []
+    for d in map(Path, run_dirs):
+        summary = d / "summary.json"
+        if summary.exists():
+            s = json.loads(summary.read_text())
+            b, a = s["before"], s["after"]
+            rows.append(f"<tr><td>{html.escape(d.name)}</td><td>{b.get('eval/accuracy', float('nan')):.3f}</td>"
+                        f"<td>{a.get('eval/accuracy', float('nan')):.3f}</td>"
+                        f"<td>{b.get('eval/response_len', 0):.1f}</td><td>{a.get('eval/response_len', 0):.1f}</td></tr>")
+        samples = sorted((d / "samples").glob("step_*.jsonl"))
+        for f in samples[:1] + samples[-1:] if len(samples) > 1 else samples:
+            page = render_token_credit(f, out / "token_credit" / f"{d.name}_{f.stem}.html")
+            credit_links.append(f'<li><a href="{page.relative_to(out)}">{html.escape(d.name)} {f.stem}</a></li>')
+    parts = [
+        "<!doctype html><meta charset='utf-8'><title>hapo report</title>"
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}img{max-width:100%}"
+        "td,th{padding:2px 10px}</style>",
+        "<h1>hapo report</h1><p>runs: " + ", ".join(html.escape(str(d)) for d in run_dirs) + "</p>",
+    ]
+    if rows:
+        parts.append("<h2>held-out evaluation</h2><table><tr><th>run</th><th>accuracy before</th>"
+                     "<th>accuracy after</th><th>tokens before</th><th>tokens after</th></tr>" + "".join(rows) + "</table>")
+    if credit_links:
+        parts.append("<h2>token credit</h2><ul>" + "".join(credit_links) + "</ul>")
+    parts += [f'<h2>{p.stem}</h2><img src="{p.name}">' for p in pngs]
+    index = out / "index.html"
+    index.write_text("\n".join(parts))
+    return index

@@ -1,0 +1,119 @@
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hapo_openrlhf.data.loader import load_problems
+from hapo_openrlhf.eval.benchmarks import BENCHMARKS, parse_benchmarks, resolve_template
+from hapo_openrlhf.eval.harness import markdown_table, summarize
+from hapo_openrlhf.rewards import MathVerifier
+from hapo_openrlhf.rewards.extract import as_number, normalize
+
+from ..conftest import REPO, run_cli
+
+
+def reformat(ans: str) -> str:
+    """The same answer written differently: 142 -> 142.0, \\frac -> \\dfrac, spaces after commas, $...$."""
+    if re.fullmatch(r"-?\d+", ans):
+        return ans + ".0"
+    s = ans.replace("\\frac", "\\dfrac")
+    s = re.sub(r",(?=\S)", ", ", s)
+    return f"$ {s} $"
+
+
+@pytest.mark.parametrize("bench", sorted(BENCHMARKS))
+def test_gold_answers_grade_correct_reformatted_and_reject_wrong(bench):
+    problems, _ = load_problems(bench)
+    v = MathVerifier(timeout_s=20)
+    not_ok = [p.answer[0] for p in problems if v.score(f"\\boxed{{{reformat(p.answer[0])}}}", p.answer) != 1.0]
+    numeric = [p for p in problems if as_number(normalize(p.answer[0])) is not None]
+    accepted_wrong = [p.answer[0] for p in numeric
+                      if v.score(f"\\boxed{{{as_number(normalize(p.answer[0])) + 1}}}", p.answer[:1]) != 0.0]
+    others = [p for p in problems if p not in numeric][:60]
+    accepted_other = [p.answer[0] for p in others
+                      if v.score(f"\\boxed{{{p.answer[0].strip('$ ')}+1}}", p.answer[:1]) != 0.0]
+    v.close()
+    assert not not_ok, f"{bench}: {len(not_ok)} reformatted gold answers rejected, e.g. {not_ok[:3]}"
+    assert not accepted_wrong, f"{bench}: wrong numeric answers accepted: {accepted_wrong[:3]}"
+    assert len(accepted_other) <= 0.05 * max(len(others), 1), f"{bench}: {accepted_other[:5]}"
+
+
+def test_benchmark_defaults_and_errors():
+    assert {b.name: b.k for b in parse_benchmarks("all")} == {
+        "aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4}
+    with pytest.raises(ValueError, match="unknown benchmark 'aime23'"):
+        parse_benchmarks("aime24,aime23")
+
+
+def test_template_resolution(tmp_path):
+    assert resolve_template("/x/DeepScaleR-1.5B-Preview") == "deepscaler"
+    assert resolve_template("/x/Qwen2.5-Math-7B") == "qwen25_math"
+    (tmp_path / "hapo.json").write_text('{"template": "tiny"}')
+    assert resolve_template(str(tmp_path)) == "tiny"
+    assert resolve_template(str(tmp_path), "plain") == "plain"
+    with pytest.raises(ValueError, match="cannot infer the prompt template"):
+        resolve_template("/x/some-model")
+
+
+def test_summary_and_table_hand_computed():
+    recs = [{"scores": [1.0, 0.0, 0.0, 0.0], "lengths": [10, 20, 30, 40]},
+            {"scores": [1.0, 1.0, 0.0, 0.0], "lengths": [5, 5, 5, 5]}]
+    s = summarize("x", recs, 4)
+    assert s["avg@4"] == pytest.approx(0.375) and s["pass@4"] == 1.0
+    assert s["pass@1"] == pytest.approx(0.375) and s["mean_response_tokens"] == pytest.approx(15.0)
+    assert "| x | 2 | 4 | 0.3750 | 1.0000 | 15.0 |" in markdown_table("m", [s])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from hapo_openrlhf.config import ModelConfig
+    from hapo_openrlhf.local.model import build_model, build_tokenizer, save_hf
+
+    d = tmp_path_factory.mktemp("model")
+    tok = build_tokenizer()
+    save_hf(build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                    intermediate_size=64), tok, 0), tok, d)
+    (d / "hapo.json").write_text('{"template": "tiny"}')
+    return d
+
+
+ARGS = ["--benchmarks", "aime24,math500", "--limit", "6", "--k", "2", "--max-new-tokens", "12",
+        "--batch-prompts", "1", "--engine", "hf"]
+
+
+@pytest.mark.slow
+def test_cpu_eval_writes_tables_and_resumes_after_kill(tiny_model, tmp_path):
+    full = tmp_path / "full"
+    res = run_cli(["eval", "--model", str(tiny_model), "--output-dir", str(full), *ARGS])
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads((full / "results.json").read_text())
+    assert [r["benchmark"] for r in report["results"]] == ["aime24", "math500"]
+    assert all(r["problems"] == 6 and r["k"] == 2 for r in report["results"])
+    assert "| aime24 | 6 | 2 |" in (full / "results.md").read_text()
+
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "hapo_openrlhf", "eval", "--model", str(tiny_model), "--output-dir", str(killed), *ARGS]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    samples = killed / "aime24.samples.jsonl"
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        if samples.exists() and len(samples.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "results.json").exists(), "killed too late"
+    res = run_cli(["eval", "--model", str(tiny_model), "--output-dir", str(killed), *ARGS])
+    assert res.returncode == 0, res.stderr[-2000:]
+    for name in ("aime24.samples.jsonl", "math500.samples.jsonl"):
+        assert (killed / name).read_text() == (full / name).read_text()
+    again = json.loads((killed / "results.json").read_text())
+    assert again["results"] == report["results"]
+    # other sampling settings in the same directory are refused, nothing overwritten
+    res = run_cli(["eval", "--model", str(tiny_model), "--output-dir", str(killed), *ARGS, "--temperature", "1.0"])
+    assert res.returncode == 2 and "other settings" in res.stderr

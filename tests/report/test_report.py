@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from hapo_openrlhf.config import load_config
+from hapo_openrlhf.local.trainer import LocalTrainer
+from hapo_openrlhf.report.html import build_report
+from hapo_openrlhf.report.token_credit import render_token_credit
+
+from ..conftest import REPO, run_cli
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    runs = []
+    for est in ("hapo", "grpo"):
+        cfg = load_config(REPO / "configs/cpu_tiny.yaml", [
+            "warmup.steps=20", "trainer.steps=3", "trainer.save_every=0", "trainer.sample_every=2",
+            "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "data.synthetic.eval_size=4",
+            "eval.n_samples=2", "rollout.max_new_tokens=16", "eval.max_new_tokens=16", f"algorithm.estimator={est}",
+            "algorithm.estimator_params={}", "algorithm.dynamic_sampling=false", "trainer.sample_count=4",
+        ])
+        d = tmp_path_factory.mktemp(est)
+        LocalTrainer(cfg, d).fit()
+        runs.append(d)
+    return runs
+
+
+def test_report_overlays_runs_into_pngs_and_html(two_runs, tmp_path):
+    index = build_report(two_runs, tmp_path / "rep")
+    pngs = sorted((tmp_path / "rep").glob("*.png"))
+    assert {p.stem for p in pngs} >= {"reward", "entropy", "clip_frac", "quadrant_share", "quadrant_entropy",
+                                      "quadrant_adv", "accuracy_vs_tokens"}
+    assert all(p.read_bytes()[:8] == PNG and p.stat().st_size > 5000 for p in pngs)
+    page = index.read_text()
+    assert all(f'src="{p.name}"' in page for p in pngs)
+    assert page.count("<tr>") == 3  # header + one row per run
+    assert len(list((tmp_path / "rep" / "token_credit").glob("*.html"))) == 4  # first and last dump per run
+
+
+def test_token_credit_page_has_every_token(two_runs, tmp_path):
+    f = sorted((two_runs[0] / "samples").glob("*.jsonl"))[0]
+    recs = [json.loads(l) for l in f.read_text().splitlines()]
+    html = render_token_credit(f, tmp_path / "tc.html").read_text()
+    # each token appears twice: coloured by entropy and by the HAPO multiplier
+    assert html.count('class="t"') == 2 * sum(len(r["tokens"]) for r in recs)
+    assert "H=" in html and "mult=" in html
+    for r in recs:
+        assert len(r["tokens"]) == len(r["entropy"]) == len(r["multiplier"]) == len(r["quadrant"])
+
+
+def test_report_cli_and_missing_run(two_runs, tmp_path):
+    res = run_cli(["report", str(two_runs[0]), "--output-dir", str(tmp_path / "r")])
+    assert res.returncode == 0 and (tmp_path / "r" / "index.html").exists()
+    res = run_cli(["report", str(tmp_path / "nope")])
+    assert res.returncode == 2 and "a run directory?" in res.stderr
