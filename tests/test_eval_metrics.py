@@ -29,3 +29,7 @@ def test_avg_and_summary():
     scores = [[1, 0, 0, 0], [1, 1, 1, 1]]
     assert avg_at_k(scores) == pytest.approx(0.625)
     assert summarize_samples(scores) == {"avg@4": 0.625, "pass@4": 1.0}
+
+
+def test_avg_counts_correct_with_minus_one_rewards():
+    assert avg_at_k([[1.0, -1.0], [-1.0, -1.0]]) == pytest.approx(0.25)

@@ -18,7 +18,7 @@ from ..data.templates import apply_template
 from ..rewards import MathVerifier
 from .benchmarks import Benchmark, load_benchmark
 from .engines import Engine, SamplingSpec
-from .metrics import pass_at_k
+from .metrics import summarize_samples
 
 
 @dataclass(frozen=True)
@@ -85,14 +85,12 @@ def eval_benchmark(engine: Engine, bench: Benchmark, s: EvalSettings, out_dir: P
 
 
 def summarize(name: str, recs: list[dict], k: int) -> dict:
-    n_correct = [sum(x > 0.5 for x in r["scores"]) for r in recs]
-    n = len(recs[0]["scores"])
+    scores = [r["scores"] for r in recs]
     lengths = [l for r in recs for l in r["lengths"]]
     return {
         "benchmark": name, "problems": len(recs), "k": k,
-        f"avg@{k}": sum(c / n for c in n_correct) / len(recs),
-        f"pass@{k}": sum(pass_at_k(n, c, k) for c in n_correct) / len(recs),
-        "pass@1": sum(pass_at_k(n, c, 1) for c in n_correct) / len(recs),
+        **summarize_samples(scores, k),
+        "pass@1": summarize_samples(scores, 1)["pass@1"],
         "mean_response_tokens": sum(lengths) / max(len(lengths), 1),
     }
 

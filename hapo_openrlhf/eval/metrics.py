@@ -18,10 +18,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def avg_at_k(correct: Sequence[Sequence[float]]) -> float:
-    """Mean accuracy over all samples of all problems (each inner list: one problem's k scores)."""
+    """Mean accuracy over all samples of all problems (each inner list: one problem's k
+    scores; a score > 0.5 counts as correct, so 0/1 and -1/1 rewards both work)."""
     if not correct:
         raise ValueError("avg_at_k needs at least one problem")
-    return sum(sum(c) / len(c) for c in correct) / len(correct)
+    return sum(sum(x > 0.5 for x in c) / len(c) for c in correct) / len(correct)
 
 
 def summarize_samples(correct: Sequence[Sequence[float]], k: int | None = None) -> dict[str, float]:

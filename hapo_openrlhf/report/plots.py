@@ -92,6 +92,3 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     save(fig, "accuracy_vs_tokens")
     return written
 
-
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    return plot_runs([run_dir], out_dir or Path(run_dir) / "plots")
