@@ -30,3 +30,24 @@ def run_cli(args, cwd=REPO, timeout=600, **kw):
         [sys.executable, "-m", "hapo_openrlhf", *args], cwd=cwd, capture_output=True, text=True,
         timeout=timeout, **kw,
     )
+
+
+def largest_tensor_numel(fn, dtype=None) -> int:
+    """Run ``fn()`` and return the numel of the largest tensor any op produced (of
+    ``dtype`` if given): a direct check that a code path never materialises a big tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    biggest = 0
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal biggest
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and (dtype is None or t.dtype == dtype):
+                    biggest = max(biggest, t.numel())
+            return out
+
+    with Track():
+        fn()
+    return biggest

@@ -104,7 +104,15 @@ class MathVerifier:
 
     def _symbolic(self, pred: str, golds: list[str]) -> bool:
         if self._proc is None or self._proc.poll() is not None:
-            self._start()
+            try:
+                self._start()
+            except (OSError, RuntimeError) as e:
+                # a grader that cannot start must not crash training: count it, fall back
+                # to string / numeric matching for the rest of this verifier's life
+                self.stats.errors += 1
+                self.symbolic = False
+                log.error("math-verify worker unavailable (%s); symbolic matching disabled", e)
+                return False
         try:
             self._proc.stdin.write(json.dumps({"pred": pred, "golds": golds}) + "\n")
             self._proc.stdin.flush()
@@ -114,7 +122,7 @@ class MathVerifier:
         if line is None:
             self.stats.timeouts += 1
             log.warning("math-verify timed out after %.1fs on %r; scored as wrong", self.timeout_s, pred[:80])
-            self.close()
+            self.close(kill=True)
             return False
         try:
             resp = json.loads(line)
@@ -143,8 +151,11 @@ class MathVerifier:
             self.close()
             raise RuntimeError(f"math-verify worker did not start within {self.startup_timeout_s}s")
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Stop the worker: politely (end of input), or at once with ``kill``."""
         if self._proc is not None:
+            if kill:
+                self._proc.kill()
             try:
                 self._proc.stdin.close()
             except OSError:

@@ -84,20 +84,10 @@ def test_check_finite_names_the_tensor_and_respects_mask():
 
 def test_no_fp32_tensor_larger_than_one_chunk_is_created():
     """Every fp32 tensor an op produces stays within chunk x V (bf16 logits of 64 x 50)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        biggest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                    Largest.biggest = max(Largest.biggest, t.numel())
-            return out
+    from ..conftest import largest_tensor_numel
 
     logits = torch.randn(4, 16, 50).to(torch.bfloat16)
     labels = torch.randint(0, 50, (4, 16))
-    with Largest():
-        logprobs_and_entropy(logits, labels, chunk_size=8, temperature=0.9)
-    assert 0 < Largest.biggest <= 8 * 50
+    biggest = largest_tensor_numel(lambda: logprobs_and_entropy(logits, labels, chunk_size=8, temperature=0.9),
+                                   dtype=torch.float32)
+    assert 0 < biggest <= 8 * 50

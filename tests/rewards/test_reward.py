@@ -98,3 +98,15 @@ def test_gold_answers_grade_correct_against_themselves(bench):
     wrong = [p.answer[0] for p in problems if v.score(f"so \\boxed{{{p.answer[0]}}}", p.answer) != 1.0]
     v.close()
     assert not wrong, f"{bench}: {len(wrong)} gold answers not graded correct, e.g. {wrong[:3]}"
+
+
+def test_worker_that_cannot_start_degrades_to_string_matching(monkeypatch):
+    v = MathVerifier()
+
+    def broken():
+        raise RuntimeError("no interpreter")
+
+    monkeypatch.setattr(v, "_start", broken)
+    assert v.score("\\boxed{x^2+2x+1}", "(x+1)^2") == 0.0  # needs symbolic: counted, not raised
+    assert v.stats.errors == 1 and v.symbolic is False
+    assert v.score("\\boxed{3}", "3") == 1.0
