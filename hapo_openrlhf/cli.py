@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except (ValueError, FloatingPointError) as e:
+    except (ValueError, FloatingPointError, OSError) as e:  # OSError: a missing model / file
         print(f"hapo: error: {e}", file=sys.stderr)
         return 2
 

@@ -32,6 +32,12 @@ class EvalSettings:
     k: int | None = None  # override every benchmark's k
     limit: int | None = None  # first N problems of each benchmark
 
+    def __post_init__(self):
+        if self.k is not None and self.k < 1 or self.limit is not None and self.limit < 1:
+            raise ValueError(f"--k and --limit must be >= 1, got k={self.k}, limit={self.limit}")
+        if not (self.temperature > 0 and 0 < self.top_p <= 1 and self.max_new_tokens > 0 and self.batch_prompts > 0):
+            raise ValueError("eval needs temperature > 0, top-p in (0, 1], max-new-tokens > 0, batch-prompts > 0")
+
 
 def _read_done(path: Path) -> dict[int, dict]:
     """Finished problems; a torn last line (killed mid-write) is dropped and rewritten."""

@@ -117,3 +117,10 @@ def test_cpu_eval_writes_tables_and_resumes_after_kill(tiny_model, tmp_path):
     # other sampling settings in the same directory are refused, nothing overwritten
     res = run_cli(["eval", "--model", str(tiny_model), "--output-dir", str(killed), *ARGS, "--temperature", "1.0"])
     assert res.returncode == 2 and "other settings" in res.stderr
+
+
+def test_eval_bad_input_is_one_clear_line(tmp_path):
+    res = run_cli(["eval", "--model", str(tmp_path / "missing"), "--template", "tiny", "--benchmarks", "aime24"])
+    assert res.returncode == 2 and res.stderr.startswith("hapo: error:")
+    res = run_cli(["eval", "--model", str(tmp_path), "--template", "tiny", "--k", "0"])
+    assert res.returncode == 2 and "--k and --limit must be >= 1" in res.stderr
