@@ -71,6 +71,10 @@ class VLLMEngine:
 
 def make_engine(kind: str, model_path: str, **kw) -> Engine:
     """``auto`` picks vLLM when CUDA and vllm are available, else Hugging Face on CPU."""
+    from pathlib import Path
+
+    if (model_path.startswith((".", "/", "~")) or model_path.count("/") > 1) and not Path(model_path).expanduser().exists():
+        raise ValueError(f"model directory {model_path!r} not found")
     if kind == "auto":
         try:
             import vllm  # noqa: F401

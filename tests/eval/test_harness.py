@@ -121,6 +121,6 @@ def test_cpu_eval_writes_tables_and_resumes_after_kill(tiny_model, tmp_path):
 
 def test_eval_bad_input_is_one_clear_line(tmp_path):
     res = run_cli(["eval", "--model", str(tmp_path / "missing"), "--template", "tiny", "--benchmarks", "aime24"])
-    assert res.returncode == 2 and res.stderr.startswith("hapo: error:")
+    assert res.returncode == 2 and "model directory" in res.stderr and "not found" in res.stderr
     res = run_cli(["eval", "--model", str(tmp_path), "--template", "tiny", "--k", "0"])
     assert res.returncode == 2 and "--k and --limit must be >= 1" in res.stderr
