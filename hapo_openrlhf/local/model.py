@@ -8,7 +8,6 @@ load the result by path.
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 import torch
