@@ -1,6 +1,7 @@
 """``hapo``: the command-line entry point.
 
     hapo train --config configs/cpu_tiny.yaml [--output-dir DIR] [--resume] [--set k=v ...]
+    hapo train --backend openrlhf --config configs/qwen25_math_7b_hapo.yaml [--print-command]
     hapo eval --model DIR [--benchmarks aime24,math500,...] [--output-dir DIR]
     hapo report RUN_DIR [RUN_DIR ...]
     hapo list
@@ -23,9 +24,25 @@ def _train(args) -> int:
     from .local.trainer import LocalTrainer
     from .report.html import build_report
 
-    cfg = load_config(args.config, args.set)
+    overrides = list(args.set) + ([f"backend={args.backend}"] if args.backend else [])
+    cfg = load_config(args.config, overrides)
+    if cfg.backend == "openrlhf":
+        from .integrations.openrlhf.flags import build_argv
+
+        if args.print_command:
+            print(json.dumps(build_argv(cfg, args.output_dir)))
+            return 0
+        if args.resume:
+            print("note: the openrlhf back end always resumes from its newest checkpoint (--ckpt.load_enable)",
+                  file=sys.stderr)
+        from .integrations.openrlhf.train import launch
+
+        print(json.dumps({"output_dir": str(launch(cfg, args.output_dir))}))
+        return 0
+    if args.print_command:
+        raise ValueError("--print-command is for --backend openrlhf (the local back end runs in this process)")
     if cfg.backend != "local":
-        raise ValueError(f"backend {cfg.backend!r} is not available in this version; use backend: local")
+        raise ValueError(f"backend {cfg.backend!r} is not available in this version; use local or openrlhf")
     console = Console()
     trainer = LocalTrainer(cfg, args.output_dir, resume=args.resume)
     console.print(f"[bold]hapo[/] {cfg.run_name}: estimator={cfg.algorithm.estimator} loss={cfg.algorithm.loss} "
@@ -82,8 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hapo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train with a run config (embedded CPU back end)")
+    t = sub.add_parser("train", help="train with a run config (embedded CPU back end, or OpenRLHF)")
     t.add_argument("--config", required=True)
+    t.add_argument("--backend", choices=["local", "openrlhf"], default=None, help="default: the config's backend")
+    t.add_argument("--print-command", action="store_true",
+                   help="openrlhf: print OpenRLHF's argv as one JSON list on the last line, start nothing")
     t.add_argument("--output-dir", default=None, help="default: the config's output_dir")
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")

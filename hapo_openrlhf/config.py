@@ -202,6 +202,65 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class OpenRLHFConfig:
+    """Cluster layout and engine settings for ``backend: openrlhf`` (OpenRLHF 0.11.2).
+
+    Everything algorithmic comes from the sections above; this section only says
+    where and how OpenRLHF runs it. ``extra_args`` is an escape hatch appended to
+    the generated flags (still checked by OpenRLHF's own parser)."""
+
+    actor_num_nodes: int = 1
+    actor_gpus_per_node: int = 8
+    vllm_num_engines: int = 8
+    vllm_tensor_parallel_size: int = 1
+    vllm_gpu_memory_utilization: float = 0.6
+    vllm_enforce_eager: bool = False
+    vllm_enable_sleep: bool = True
+    vllm_sync_backend: str = "nccl"
+    colocate_all: bool = True
+    zero_stage: int = 2
+    param_dtype: str = "bf16"
+    attn_implementation: str = "flash_attention_2"
+    packing_samples: bool = True
+    ring_attn_size: int = 1
+    ring_attn_head_stride: int = 1
+    gradient_checkpointing: bool = True
+    adam_offload: bool = False
+    ref_offload: bool = False
+    max_len: int = 4096  # prompt + response tokens
+    train_batch_size: int = 512  # samples per optimizer step (global)
+    micro_train_batch_size: int = 4
+    micro_rollout_batch_size: int = 8
+    dynamic_batch: bool = False
+    max_tokens_per_gpu: int = 16384
+    num_episodes: int = 1
+    max_samples: int = 100_000_000
+    lr_scheduler: str = "constant_with_warmup"
+    lr_warmup_ratio: float = 0.0
+    eval_dataset: str | None = None  # a data spec (as data.eval); None: no in-training evaluation
+    save_hf: bool = False
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        _require(self.actor_num_nodes >= 1 and self.actor_gpus_per_node >= 1, "openrlhf: actor nodes and GPUs must be >= 1")
+        _require(self.vllm_num_engines >= 1 and self.vllm_tensor_parallel_size >= 1,
+                 "openrlhf.vllm_num_engines and vllm_tensor_parallel_size must be >= 1 (HAPO rollouts need an engine)")
+        _require(self.zero_stage in (0, 1, 2, 3), f"openrlhf.zero_stage must be 0-3, got {self.zero_stage}")
+        _require(self.param_dtype in ("bf16", "fp16"), f"openrlhf.param_dtype must be bf16 or fp16, got {self.param_dtype!r}")
+        _require(self.vllm_sync_backend in ("nccl", "gloo"), "openrlhf.vllm_sync_backend must be nccl or gloo")
+        _require(self.ring_attn_size >= 1, "openrlhf.ring_attn_size must be >= 1")
+        _require(self.ring_attn_size == 1 or self.packing_samples, "openrlhf.ring_attn_size > 1 needs packing_samples: true")
+        world = self.actor_num_nodes * self.actor_gpus_per_node
+        _require(world % self.ring_attn_size == 0,
+                 f"openrlhf.ring_attn_size {self.ring_attn_size} must divide the actor world size {world}")
+        _require(self.max_len > 0 and self.train_batch_size > 0 and self.micro_train_batch_size > 0
+                 and self.micro_rollout_batch_size > 0, "openrlhf: max_len and batch sizes must be > 0")
+        _require(self.num_episodes >= 1, "openrlhf.num_episodes must be >= 1")
+        _require(0 <= self.lr_warmup_ratio < 1, "openrlhf.lr_warmup_ratio must be in [0, 1)")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run_name: str = "run"
     seed: int = 1234
@@ -215,6 +274,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    openrlhf: OpenRLHFConfig = field(default_factory=OpenRLHFConfig)
 
     def __post_init__(self):
         _require(self.backend in ("local", "openrlhf", "megatron"), f"backend must be local, openrlhf or megatron, got {self.backend!r}")

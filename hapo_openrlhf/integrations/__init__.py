@@ -1,0 +1,1 @@
+"""Integrations with external training frameworks (each imported lazily)."""

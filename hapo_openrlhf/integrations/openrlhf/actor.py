@@ -1,0 +1,136 @@
+"""``PolicyModelActor`` subclass: behaviour entropy with the old log-probs, hapo's loss.
+
+Subclasses ``PolicyModelActor.__ray_actor_class__`` (the plain class under Ray's
+decorator) and re-wraps it with ``ray.remote(num_gpus=1)`` like upstream. Ray
+pickles actor classes by import path, so this module must be importable in every
+worker: install the package in the same environment on every node (or ship it with
+a Ray ``runtime_env``; see docs/openrlhf.md).
+
+* ``forward`` (OpenRLHF's old-log-prob pass, called once per micro-batch by
+  ``RemoteExperienceMaker.make_experience``) keeps its upstream signature and
+  return value, and additionally computes the per-token entropy of the behaviour
+  policy at the rollout temperature, chunked over tokens in fp32. The entropy is
+  kept in a FIFO on the actor and fetched by the experience maker with
+  ``pop_behaviour_entropy`` (same micro-batch dispatch, so the same order); each
+  entry carries a fingerprint of its sequences and a mismatch is an error.
+* ``init_model_from_pretrained`` builds the upstream actor, then replaces
+  ``trainer.actor_loss_fn`` with :class:`HapoPolicyLoss` and hooks the model's
+  forward to hand the loss the current entropy (EntroReg) and, when dumping, the
+  tokens of each row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from typing import Optional, Union
+
+import ray
+import torch
+from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
+from ...algos.entropy import entropy_from_logits
+from .loss import DUMP_ENV, HapoPolicyLoss
+
+
+def fingerprint(sequences: torch.Tensor, attention_mask: torch.Tensor) -> str:
+    """Order-sensitive digest of a micro-batch's unpadded token ids."""
+    h = hashlib.sha1()
+    for row, m in zip(sequences.cpu(), attention_mask.cpu()):
+        h.update(row[m.bool()].numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def loss_from_config(hapo_cfg: dict) -> HapoPolicyLoss:
+    a = hapo_cfg["algorithm"]
+    return HapoPolicyLoss(a["loss"], dict(a["loss_params"]), a["aggregation"],
+                          norm_constant=float(hapo_cfg["rollout"]["max_new_tokens"]))
+
+
+class HapoPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
+        hapo_cfg = strategy.args.hapo
+        self._entropy_chunk = int(hapo_cfg["algorithm"]["entropy_chunk_size"])
+        self._behaviour_entropy: deque = deque()
+        self.loss_fn = loss_from_config(hapo_cfg)
+        self.trainer.actor_loss_fn = self.loss_fn
+        self.trainer.actor.register_forward_hook(self._training_forward_hook, with_kwargs=True)
+
+    # ---------------------------------------------------------------- hooks
+    def _training_forward_hook(self, module, args, kwargs, output):
+        """Runs after every training forward of the actor (not the no-grad old-log-prob pass)."""
+        if not module.training or not isinstance(output, tuple):
+            return
+        _, out = output
+        if self.loss_fn.needs_entropy:
+            self.loss_fn.pending_entropy = getattr(out, "entropy", None)
+        import os
+
+        if os.environ.get(DUMP_ENV):
+            seqs = args[0] if args else kwargs["sequences"]
+            mask = kwargs.get("attention_mask")
+            self.loss_fn.pending_sequences = [row[m.bool()].tolist() for row, m in zip(seqs.cpu(), mask.cpu())]
+
+    # ------------------------------------------------------ old log-probs
+    def forward(
+        self,
+        sequences: torch.LongTensor,
+        action_mask: Optional[Union[int, list[int]]] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        packed_seq_lens=None,
+        mm_train_inputs_list=None,
+    ) -> torch.Tensor:
+        """Upstream's old-log-prob forward, plus the behaviour entropy (kept for ``pop_behaviour_entropy``)."""
+        device = torch.cuda.current_device()
+        mm_inputs = {}
+        if mm_train_inputs_list and getattr(self.actor, "is_vlm", False):
+            from openrlhf.utils.vlm_utils import merge_mm_train_inputs
+
+            mm_inputs = merge_mm_train_inputs(mm_train_inputs_list, device)
+        packed = bool(getattr(self.actor, "packing_samples", False))
+        n_act = action_mask.shape[1]
+        self.actor.eval()
+        with torch.no_grad():
+            action_log_probs, output = self.actor(
+                sequences.to(device),
+                action_mask.to(device),
+                attention_mask.to(device),
+                return_output=True,
+                ring_attn_group=self.strategy.ring_attn_group,
+                # packed rows: let OpenRLHF unpack its entropy back to [B, T]
+                return_entropy=packed,
+                **mm_inputs,
+            )
+            if packed:
+                entropy = output.entropy[:, -n_act:].float()
+            else:
+                # logits are already divided by the rollout temperature inside Actor.forward;
+                # row by row, each row's response slice is a contiguous view (no [B, A, V] copy)
+                logits = output["logits"]
+                T = logits.shape[1]
+                entropy = torch.stack([
+                    entropy_from_logits(logits[b, T - 1 - n_act: T - 1], chunk_size=self._entropy_chunk)
+                    for b in range(logits.shape[0])
+                ])
+            entropy = entropy * action_mask.to(entropy.device).float()
+        self.actor.train()
+        self._behaviour_entropy.append((fingerprint(sequences, attention_mask), entropy.cpu()))
+        return action_log_probs.to("cpu")
+
+    def clear_behaviour_entropy(self) -> int:
+        n = len(self._behaviour_entropy)
+        self._behaviour_entropy.clear()
+        return n
+
+    def pop_behaviour_entropy(self, fingerprint: str) -> torch.Tensor:
+        if not self._behaviour_entropy:
+            raise RuntimeError("pop_behaviour_entropy: no stored entropy (forward was not called for this batch)")
+        fp, ent = self._behaviour_entropy.popleft()
+        if fp != fingerprint:
+            raise RuntimeError("behaviour entropy out of order: the stored micro-batch does not match the requested one")
+        return ent
+
+
+HapoPolicyModelActor = ray.remote(num_gpus=1)(HapoPolicyModelActorImpl)

@@ -1,0 +1,152 @@
+"""``RemoteExperienceMaker`` subclass: advantages from hapo's registry.
+
+OpenRLHF 0.11.2 computes advantages in an if/elif chain inside
+``RemoteExperienceMaker.compute_advantages_and_returns``. This subclass
+
+* ``make_experience``: runs upstream's (reward, old log-probs, reference), then fetches
+  the behaviour entropy each policy actor computed in the same forward
+  (``HapoPolicyModelActor.pop_behaviour_entropy``) and attaches it to each experience;
+* ``compute_advantages_and_returns``: replaces the chain with
+  :func:`registry_advantages` -- the DAPO overlong penalty, then *any* registered
+  estimator over the whole rollout batch at once (group statistics and HAPO's group
+  entropy normalisation need every member of a group, which OpenRLHF spreads over
+  micro-batches), quadrant masks folded into ``action_mask`` (so OpenRLHF's global
+  token normaliser shrinks with them, as in the local trainer), and the Four
+  Quadrant metrics in ``experience.info`` (OpenRLHF logs every ``info`` entry).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Any, Sequence
+
+import torch
+
+from ... import algos
+from ...algos.advantages import grpo_sequence_advantage
+from ...algos.dapo import overlong_penalty
+from .loss import DUMP_ENV
+
+
+def _pad_cat(tensors: Sequence[torch.Tensor], width: int, dtype=None) -> torch.Tensor:
+    out = []
+    for t in tensors:
+        t = t if dtype is None else t.to(dtype)
+        out.append(torch.nn.functional.pad(t, (0, width - t.shape[1])))
+    return torch.cat(out, 0)
+
+
+def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: int) -> dict[str, Any]:
+    """Fill ``advantages``/``returns`` (and narrow ``action_mask``) of OpenRLHF experiences in place.
+
+    Each experience needs ``rewards`` [b], ``action_mask`` [b, A_i], ``index`` (the rollout
+    position of each row; rows ``k*n .. k*n+n-1`` are one prompt's group, as OpenRLHF
+    generates them), ``response_length`` [b] and ``behaviour_entropy`` [b, A_i].
+    Returns the estimator inputs/outputs (for dumps and tests) and the batch metrics.
+    """
+    a = hapo_cfg["algorithm"]
+    if not experiences:
+        raise ValueError("no experiences to compute advantages for")
+    widths = [e.action_mask.shape[1] for e in experiences]
+    W = max(widths)
+    rows = [len(e.index) for e in experiences]
+    index = torch.tensor(list(itertools.chain.from_iterable(e.index for e in experiences)))
+    for e in experiences:
+        if getattr(e, "behaviour_entropy", None) is None:
+            raise RuntimeError("experience has no behaviour entropy (was the HAPO policy actor used?)")
+        if e.behaviour_entropy.shape != e.action_mask.shape:
+            raise RuntimeError(f"behaviour entropy {tuple(e.behaviour_entropy.shape)} does not match "
+                               f"action_mask {tuple(e.action_mask.shape)}")
+    rewards = torch.cat([e.rewards.float().reshape(-1) for e in experiences])
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("non-finite reward in the rollout batch (reward function error?)")
+    lengths = torch.cat([e.response_length.reshape(-1) for e in experiences])
+    ov = a["overlong"]
+    if ov["enable"]:
+        rewards = rewards + overlong_penalty(lengths, int(hapo_cfg["rollout"]["max_new_tokens"]), int(ov["cache_len"]))
+    mask = _pad_cat([e.action_mask for e in experiences], W, torch.bool)
+    entropy = _pad_cat([e.behaviour_entropy.float() for e in experiences], W)
+    if int(index.max()) + 1 != len(index) or len(index) % n_samples:
+        raise ValueError(f"rollout batch of {len(index)} rows is not whole groups of {n_samples}")
+    inputs = algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=entropy,
+                                   group_index=torch.div(index, n_samples, rounding_mode="floor"))
+    out = algos.run_estimator(a["estimator"], inputs, **dict(a["estimator_params"]))
+    loss_mask = out.loss_mask if out.loss_mask is not None else mask
+
+    polarity = torch.sign(grpo_sequence_advantage(inputs))
+    tau = algos.entropy_threshold(entropy, mask, quantile=a["quadrant_quantile"], value=a["quadrant_threshold"])
+    metrics = algos.quadrant_metrics(out.advantages, entropy, mask, tau, polarity=polarity)
+    metrics.update(out.metrics)
+    metrics["entropy/behaviour_mean"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+
+    adv_rows = out.advantages.split(rows)
+    lm_rows = loss_mask.split(rows)
+    for e, w, adv, lm in zip(experiences, widths, adv_rows, lm_rows, strict=True):
+        e.advantages = adv[:, :w].to(torch.float32).contiguous()
+        e.returns = e.advantages.clone()
+        e.action_mask = (e.action_mask.bool() & lm[:, :w].bool()).to(e.action_mask.dtype)
+        b = len(e.index)
+        for k, v in metrics.items():
+            e.info[k] = torch.full((b,), float(v))
+    for e, r in zip(experiences, rewards.split(rows), strict=True):
+        e.rewards = r
+        e.info["return"] = r.clone()
+        e.kl = None
+    return {"inputs": inputs, "advantages": out.advantages, "loss_mask": loss_mask, "metrics": metrics}
+
+
+def _load_upstream():
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    return RemoteExperienceMaker
+
+
+class HapoExperienceMaker(_load_upstream()):
+    """Upstream experience maker with the registry in place of the estimator chain."""
+
+    _step = 0
+
+    def make_experience(self, samples_list):
+        group = self.actor_model_group
+        import ray
+
+        ray.get(group.async_run_method(method_name="clear_behaviour_entropy"))
+        experiences = super().make_experience(samples_list)
+        from .actor import fingerprint
+
+        fps = [fingerprint(e.sequences, e.attention_mask) for e in experiences]
+        dup = self.args.ds.ring_attn_size * self.args.ds.tensor_parallel_size
+        refs = group.async_run_method_batch(method_name="pop_behaviour_entropy", fingerprint=fps)
+        ents = self._flatten_results(refs, dup)
+        if len(ents) != len(experiences):
+            raise RuntimeError(f"got {len(ents)} behaviour-entropy batches for {len(experiences)} micro-batches")
+        for e, ent in zip(experiences, ents, strict=True):
+            e.behaviour_entropy = ent
+        return experiences
+
+    @torch.no_grad()
+    def compute_advantages_and_returns(self, experiences):
+        args = self.strategy.args
+        result = registry_advantages(experiences, args.hapo, args.rollout.n_samples_per_prompt)
+        self._step += 1
+        d = os.environ.get(DUMP_ENV)
+        if d:
+            os.makedirs(d, exist_ok=True)
+            inp = result["inputs"]
+            torch.save({"rewards": inp.rewards, "response_mask": inp.response_mask, "entropy": inp.entropy,
+                        "group_index": inp.group_index, "advantages": result["advantages"]},
+                       os.path.join(d, f"advantages_step{self._step}.pt"))
+            with open(os.path.join(d, f"experiences_step{self._step}.jsonl"), "w") as f:
+                for e in experiences:
+                    for i in range(e.sequences.shape[0]):
+                        m = e.action_mask[i].bool()
+                        f.write(json.dumps({"tokens": e.sequences[i][e.attention_mask[i].bool()].tolist(),
+                                            "advantages": e.advantages[i][m].tolist()}) + "\n")
+            with open(os.path.join(d, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": self._step, **result["metrics"]}) + "\n")
+        for e in experiences:
+            if hasattr(e, "behaviour_entropy"):
+                del e.behaviour_entropy
+        return experiences

@@ -1,0 +1,176 @@
+"""Run config -> OpenRLHF 0.11.2 ``train_ppo_ray`` flags, in one function.
+
+Nothing in the generated flags repeats a value by hand: every number comes from
+the run config. The flags use 0.11's dotted names (``--algo.advantage.estimator``,
+``--ckpt.path``, ``--ds.ring_attn_size``). ``tests/integrations/openrlhf`` feeds the
+list for every shipped config through OpenRLHF's real argument parser.
+
+Paths: everything a run writes lives under its output directory::
+
+    OUT/openrlhf_data/{train,eval}.jsonl   prompts (templated) + labels, written at launch
+    OUT/ckpt/_actor/global_stepN/          DeepSpeed sharded checkpoints (OpenRLHF's layout)
+    OUT/final/                             the trained model (Hugging Face layout)
+    OUT/tensorboard/                       OpenRLHF's TensorBoard logs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...config import RunConfig
+
+PROGRAM = "openrlhf.cli.train_ppo_ray"
+REWARD_FUNC = Path(__file__).with_name("reward_func.py")
+
+# Estimator names OpenRLHF's parser accepts. Our experience maker replaces the whole
+# advantage computation, so this only has to be a group estimator (it turns the
+# critic off and makes OpenRLHF insist on n_samples_per_prompt > 1).
+_UPSTREAM_ESTIMATOR = "group_norm"
+_UPSTREAM_AGG = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
+                 "seq-mean-token-sum-norm": "seq-mean-token-mean"}
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    out: Path
+
+    @property
+    def data_dir(self) -> Path:
+        return self.out / "openrlhf_data"
+
+    @property
+    def train_jsonl(self) -> Path:
+        return self.data_dir / "train.jsonl"
+
+    @property
+    def eval_jsonl(self) -> Path:
+        return self.data_dir / "eval.jsonl"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.out / "ckpt"
+
+    @property
+    def final(self) -> Path:
+        return self.out / "final"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.out / "tensorboard"
+
+
+def _f(x: float) -> str:
+    return repr(float(x))
+
+
+def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
+    """``[PROGRAM, --flag, value, ...]``: the argv OpenRLHF's ``train_ppo_ray`` main parses."""
+    if not cfg.model.path:
+        raise ValueError("backend openrlhf needs model.path (a Hugging Face model directory or hub id)")
+    paths = RunPaths(Path(out or cfg.output_dir))
+    o, r, a, opt = cfg.openrlhf, cfg.rollout, cfg.algorithm, cfg.optim
+    if r.max_new_tokens >= o.max_len:
+        raise ValueError(f"rollout.max_new_tokens ({r.max_new_tokens}) must be < openrlhf.max_len ({o.max_len})")
+    n = r.samples_per_prompt
+    world = o.actor_num_nodes * o.actor_gpus_per_node
+    if (r.prompts_per_step * n) % o.train_batch_size:
+        raise ValueError(f"openrlhf.train_batch_size ({o.train_batch_size}) must divide the rollout batch "
+                         f"(rollout.prompts_per_step x samples_per_prompt = {r.prompts_per_step * n})")
+    dp = world // o.ring_attn_size
+    if o.train_batch_size % (o.micro_train_batch_size * dp):
+        raise ValueError(f"openrlhf.train_batch_size ({o.train_batch_size}) must be a multiple of "
+                         f"micro_train_batch_size x data-parallel size ({o.micro_train_batch_size} x {dp})")
+    lp = dict(a.loss_params)
+    argv = [
+        PROGRAM,
+        # models and placement
+        "--actor.model_name_or_path", cfg.model.path,
+        "--actor.num_nodes", str(o.actor_num_nodes),
+        "--actor.num_gpus_per_node", str(o.actor_gpus_per_node),
+        "--ref.num_nodes", str(o.actor_num_nodes),
+        "--ref.num_gpus_per_node", str(o.actor_gpus_per_node),
+        "--vllm.num_engines", str(o.vllm_num_engines),
+        "--vllm.tensor_parallel_size", str(o.vllm_tensor_parallel_size),
+        "--vllm.gpu_memory_utilization", _f(o.vllm_gpu_memory_utilization),
+        "--vllm.sync_backend", o.vllm_sync_backend,
+        # DeepSpeed
+        "--ds.zero_stage", str(o.zero_stage),
+        "--ds.param_dtype", o.param_dtype,
+        "--ds.attn_implementation", o.attn_implementation,
+        "--ds.ring_attn_size", str(o.ring_attn_size),
+        "--ds.ring_attn_head_stride", str(o.ring_attn_head_stride),
+        # data: prompts are templated by hapo (one template registry for every back end)
+        "--data.prompt_dataset", str(paths.train_jsonl),
+        "--data.input_key", "prompt",
+        "--data.label_key", "label",
+        "--data.max_len", str(o.max_len),
+        "--data.max_samples", str(o.max_samples),
+        # rollout
+        "--rollout.batch_size", str(r.prompts_per_step),
+        "--rollout.n_samples_per_prompt", str(n),
+        "--rollout.max_new_tokens", str(r.max_new_tokens),
+        "--rollout.temperature", _f(r.temperature),
+        "--rollout.top_p", _f(r.top_p),
+        "--rollout.micro_batch_size", str(o.micro_rollout_batch_size),
+        # reward: rule-based math verification, run inside the rollout engines
+        "--reward.remote_url", str(REWARD_FUNC),
+        # algorithm (advantages come from hapo's registry; see experience.py)
+        "--algo.advantage.estimator", _UPSTREAM_ESTIMATOR,
+        "--algo.kl.init_coef", _f(a.kl_coef),
+        # actor update
+        "--actor.eps_clip_low_high", _f(lp.get("eps_low", 0.2)), _f(lp.get("eps_high", 0.2)),
+        "--actor.loss_agg_mode", _UPSTREAM_AGG[a.aggregation],
+        "--actor.adam.lr", _f(opt.lr),
+        "--actor.adam.betas", _f(opt.betas[0]), _f(opt.betas[1]),
+        "--actor.adam.weight_decay", _f(opt.weight_decay),
+        "--actor.max_norm", _f(opt.grad_clip),
+        "--actor.lr_scheduler", o.lr_scheduler,
+        "--actor.lr_warmup_ratio", _f(o.lr_warmup_ratio),
+        "--train.batch_size", str(o.train_batch_size),
+        "--train.micro_batch_size", str(o.micro_train_batch_size),
+        "--train.max_epochs", str(opt.ppo_epochs),
+        "--train.num_episodes", str(o.num_episodes),
+        "--train.seed", str(cfg.seed),
+        # checkpoints: always resume from the newest complete one (Slurm requeue)
+        "--ckpt.path", str(paths.ckpt),
+        "--ckpt.output_dir", str(paths.final),
+        "--ckpt.save_steps", str(cfg.trainer.save_every if cfg.trainer.save_every else -1),
+        "--ckpt.max_num", str(cfg.trainer.keep_last),
+        "--ckpt.load_enable",
+        "--logger.tensorboard_dir", str(paths.tensorboard),
+    ]
+    if lp.get("dual_clip") is not None:
+        argv += ["--actor.dual_clip", _f(lp["dual_clip"])]
+    if a.kl_coef > 0:  # k3 KL to the reference as a loss term (GRPO style), never in the reward
+        argv += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+    if a.loss == "entro_reg":  # OpenRLHF computes the current entropy; hapo's loss applies beta
+        argv += ["--actor.entropy_coef", "0"]
+    if a.dynamic_sampling:  # DAPO: drop groups whose rewards all agree, refill from the loader
+        argv += ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0"]
+    if o.colocate_all:
+        argv += ["--train.colocate_all"]
+    if o.vllm_enforce_eager:
+        argv += ["--vllm.enforce_eager"]
+    if o.vllm_enable_sleep and o.colocate_all:
+        argv += ["--vllm.enable_sleep", "--ds.enable_sleep"]
+    if o.vllm_sync_backend == "gloo":
+        argv += ["--vllm.sync_with_ray"]
+    if o.packing_samples:
+        argv += ["--ds.packing_samples"]
+    if o.dynamic_batch:
+        argv += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(o.max_tokens_per_gpu)]
+    if o.gradient_checkpointing:
+        argv += ["--actor.gradient_checkpointing_enable"]
+    if o.adam_offload:
+        argv += ["--ds.adam_offload"]
+    if o.ref_offload:
+        argv += ["--ref.offload"]
+    if o.save_hf:
+        argv += ["--ckpt.save_hf"]
+    if o.eval_dataset:
+        argv += ["--eval.dataset", str(paths.eval_jsonl), "--eval.split", "train",
+                 "--eval.steps", str(cfg.trainer.eval_every or -1),
+                 "--eval.temperature", _f(cfg.eval.temperature),
+                 "--eval.n_samples_per_prompt", str(cfg.eval.n_samples)]
+    return argv + list(o.extra_args)

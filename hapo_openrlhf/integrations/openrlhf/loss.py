@@ -1,0 +1,107 @@
+"""A ``PolicyLoss``-compatible actor loss that dispatches to hapo's loss registry.
+
+OpenRLHF 0.11.2's ``ActorPPOTrainer.training_step`` calls::
+
+    loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = self.actor_loss_fn(
+        action_log_probs, old_action_log_probs, advantages,
+        action_mask=..., rollout_log_probs=..., dp_size=..., batch_num_tokens=..., global_batch_size=...)
+
+``HapoPolicyLoss.forward`` has exactly that signature and return tuple (a test
+compares it with ``inspect.signature`` of the pinned ``PolicyLoss.forward``), so it
+is swapped in for ``trainer.actor_loss_fn`` inside the actor worker (see actor.py).
+
+Normalisers: OpenRLHF hands each micro-batch the *global* token count (or sequence
+count) of its optimizer step, already divided by the gradient-accumulation steps,
+and multiplies by ``dp_size`` to undo DeepSpeed's data-parallel gradient average.
+hapo's ``aggregate`` divides by its ``normalizer``, so ``normalizer = count / dp_size``
+gives the same scalar as OpenRLHF's ``aggregate_loss``.
+
+The importance-sampling correction between vLLM and the trainer
+(``--algo.advantage.is_correction_*``) is OpenRLHF's; hapo's losses do not apply it,
+so this loss returns ``vllm_kl = is_filter_ratio = None`` and the flag generator
+never turns it on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ...algos.losses import compute_policy_loss
+
+DUMP_ENV = "HAPO_OPENRLHF_DUMP_DIR"
+
+
+class HapoPolicyLoss(nn.Module):
+    """``PolicyLoss`` stand-in: ``name`` and ``params`` select a registry loss."""
+
+    def __init__(self, name: str, params: dict[str, Any] | None = None, aggregation: str = "token-mean",
+                 norm_constant: float | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.params = dict(params or {})
+        self.aggregation = aggregation
+        self.norm_constant = norm_constant
+        self.needs_entropy = name == "entro_reg"
+        # Set by the actor's forward hook just before each call (current policy, with grad)
+        self.pending_entropy: torch.Tensor | None = None
+        self.pending_sequences: list[list[int]] | None = None  # unpadded token ids per row (dump only)
+        self.last_metrics: dict[str, float] = {}
+        self._calls = 0
+
+    def forward(
+        self,
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        action_mask: Optional[torch.Tensor] = None,
+        rollout_log_probs: Optional[torch.Tensor] = None,
+        dp_size: int = 1,
+        batch_num_tokens: Optional[float] = None,
+        global_batch_size: Optional[float] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        if action_mask is None:
+            action_mask = torch.ones_like(log_probs, dtype=torch.bool)
+        count = batch_num_tokens if self.aggregation == "token-mean" else global_batch_size
+        normalizer = None if count is None else float(count) / float(dp_size)
+        extra: dict[str, Any] = {}
+        if self.needs_entropy:
+            ent = self.pending_entropy
+            if ent is None:
+                raise RuntimeError("entro_reg needs the current-policy entropy; the actor hook did not provide it "
+                                   "(is --actor.entropy_coef set?)")
+            extra["entropy"] = ent[:, -action_mask.shape[1]:]
+        loss, metrics = compute_policy_loss(
+            self.name, log_probs.float(), old_log_probs.float(), advantages.float(), action_mask,
+            aggregation=self.aggregation, normalizer=normalizer, norm_constant=self.norm_constant,
+            **extra, **self.params,
+        )
+        self.pending_entropy = None
+        self.last_metrics = metrics
+        self._dump(advantages, action_mask)
+        dev = log_probs.device
+        clip_ratio = torch.tensor(metrics.get("actor/clip_frac", 0.0), device=dev)
+        ppo_kl = torch.tensor(metrics.get("actor/approx_kl", 0.0), device=dev)
+        return loss, clip_ratio, ppo_kl, None, None
+
+    def _dump(self, advantages: torch.Tensor, action_mask: torch.Tensor) -> None:
+        """With ``HAPO_OPENRLHF_DUMP_DIR`` set: record, per row, the tokens and the
+        advantages that reached the loss (the e2e test matches them to the registry)."""
+        d = os.environ.get(DUMP_ENV)
+        if not d or self.pending_sequences is None:
+            return
+        seqs, self.pending_sequences = self.pending_sequences, None
+        rank = int(os.environ.get("RANK", "0"))
+        rows = []
+        for i in range(len(seqs)):
+            m = action_mask[i].bool().cpu()
+            rows.append({"tokens": seqs[i], "advantages": advantages[i].detach().float().cpu()[m].tolist()})
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"loss_rank{rank}.jsonl"), "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        self._calls += 1

@@ -1,0 +1,141 @@
+"""Entry point: OpenRLHF 0.11.2's own ``train_ppo_ray`` with hapo's subclasses installed.
+
+    hapo train --backend openrlhf --config CONFIG [--print-command]
+    python -m hapo_openrlhf.integrations.openrlhf.train --config CONFIG [--print-command]
+
+1. ``flags.build_argv`` turns the run config into OpenRLHF flags (one function).
+2. ``--print-command`` prints that argv as one JSON list on the last line and stops.
+3. Otherwise the prompts are written as JSONL under the output directory, and the
+   body of OpenRLHF's ``if __name__ == "__main__":`` block -- its real argument
+   parser and every validation it does -- runs with that argv. Its final
+   ``train(args)`` call is routed to :func:`train_with_hapo`, which attaches the run
+   config to ``args.hapo`` (it travels to every Ray actor inside the strategy),
+   points ``train_ppo_ray.PolicyModelActor`` and ``ppo_trainer.PPOTrainer`` at the
+   hapo subclasses, and calls OpenRLHF's own ``train``.
+
+Only the driver is patched; the workers receive the subclasses because Ray
+pickles the actor classes by import path (``hapo_openrlhf`` must be importable
+on every node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ...config import RunConfig, load_config
+from .flags import RunPaths, build_argv
+
+
+def _main_block(module) -> Any:
+    tree = ast.parse(inspect.getsource(module))
+    for node in tree.body:
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"):
+            return compile(ast.Module(body=node.body, type_ignores=[]), module.__file__, "exec")
+    raise RuntimeError(f"{module.__name__} has no `if __name__ == '__main__':` block (OpenRLHF version changed?)")
+
+
+def run_upstream_main(argv: list[str], train_fn: Callable[[Any], Any]) -> Any:
+    """Run OpenRLHF's ``train_ppo_ray`` main block (parser + validation) with ``argv``;
+    its closing ``train(args)`` calls ``train_fn(args)`` instead. Returns its result."""
+    import openrlhf.cli.train_ppo_ray as cli
+
+    result: dict[str, Any] = {}
+
+    def _train(args):
+        result["value"] = train_fn(args)
+
+    ns = dict(vars(cli))
+    ns.update(__name__="__main__", train=_train)
+    old = sys.argv
+    sys.argv = list(argv)
+    try:
+        exec(_main_block(cli), ns)
+    finally:
+        sys.argv = old
+    return result.get("value")
+
+
+def parse_with_upstream(argv: list[str]) -> Any:
+    """The hierarchical ``args`` OpenRLHF would train with (validated by its own code)."""
+    return run_upstream_main(argv, lambda args: args)
+
+
+@contextlib.contextmanager
+def installed():
+    """Point OpenRLHF's driver-side names at the hapo subclasses (restored on exit)."""
+    import openrlhf.cli.train_ppo_ray as cli
+    import openrlhf.trainer.ppo_trainer as pt
+
+    from .actor import HapoPolicyModelActor
+    from .trainer import HapoPPOTrainer
+
+    saved = (cli.PolicyModelActor, pt.PPOTrainer)
+    cli.PolicyModelActor, pt.PPOTrainer = HapoPolicyModelActor, HapoPPOTrainer
+    try:
+        yield
+    finally:
+        cli.PolicyModelActor, pt.PPOTrainer = saved
+
+
+def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None:
+    import openrlhf.cli.train_ppo_ray as cli
+
+    if args.train.async_enable:
+        raise ValueError("hapo's OpenRLHF integration supports the synchronous PPO trainer only (no --train.async_enable)")
+    if args.critic.model_name_or_path:
+        raise ValueError("hapo estimators are critic-free; OpenRLHF was asked for a critic")
+    args.hapo = {**cfg.to_dict(), "output_dir": str(out or cfg.output_dir)}
+    with installed():
+        cli.train(args)
+
+
+def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
+    """Write the prompt files and run OpenRLHF with hapo installed; returns the output dir."""
+    from .data import write_prompt_files
+
+    paths = RunPaths(Path(out or cfg.output_dir))
+    argv = build_argv(cfg, paths.out)
+    paths.out.mkdir(parents=True, exist_ok=True)
+    (paths.out / "openrlhf_argv.json").write_text(json.dumps(argv))
+    (paths.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    write_prompt_files(cfg, paths.train_jsonl, paths.eval_jsonl)
+    os.environ.setdefault("HAPO_REWARD_TIMEOUT_S", str(cfg.algorithm.reward_timeout_s))
+    os.environ.setdefault("HAPO_REWARD_WRONG", str(cfg.algorithm.reward_wrong))
+    run_upstream_main(argv, lambda args: train_with_hapo(args, cfg, paths.out))
+    if paths.final.exists():  # lets `hapo eval --template auto` pick the training prompt format
+        (paths.final / "hapo.json").write_text(json.dumps({"template": cfg.data.template}))
+    return paths.out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hapo_openrlhf.integrations.openrlhf.train")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--output-dir", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--print-command", action="store_true",
+                    help="print the OpenRLHF argv as one JSON list on the last line and exit")
+    a = ap.parse_args(argv)
+    try:
+        cfg = load_config(a.config, a.set)
+        if a.print_command:
+            print(json.dumps(build_argv(cfg, a.output_dir)))
+            return 0
+        out = launch(cfg, a.output_dir)
+    except (ValueError, OSError) as e:
+        print(f"hapo: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"output_dir": str(out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""``PPOTrainer`` subclass (the Ray controller) that uses :class:`HapoExperienceMaker`.
+
+Upstream's ``BasePPOTrainer.__init__`` builds ``RemoteExperienceMaker`` directly;
+this subclass builds it, then replaces it with the hapo subclass constructed with
+the same arguments. Everything else -- the fit loop, dynamic filtering, checkpoints,
+resume, evaluation, weight sync to vLLM -- is OpenRLHF's own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import ray
+from openrlhf.trainer.ppo_trainer import PPOTrainer
+
+from .experience import HapoExperienceMaker
+
+
+class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
+    def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
+                 reference_model_group, vllm_engines, **generate_kwargs) -> None:
+        super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
+                         reference_model_group, vllm_engines, **generate_kwargs)
+        self.experience_maker = HapoExperienceMaker(
+            self.actor_model_group,
+            self.critic_model_group,
+            self.reward_model_group,
+            self.reference_model_group,
+            self.kl_ctl,
+            self.strategy,
+            self.tokenizer,
+        )
+        self._metrics_path = Path(self.args.hapo["output_dir"]) / "metrics.jsonl"
+        self._metrics_started = False
+
+    def train_step(self, rollout_samples, global_step: int):
+        status, step = super().train_step(rollout_samples, global_step)
+        self._log_metrics(step, status)
+        return status, step
+
+    def _log_metrics(self, step: int, status: dict) -> None:
+        """hapo's ``metrics.jsonl`` (what ``hapo report`` reads), one line per global step.
+        On the first step of a (resumed) process, lines past the resumed step are dropped."""
+        if not self.strategy.is_rank_0():
+            return
+        path = self._metrics_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._metrics_started and path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < step]
+            path.write_text("".join(k + "\n" for k in keep))
+        self._metrics_started = True
+        row = {"step": step}
+        for k, v in status.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                row[k] = float(v)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+HapoPPOTrainer = ray.remote(HapoPPOTrainerImpl)

@@ -1,0 +1,200 @@
+"""TEST-ONLY: the smallest CPU shim that lets OpenRLHF 0.11.2 run without CUDA.
+
+Every line here is listed and explained in docs/openrlhf.md ("CPU shim"). It is
+installed in the test driver and, through Ray's ``worker_process_setup_hook``, in
+every Ray worker. Nothing in ``hapo_openrlhf`` depends on it.
+
+1. ``torch.cuda``: ``current_device`` returns ``"cpu"`` (OpenRLHF moves tensors with
+   ``.to(torch.cuda.current_device())``); ``set_device``, ``synchronize``,
+   ``empty_cache``, ``current_stream`` do nothing.
+2. DeepSpeed strategy: its ``init_device_mesh("cuda", ...)`` builds a CPU mesh.
+3. Replay buffer: its unused ``target_device`` (``cuda:N``) becomes ``cpu``.
+4. Weight sync: OpenRLHF's NCCL ``stateless_init_process_group`` becomes a
+   standalone gloo group with the same ``broadcast(tensor, src, stream)`` method.
+5. Rollouts: ``create_vllm_engines`` creates :class:`CpuRolloutActor`, a subclass of
+   OpenRLHF's ``RolloutRayActor`` whose vLLM engine is replaced by Hugging Face
+   ``generate`` on CPU. Upstream's ``generate_responses`` (and so its
+   ``SingleTurnAgentExecutor`` and reward-function call) run unchanged.
+Plus, outside this file: ``stubs/`` (import-only ``vllm`` and ``flash_attn``, put on
+the path when the real packages are absent) and ``ray.init(num_gpus=N)`` so Ray's
+``num_gpus=1`` actors can be scheduled.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+STUBS = HERE / "stubs"
+
+
+def stub_path() -> list[str]:
+    """Directories to prepend to the path: the import stubs, when the real packages are missing."""
+    import importlib.util
+
+    missing = [m for m in ("vllm", "flash_attn") if importlib.util.find_spec(m) is None]
+    return [str(STUBS)] if missing else []
+
+
+for _p in reversed(stub_path()):  # before anything imports openrlhf (it imports vllm / flash_attn)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+
+def _cuda_shim() -> None:
+    import torch
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.current_stream = lambda *a, **k: None
+
+
+class GlooBroadcaster:
+    """A standalone gloo group (not the default one DeepSpeed owns) with OpenRLHF's broadcast API."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, *_):
+        import torch.distributed as dist
+
+        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
+                              timeout=timedelta(seconds=300))
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("hapo_weight_sync", store), rank, world_size,
+                                        timedelta(seconds=300))
+
+    def broadcast(self, tensor, src: int = 0, stream=None) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.pg.broadcast([tensor], opts).wait()
+
+
+def install() -> None:
+    """Ray ``worker_process_setup_hook`` (and driver): items 1-4 above."""
+    _cuda_shim()
+    import torch
+    import openrlhf.trainer.ppo_utils.replay_buffer as rb
+    import openrlhf.trainer.ray.ppo_actor as pa
+    import openrlhf.utils.deepspeed.deepspeed as ds
+
+    if not getattr(ds.init_device_mesh, "_hapo_cpu", False):
+        orig_mesh = ds.init_device_mesh
+
+        def cpu_mesh(_device_type, *a, **k):
+            return orig_mesh("cpu", *a, **k)
+
+        cpu_mesh._hapo_cpu = True
+        ds.init_device_mesh = cpu_mesh
+    if not getattr(rb.NaiveReplayBuffer.__init__, "_hapo_cpu", False):
+        orig_init = rb.NaiveReplayBuffer.__init__
+
+        def rb_init(self, *a, **k):
+            torch.cuda.current_device = lambda: 0
+            try:
+                orig_init(self, *a, **k)
+            finally:
+                torch.cuda.current_device = lambda: "cpu"
+            self.target_device = torch.device("cpu")
+
+        rb_init._hapo_cpu = True
+        rb.NaiveReplayBuffer.__init__ = rb_init
+    pa.stateless_init_process_group = GlooBroadcaster
+
+
+def install_driver() -> None:
+    """Driver side: :func:`install` plus item 5 (CPU rollout engines)."""
+    install()
+    import openrlhf.cli.train_ppo_ray as cli
+
+    cli.create_vllm_engines = create_cpu_engines
+
+
+# ------------------------------------------------------------ rollout engine
+def _rollout_base():
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+
+    return RolloutRayActor.__ray_actor_class__
+
+
+class CpuRolloutActorImpl(_rollout_base()):
+    """OpenRLHF's rollout actor with Hugging Face ``generate`` in place of vLLM."""
+
+    async def __init__(self, model: str, seed: int = 0, remote_rm_url=None, max_model_len: int = 2048, **_kw):
+        import torch
+        from openrlhf.utils.agent import SingleTurnAgentExecutor
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.executor = SingleTurnAgentExecutor(remote_rm_url)
+        self.model = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.params = dict(self.model.named_parameters())
+        self.seed = seed
+        self.calls = 0
+        self._mm_pad_token_ids = None
+        self._group = None
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        import torch
+
+        self.calls += 1
+        torch.manual_seed(self.seed * 1_000_003 + self.calls)
+        ids = torch.tensor([prompt_token_ids])
+        eos = self.tokenizer.eos_token_id
+        with torch.no_grad():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                temperature=sampling_params.temperature, top_p=sampling_params.top_p, top_k=0,
+                max_new_tokens=sampling_params.max_tokens, eos_token_id=eos, pad_token_id=eos,
+            )
+        new = out[0, ids.shape[1]:].tolist()
+        if eos in new:
+            new = new[: new.index(eos) + 1]
+        finish = "stop" if (new and new[-1] == eos) else "length"
+        text = self.tokenizer.decode(new, skip_special_tokens=sampling_params.skip_special_tokens)
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=new, text=text, finish_reason=finish, logprobs=None)])
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
+
+    async def init_process_group(self, master_address, master_port, rank_offset, world_size, group_name, backend,
+                                 use_ray):
+        self._group = GlooBroadcaster(master_address, master_port, rank_offset, world_size)
+
+    async def update_weight(self, name, dtype, shape, empty_cache=False):
+        import torch
+
+        w = torch.empty(shape, dtype=dtype)
+        self._group.broadcast(w, src=0)
+        with torch.no_grad():
+            self.params[name].copy_(w)
+
+    def weight_checksum(self) -> float:
+        return float(sum(p.double().sum() for p in self.params.values()))
+
+    async def reset_prefix_cache(self):
+        return None
+
+    async def sleep(self, level=1):
+        return None
+
+    async def wake_up(self, tags=None):
+        return None
+
+
+def create_cpu_engines(num_engines, tensor_parallel_size, pretrain, seed, full_determinism, enable_prefix_caching,
+                       enforce_eager, max_model_len, shared_pg=None, gpu_memory_utilization=None,
+                       vllm_enable_sleep=False, logprobs_mode=None, agent_func_path=None, remote_rm_url=None,
+                       max_images_per_prompt=0):
+    """Same signature as ``openrlhf.trainer.ray.vllm_engine.create_vllm_engines``."""
+    import ray
+
+    if tensor_parallel_size != 1 or agent_func_path:
+        raise ValueError("the CPU rollout engine supports tensor_parallel_size 1 and single-turn rewards only")
+    actor = ray.remote(CpuRolloutActorImpl)
+    return [actor.options(num_cpus=0, num_gpus=0).remote(model=pretrain, seed=seed + i, remote_rm_url=remote_rm_url,
+                                                         max_model_len=max_model_len)
+            for i in range(num_engines)]

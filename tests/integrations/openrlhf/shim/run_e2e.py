@@ -1,0 +1,53 @@
+"""TEST-ONLY driver: OpenRLHF's PPO loop on CPU with hapo's subclasses (see hapo_cpu_shim).
+
+    python run_e2e.py CONFIG OUT_DIR [--set k=v ...]
+
+Starts a real local Ray cluster (logical GPUs only, so OpenRLHF's ``num_gpus=1``
+actors schedule), installs the CPU shim in the driver and -- through
+``worker_process_setup_hook`` -- in every worker, then calls the same
+``hapo_openrlhf.integrations.openrlhf.train.launch`` that ``hapo train --backend
+openrlhf`` calls.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import hapo_cpu_shim  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("out")
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--gpus", type=int, default=2)
+    a = ap.parse_args()
+    hapo_cpu_shim.install_driver()
+    import ray
+
+    from hapo_openrlhf.config import load_config
+    from hapo_openrlhf.integrations.openrlhf.train import launch
+
+    pythonpath = os.pathsep.join([str(HERE), *hapo_cpu_shim.stub_path(), os.environ.get("PYTHONPATH", "")])
+    env = {k: os.environ[k] for k in ("HAPO_OPENRLHF_DUMP_DIR", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
+                                      "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS") if k in os.environ}
+    env.update(PYTHONPATH=pythonpath, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false",
+               RAY_ENABLE_ZERO_COPY_TORCH_TENSORS="1")
+    ray.init(num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": env, "worker_process_setup_hook": "hapo_cpu_shim.install"})
+    try:
+        out = launch(load_config(a.config, a.set), a.out)
+    finally:
+        ray.shutdown()
+    print(json.dumps({"output_dir": str(out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

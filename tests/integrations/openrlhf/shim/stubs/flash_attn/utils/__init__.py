@@ -1,0 +1,1 @@
+"""TEST-ONLY stub (see flash_attn/__init__.py)."""

@@ -1,0 +1,114 @@
+"""registry_advantages on OpenRLHF Experience objects split into micro-batches."""
+
+import pytest
+import torch
+
+from hapo_openrlhf import algos
+from hapo_openrlhf.algos.dapo import overlong_penalty
+from hapo_openrlhf.integrations.openrlhf.experience import registry_advantages
+
+
+def _cfg(estimator="hapo", params=None, overlong=False, max_new=12):
+    return {
+        "rollout": {"max_new_tokens": max_new},
+        "algorithm": {"estimator": estimator, "estimator_params": {"alpha": 0.2, "phi": 2.0} if params is None else params,
+                      "overlong": {"enable": overlong, "cache_len": 4}, "quadrant_quantile": 0.8,
+                      "quadrant_threshold": None},
+    }
+
+
+def _rollout(n_groups=3, n=4, seed=0):
+    """Per-sample (reward, length, entropy row) in OpenRLHF's rollout order (groups contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n_groups * n):
+        L = int(torch.randint(3, 12, (1,), generator=g))
+        rows.append((float(torch.rand(1, generator=g) > 0.5), L, torch.rand(L, generator=g) * 2))
+    return rows
+
+
+def _experiences(rows, split):
+    """OpenRLHF Experience micro-batches (each padded to its own width), rows shuffled across them."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(1)).tolist()
+    exps, i = [], 0
+    for size in split:
+        idx = perm[i:i + size]
+        i += size
+        W = max(rows[j][1] for j in idx)
+        mask = torch.zeros(size, W, dtype=torch.long)
+        ent = torch.zeros(size, W)
+        for r, j in enumerate(idx):
+            mask[r, :rows[j][1]] = 1
+            ent[r, :rows[j][1]] = rows[j][2]
+        e = Experience(sequences=torch.zeros(size, W + 2, dtype=torch.long), action_mask=mask,
+                       rewards=torch.tensor([rows[j][0] for j in idx]),
+                       response_length=torch.tensor([rows[j][1] for j in idx]), index=idx, info={})
+        e.behaviour_entropy = ent
+        exps.append(e)
+    return exps
+
+
+def _whole_batch(rows, n):
+    W = max(L for _, L, _ in rows)
+    mask = torch.zeros(len(rows), W, dtype=torch.bool)
+    ent = torch.zeros(len(rows), W)
+    for j, (_, L, h) in enumerate(rows):
+        mask[j, :L] = True
+        ent[j, :L] = h
+    rewards = torch.tensor([r for r, _, _ in rows])
+    return algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=ent,
+                                 group_index=torch.arange(len(rows)) // n)
+
+
+@pytest.mark.parametrize("estimator, params", [
+    ("hapo", {"alpha": 0.2, "phi": 2.0}), ("grpo", {}), ("quadrant", {"quadrants": ["PHR", "NLR"]}),
+    ("forking", {"rho": 0.2}), ("hapo", {"alpha": 0.2, "phi": 2.0, "ablate": ["PLR"]}),
+])
+def test_split_micro_batches_equal_the_whole_batch_registry_output(estimator, params):
+    rows, n = _rollout(), 4
+    exps = _experiences(rows, [5, 3, 4])
+    registry_advantages(exps, _cfg(estimator, params), n)
+    want = algos.run_estimator(estimator, _whole_batch(rows, n), **params)
+    for e in exps:
+        for r, j in enumerate(e.index):
+            L = rows[j][1]
+            torch.testing.assert_close(e.advantages[r, :L], want.advantages[j, :L])
+            assert float(e.advantages[r, L:].abs().sum()) == 0
+            keep = want.loss_mask[j, :L] if want.loss_mask is not None else torch.ones(L, dtype=torch.bool)
+            assert e.action_mask[r, :L].bool().tolist() == keep.tolist()  # quadrant masks shrink the loss
+        assert e.returns is not e.advantages and torch.equal(e.returns, e.advantages)
+        assert set(e.info) >= {"quadrant/threshold", "entropy/behaviour_mean", "return"}
+        assert all(v.shape == (len(e.index),) for v in e.info.values())  # OpenRLHF splits info per sample
+
+
+def test_overlong_penalty_is_in_the_reward_before_the_estimator():
+    rows, n = _rollout(seed=2), 4
+    exps = _experiences(rows, [6, 6])
+    registry_advantages(exps, _cfg("grpo", {}, overlong=True, max_new=11), n)
+    inp = _whole_batch(rows, n)
+    pen = overlong_penalty(torch.tensor([L for _, L, _ in rows]), 11, 4)
+    assert float(pen.min()) < 0  # the test data does hit the overlong window
+    want = algos.run_estimator("grpo", algos.AdvantageInputs(
+        rewards=inp.rewards + pen, response_mask=inp.response_mask, entropy=inp.entropy,
+        group_index=inp.group_index))
+    for e in exps:
+        for r, j in enumerate(e.index):
+            torch.testing.assert_close(e.advantages[r, :rows[j][1]], want.advantages[j, :rows[j][1]])
+            assert float(e.rewards[r]) == pytest.approx(rows[j][0] + float(pen[j]))
+
+
+def test_bad_batches_are_errors():
+    rows, n = _rollout(), 4
+    exps = _experiences(rows[:10], [5, 5])  # 10 rows are not whole groups of 4
+    with pytest.raises(ValueError, match="whole groups"):
+        registry_advantages(exps, _cfg(), n)
+    exps = _experiences(rows, [6, 6])
+    exps[1].behaviour_entropy = exps[1].behaviour_entropy[:, :-1]
+    with pytest.raises(RuntimeError, match="does not match"):
+        registry_advantages(exps, _cfg(), n)
+    exps = _experiences(rows, [6, 6])
+    exps[0].rewards[0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite reward"):
+        registry_advantages(exps, _cfg(), n)

@@ -1,0 +1,124 @@
+"""Every OpenRLHF name hapo overrides or calls, pinned to 0.11.2: an upgrade fails here, not mid-run."""
+
+import inspect
+import re
+from importlib.metadata import version
+
+import pytest
+
+# inspect.signature of the pinned version (Ray's `_ray_trace_ctx` keyword is stripped)
+PINNED = {
+    "PolicyModelActor.forward": "(self, sequences: torch.LongTensor, action_mask: Union[int, list[int], NoneType] = None, attention_mask: Optional[torch.Tensor] = None, packed_seq_lens=None, mm_train_inputs_list=None) -> torch.Tensor",
+    "PolicyModelActor.init_model_from_pretrained": "(self, strategy: openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy, pretrain, max_steps=None, vllm_engines=None)",
+    "BaseModelActor.execute_batch": "(self, method_name: str, all_data, start_idx, end_idx)",
+    "ActorPPOTrainer.training_step": "(self, experience: openrlhf.trainer.ppo_utils.experience.Experience, kl_ctl: float, step: int, loss_batch_info: Optional[Dict] = None) -> Dict[str, float]",
+    "PolicyLoss.forward": "(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, action_mask: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None, dp_size: int = 1, batch_num_tokens: Optional[float] = None, global_batch_size: Optional[float] = None) -> torch.Tensor",
+    "Actor.forward": "(self, sequences: torch.LongTensor, action_mask: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None, return_output=False, allgather_logits=False, return_logprobs=False, ring_attn_group: Optional[torch.distributed.distributed_c10d.ProcessGroup] = None, packed_seq_lens: Optional[list[int]] = None, return_entropy=False, **mm_inputs) -> torch.Tensor",
+    "RemoteExperienceMaker.__init__": "(self, actor_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, critic_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, reward_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, initial_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, kl_controller, strategy, tokenizer, **kwargs)",
+    "RemoteExperienceMaker.make_experience": "(self, samples_list: List[openrlhf.trainer.ppo_utils.experience.Experience]) -> List[openrlhf.trainer.ppo_utils.experience.Experience]",
+    "RemoteExperienceMaker.compute_advantages_and_returns": "(self, experiences: List[openrlhf.trainer.ppo_utils.experience.Experience]) -> List[openrlhf.trainer.ppo_utils.experience.Experience]",
+    "RemoteExperienceMaker._flatten_results": "(self, refs, duplicate_factor)",
+    "PPOTrainer.__init__": "(self, pretrain: str, strategy: openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy, actor_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, critic_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, reward_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, reference_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, vllm_engines, **generate_kwargs) -> None",
+    "BasePPOTrainer.train_step": "(self, rollout_samples, global_step: int) -> Tuple[Dict, int]",
+    "RayActorGroup.async_run_method": "(self, method_name, *args, **kwargs)",
+    "RayActorGroup.async_run_method_batch": "(self, method_name, **kwargs)",
+    "train_ppo_ray.train": "(args)",
+    "create_vllm_engines": "(num_engines: int, tensor_parallel_size: int, pretrain: str, seed: int, full_determinism: bool, enable_prefix_caching: bool, enforce_eager: bool, max_model_len: int, shared_pg=None, gpu_memory_utilization=None, vllm_enable_sleep=False, logprobs_mode=None, agent_func_path: Optional[str] = None, remote_rm_url: Optional[str] = None, max_images_per_prompt: int = 0)",
+    "RolloutRayActor.generate": "(self, prompt_token_ids, sampling_params, multi_modal_data=None)",
+    "RolloutRayActor.generate_responses": "(self, prompt: str, label: str, sampling_params, max_length: int, hf_tokenizer, num_samples: int = 1, images=None)",
+    "RolloutRayActor.init_process_group": "(self, master_address, master_port, rank_offset, world_size, group_name, backend, use_ray)",
+    "RolloutRayActor.update_weight": "(self, name, dtype, shape, empty_cache=False)",
+    "hierarchize": "(args)",
+}
+
+
+def _sig(obj) -> str:
+    s = str(inspect.signature(obj))
+    return re.sub(r", \*, _ray_trace_ctx=None|_ray_trace_ctx=None, |, _ray_trace_ctx=None", "", s)
+
+
+def _upstream():
+    from openrlhf.cli import train_ppo_ray
+    from openrlhf.models import Actor, PolicyLoss
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer, PPOTrainer
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from openrlhf.trainer.ray.launcher import BaseModelActor, RayActorGroup
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, create_vllm_engines
+    from openrlhf.utils.config import hierarchize
+
+    P, T, R = PolicyModelActor.__ray_actor_class__, PPOTrainer.__ray_actor_class__, RolloutRayActor.__ray_actor_class__
+    return {
+        "PolicyModelActor.forward": P.forward, "PolicyModelActor.init_model_from_pretrained": P.init_model_from_pretrained,
+        "BaseModelActor.execute_batch": BaseModelActor.execute_batch,
+        "ActorPPOTrainer.training_step": ActorPPOTrainer.training_step,
+        "PolicyLoss.forward": PolicyLoss.forward, "Actor.forward": Actor.forward,
+        "RemoteExperienceMaker.__init__": RemoteExperienceMaker.__init__,
+        "RemoteExperienceMaker.make_experience": RemoteExperienceMaker.make_experience,
+        "RemoteExperienceMaker.compute_advantages_and_returns": RemoteExperienceMaker.compute_advantages_and_returns,
+        "RemoteExperienceMaker._flatten_results": RemoteExperienceMaker._flatten_results,
+        "PPOTrainer.__init__": T.__init__, "BasePPOTrainer.train_step": BasePPOTrainer.train_step,
+        "RayActorGroup.async_run_method": RayActorGroup.async_run_method,
+        "RayActorGroup.async_run_method_batch": RayActorGroup.async_run_method_batch,
+        "train_ppo_ray.train": train_ppo_ray.train, "create_vllm_engines": create_vllm_engines,
+        "RolloutRayActor.generate": R.generate, "RolloutRayActor.generate_responses": R.generate_responses,
+        "RolloutRayActor.init_process_group": R.init_process_group, "RolloutRayActor.update_weight": R.update_weight,
+        "hierarchize": hierarchize,
+    }
+
+
+def test_pinned_version():
+    assert version("openrlhf") == "0.11.2"
+    assert version("deepspeed") == "0.19.6"
+    assert version("transformers") == "5.15.0"
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_upstream_signature_unchanged(name):
+    assert _sig(_upstream()[name]) == PINNED[name]
+
+
+def _params(fn):
+    return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values() if p.name != "_ray_trace_ctx"]
+
+
+def test_overrides_keep_upstream_signatures():
+    from hapo_openrlhf.integrations.openrlhf.actor import HapoPolicyModelActorImpl
+    from hapo_openrlhf.integrations.openrlhf.loss import HapoPolicyLoss
+    from hapo_openrlhf.integrations.openrlhf.trainer import HapoPPOTrainerImpl
+
+    up = _upstream()
+    assert _params(HapoPolicyLoss.forward) == _params(up["PolicyLoss.forward"])
+    assert _params(HapoPolicyModelActorImpl.forward) == _params(up["PolicyModelActor.forward"])
+    assert _params(HapoPolicyModelActorImpl.init_model_from_pretrained) == \
+        _params(up["PolicyModelActor.init_model_from_pretrained"])
+    assert [n for n, *_ in _params(HapoPPOTrainerImpl.__init__)] == [n for n, *_ in _params(up["PPOTrainer.__init__"])]
+    assert _params(HapoPPOTrainerImpl.train_step)[:3] == _params(up["BasePPOTrainer.train_step"])[:3]
+
+
+def test_call_sites_hapo_relies_on():
+    """The source lines the seam depends on: the loss call and its 5-tuple, the experience
+    maker's construction, the estimator hook, and the main block's closing train(args)."""
+    from openrlhf.cli import train_ppo_ray
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ppo_utils import experience_maker
+    from openrlhf.trainer.ray import ppo_actor
+
+    actor_src = inspect.getsource(ppo_actor)
+    assert "actor_loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = self.actor_loss_fn(" in actor_src
+    assert "self.actor_loss_fn = PolicyLoss(" in actor_src
+    assert "return_entropy=self.args.actor.entropy_coef is not None" in actor_src
+    assert "self.experience_maker = RemoteExperienceMaker(" in inspect.getsource(ppo_trainer)
+    em = inspect.getsource(experience_maker)
+    assert "experiences = self.compute_advantages_and_returns(experiences)" in em
+    assert "samples.action_log_probs = action_log_probs" in em
+    cli_src = inspect.getsource(train_ppo_ray)
+    assert cli_src.rstrip().endswith("train(args)")
+    assert "from openrlhf.trainer.ppo_trainer import PPOTrainer" in cli_src
+    assert "PolicyModelActor,\n" in cli_src
+
+
+def test_cpu_shim_engine_factory_mirrors_upstream():
+    import hapo_cpu_shim
+
+    assert _params(hapo_cpu_shim.create_cpu_engines) == _params(_upstream()["create_vllm_engines"])
