@@ -75,7 +75,7 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
         exp_rows = _jsonl(dump / f"experiences_step{step}.jsonl")
         by_tokens = {tuple(r["tokens"]): r["advantages"] for r in exp_rows}
         got = loss_rows[(step - 1) * 16: step * 16]
-        assert sorted(tuple(r["tokens"]) for r in got) == sorted(by_tokens)
+        assert sorted(tuple(r["tokens"]) for r in got) == sorted(tuple(r["tokens"]) for r in exp_rows)
         for r in got:
             assert r["advantages"] == pytest.approx(by_tokens[tuple(r["tokens"])], abs=1e-6)
         for i, r in enumerate(exp_rows):  # experiences rows are the registry rows, in order
