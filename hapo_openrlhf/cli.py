@@ -3,6 +3,8 @@
     hapo train --config configs/cpu_tiny.yaml [--output-dir DIR] [--resume] [--set k=v ...]
     hapo train --backend openrlhf --config configs/qwen25_math_7b_hapo.yaml [--print-command]
     hapo eval --model DIR [--benchmarks aime24,math500,...] [--output-dir DIR]
+    hapo submit CONFIG [--nodes N --gpus-per-node G --partition P --time T --account A] [--dry-run]
+    hapo scale CONFIG --nodes 1,2,4,8 | hapo scale --collect BASE_DIR
     hapo report RUN_DIR [RUN_DIR ...]
     hapo list
 """
@@ -21,6 +23,7 @@ def _train(args) -> int:
 
     from .config import load_config
     from .local.progress import RichProgress, summary_table
+    from .preemption import EXIT_PREEMPTED, Preempted, on_stop_signal
     from .local.trainer import LocalTrainer
     from .report.html import build_report
 
@@ -35,10 +38,10 @@ def _train(args) -> int:
         if args.resume:
             print("note: the openrlhf back end always resumes from its newest checkpoint (--ckpt.load_enable)",
                   file=sys.stderr)
-        from .integrations.openrlhf.train import launch
+        from .integrations.openrlhf.train import main as openrlhf_main
 
-        print(json.dumps({"output_dir": str(launch(cfg, args.output_dir))}))
-        return 0
+        return openrlhf_main(["--config", args.config, *(["--output-dir", args.output_dir] if args.output_dir else []),
+                              *[x for kv in overrides for x in ("--set", kv)]])
     if args.print_command:
         raise ValueError("--print-command is for --backend openrlhf (the local back end runs in this process)")
     if cfg.backend != "local":
@@ -47,8 +50,18 @@ def _train(args) -> int:
     trainer = LocalTrainer(cfg, args.output_dir, resume=args.resume)
     console.print(f"[bold]hapo[/] {cfg.run_name}: estimator={cfg.algorithm.estimator} loss={cfg.algorithm.loss} "
                   f"-> {trainer.out}")
-    with RichProgress(cfg.warmup.steps, cfg.trainer.steps, console) as prog:
-        summary = trainer.fit(progress=prog)
+
+    def _stop(signum):
+        trainer.stop_requested = True
+        print(f"hapo: signal {signum}: checkpointing at the end of this step, then exiting", file=sys.stderr)
+
+    on_stop_signal(_stop)
+    try:
+        with RichProgress(cfg.warmup.steps, cfg.trainer.steps, console) as prog:
+            summary = trainer.fit(progress=prog)
+    except Preempted as e:
+        print(json.dumps({"preempted_at_step": e.step, "output_dir": str(trainer.out)}))
+        return EXIT_PREEMPTED
     console.print(summary_table(summary))
     if cfg.trainer.steps:
         console.print(f"report: {build_report([trainer.out], trainer.out / 'report')}")
@@ -78,6 +91,68 @@ def _eval(args) -> int:
     print(markdown_table(args.model, report["results"]))
     print(json.dumps({"results": str(Path(out) / "results.json")}))
     return 0
+
+
+def _submit_options(args):
+    from .cluster.sbatch import SubmitOptions
+
+    return SubmitOptions(
+        nodes=getattr(args, "nodes_n", None), gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
+        partition=args.partition, account=args.account, time=args.time, signal_seconds=args.signal_seconds,
+        max_requeues=args.max_requeues, ray_port=args.ray_port, array=getattr(args, "array", None),
+        output_dir=args.output_dir, sets=tuple(args.set), extra_sbatch=tuple(args.sbatch),
+        ray_check=getattr(args, "ray_check", False),
+    )
+
+
+def _submit(args) -> int:
+    from .cluster.sbatch import output_dir_of, render, submit
+
+    opts = _submit_options(args)
+    script = render(args.config, opts)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    job = submit(script, output_dir_of(args.config, opts), test_only=args.test_only)
+    print(json.dumps({"test_only": job} if args.test_only else {"job_id": job,
+                      "output_dir": str(output_dir_of(args.config, opts))}))
+    return 0
+
+
+def _scale(args) -> int:
+    from .cluster.scale import collect, parse_nodes, submit_scaling
+
+    if args.collect:
+        table = collect(Path(args.collect))
+        print((Path(args.collect) / "scale.md").read_text(), end="")
+        print(json.dumps({"table": table}))
+        return 0
+    if not args.config:
+        raise ValueError("hapo scale needs CONFIG (or --collect BASE_DIR)")
+    from .config import load_config
+
+    base = Path(args.output_dir or (load_config(args.config, args.set).output_dir + "_scale"))
+    args.output_dir = None
+    jobs = submit_scaling(args.config, parse_nodes(args.nodes), _submit_options(args), base, args.dry_run)
+    if not args.dry_run:
+        print(json.dumps({"jobs": jobs, "collect": f"hapo scale --collect {base}"}))
+    return 0
+
+
+def _add_slurm_args(p) -> None:
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: openrlhf.actor_gpus_per_node")
+    p.add_argument("--cpus-per-task", type=int, default=None)
+    p.add_argument("--partition", default=None)
+    p.add_argument("--account", default=None)
+    p.add_argument("--time", default="24:00:00")
+    p.add_argument("--signal-seconds", type=int, default=300, help="USR1 this long before the time limit")
+    p.add_argument("--max-requeues", type=int, default=20)
+    p.add_argument("--ray-port", type=int, default=6379)
+    p.add_argument("--output-dir", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="an extra #SBATCH option, e.g. --sbatch=--qos=high")
+    p.add_argument("--dry-run", action="store_true", help="print the rendered script, submit nothing")
 
 
 def _report(args) -> int:
@@ -122,6 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-prompts", type=int, default=16)
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(fn=_eval)
+    s = sub.add_parser("submit", help="render the sbatch script for a run config and submit it")
+    s.add_argument("config")
+    s.add_argument("--nodes", dest="nodes_n", type=int, default=None, help="default: openrlhf.actor_num_nodes or 1")
+    s.add_argument("--array", default=None, help="'seeds=1,2,3' or 'quadrants': one array task each")
+    s.add_argument("--test-only", action="store_true", help="sbatch --test-only: validate, do not queue")
+    s.add_argument("--ray-check", action="store_true", help="only bring Ray up on every node and report (no training)")
+    _add_slurm_args(s)
+    s.set_defaults(fn=_submit)
+    sc = sub.add_parser("scale", help="submit a run at several node counts; --collect tabulates tokens/s")
+    sc.add_argument("config", nargs="?")
+    sc.add_argument("--nodes", default="1,2,4,8")
+    sc.add_argument("--collect", default=None, metavar="BASE_DIR")
+    _add_slurm_args(sc)
+    sc.set_defaults(fn=_scale)
     r = sub.add_parser("report", help="plots from one or more run directories")
     r.add_argument("run_dirs", nargs="+")
     r.add_argument("--output-dir", default=None, help="default: RUN_DIR/report (one run) or ./hapo_report")

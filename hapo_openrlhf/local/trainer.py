@@ -23,6 +23,7 @@ from ..algos.advantages import grpo_sequence_advantage
 from ..checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ..config import RunConfig, dump_config
 from ..data.templates import apply_template
+from ..preemption import Preempted
 from ..rewards import MathVerifier, RewardStats
 from .data import make_datasets
 from .evaluate import evaluate
@@ -53,6 +54,7 @@ class Batch:
 
 class LocalTrainer:
     def __init__(self, cfg: RunConfig, output_dir: str | Path | None = None, resume: bool = False):
+        self.stop_requested = False  # set by a signal handler (see cli.py); checked at step boundaries
         self.cfg = cfg
         self.out = Path(output_dir or cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
@@ -265,6 +267,7 @@ class LocalTrainer:
             "reward/accuracy": float(batch.correct.float().mean()),
             **self.verifier.stats.metrics(),
             "response/length_mean": float(lengths.mean()),
+            "response/tokens": float(lengths.sum()),
             "response/truncated_frac": float(batch.rollout.truncated_B.float().mean()),
             "actor/entropy": float(ent[mask].mean()),
             "actor/entropy_after": float(ent_after[mask].mean()),
@@ -289,8 +292,19 @@ class LocalTrainer:
             self.logger.log(s, metrics)
             if progress:
                 progress.step(s, metrics)
+            saved = False
             if cfg.trainer.save_every and (s % cfg.trainer.save_every == 0 or s == cfg.trainer.steps):
                 self.save()
+                saved = True
+            if self.stop_requested and s < cfg.trainer.steps:
+                # preemption / time limit (SIGUSR1 or SIGTERM): a complete checkpoint at this
+                # step boundary, then stop; `--resume` continues exactly from here
+                if not saved:
+                    self.save()
+                log.warning("stop requested: checkpointed step %d, exiting for requeue", s)
+                self.logger.close()
+                self.verifier.close()
+                raise Preempted(s)
         final = self.evaluate()
         self.logger.log(self.state.step, {**final, "final": 1})
         save_hf(self.model, self.tok, self.out / "final_model")

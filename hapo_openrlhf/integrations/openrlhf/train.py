@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...config import RunConfig, load_config
+from ...preemption import EXIT_PREEMPTED
 from .flags import RunPaths, build_argv
 
 
@@ -116,6 +117,13 @@ def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
     return paths.out
 
 
+def _is_preempted(e: BaseException) -> bool:
+    """Ray re-raises the controller's ``Preempted`` as a ``RayTaskError`` subclass of it (or wraps it)."""
+    from ...preemption import Preempted
+
+    return isinstance(e, Preempted) or isinstance(getattr(e, "cause", None), Preempted)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hapo_openrlhf.integrations.openrlhf.train")
     ap.add_argument("--config", required=True)
@@ -130,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(build_argv(cfg, a.output_dir)))
             return 0
         out = launch(cfg, a.output_dir)
-    except (ValueError, OSError) as e:
+    except Exception as e:
+        if _is_preempted(e):
+            print(f"hapo: {e}", file=sys.stderr)
+            return EXIT_PREEMPTED
+        if not isinstance(e, (ValueError, OSError)):
+            raise
         print(f"hapo: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"output_dir": str(out)}))

@@ -16,6 +16,7 @@ from pathlib import Path
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
+from ...preemption import Preempted, request_flag
 from .experience import HapoExperienceMaker
 
 
@@ -40,6 +41,20 @@ class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
         status, step = super().train_step(rollout_samples, global_step)
         self._log_metrics(step, status)
         return status, step
+
+    def save_logs_and_checkpoints(self, global_step: int, logs_dict=None, client_states=None) -> None:
+        """Upstream's, plus preemption: when the Slurm job has written the stop flag, this
+        step's checkpoint is forced (save_steps=1 for this call) and the fit loop stops."""
+        stop = request_flag(self.args.hapo["output_dir"]).exists()
+        every = self.args.ckpt.save_steps
+        if stop:
+            self.args.ckpt.save_steps = 1
+        try:
+            super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        finally:
+            self.args.ckpt.save_steps = every
+        if stop:
+            raise Preempted(global_step)
 
     def _log_metrics(self, step: int, status: dict) -> None:
         """hapo's ``metrics.jsonl`` (what ``hapo report`` reads), one line per global step.

@@ -97,11 +97,23 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
                                            rtol=0.02, atol=0.02)
     assert nonzero > 0, "no informative group: the e2e run would not test the advantages"
 
-    # OpenRLHF's own resume path: a second episode continues from global_step2
+    # preemption: with the stop flag present (what the Slurm job writes on SIGUSR1), the
+    # controller finishes global step 3, forces its checkpoint and the entry point exits 85
+    from hapo_openrlhf.preemption import EXIT_PREEMPTED, request_flag
+
+    request_flag(out).touch()
     p = _run(out, tmp_path / "dump2", f"model.path={warm_model}", "openrlhf.num_episodes=2")
     log = p.stdout + p.stderr
+    assert p.returncode == EXIT_PREEMPTED, log[-6000:]
+    assert "Loading the checkpoint" in log and "Global step 1:" not in log and "Global step 3:" in log
+    assert "Global step 4:" not in log and _steps(out) == [1, 2, 3]
+    assert "global_step3" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}  # save_every 1: forced anyway
+
+    # OpenRLHF's own resume path: the requeued launch continues from global_step3
+    request_flag(out).unlink()
+    p = _run(out, tmp_path / "dump3", f"model.path={warm_model}", "openrlhf.num_episodes=2")
+    log = p.stdout + p.stderr
     assert p.returncode == 0, log[-6000:]
-    assert "Loading the checkpoint" in log
-    assert "Global step 1:" not in log and "Global step 3:" in log
+    assert "Loading the checkpoint" in log and "Global step 3:" not in log and "Global step 4:" in log
     assert _steps(out) == [1, 2, 3, 4]
-    assert {"global_step3", "global_step4"} <= {d.name for d in (out / "ckpt" / "_actor").iterdir()}
+    assert "global_step4" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}

@@ -6,11 +6,10 @@ Starts a real local Ray cluster (logical GPUs only, so OpenRLHF's ``num_gpus=1``
 actors schedule), installs the CPU shim in the driver and -- through
 ``worker_process_setup_hook`` -- in every worker, then calls the same
 ``hapo_openrlhf.integrations.openrlhf.train.launch`` that ``hapo train --backend
-openrlhf`` calls.
+openrlhf`` calls (``hapo_openrlhf.integrations.openrlhf.train.main``).
 """
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -31,22 +30,19 @@ def main() -> int:
     hapo_cpu_shim.install_driver()
     import ray
 
-    from hapo_openrlhf.config import load_config
-    from hapo_openrlhf.integrations.openrlhf.train import launch
+    from hapo_openrlhf.integrations.openrlhf.train import main as train_main
 
     pythonpath = os.pathsep.join([str(HERE), *hapo_cpu_shim.stub_path(), os.environ.get("PYTHONPATH", "")])
     env = {k: os.environ[k] for k in ("HAPO_OPENRLHF_DUMP_DIR", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
                                       "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS") if k in os.environ}
     env.update(PYTHONPATH=pythonpath, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false",
                RAY_ENABLE_ZERO_COPY_TORCH_TENSORS="1")
-    ray.init(num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,
+    ray.init(address="local", num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": env, "worker_process_setup_hook": "hapo_cpu_shim.install"})
-    try:
-        out = launch(load_config(a.config, a.set), a.out)
+    try:  # the same entry point as `hapo train --backend openrlhf` (exit 85: preempted)
+        return train_main(["--config", a.config, "--output-dir", a.out, *[x for kv in a.set for x in ("--set", kv)]])
     finally:
         ray.shutdown()
-    print(json.dumps({"output_dir": str(out)}))
-    return 0
 
 
 if __name__ == "__main__":

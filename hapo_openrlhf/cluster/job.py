@@ -1,0 +1,135 @@
+"""The sbatch step: (Ray bring-up,) train, and on a stop signal checkpoint + requeue.
+
+    python -m hapo_openrlhf.cluster.job --config C --output-dir OUT [--set k=v ...]
+
+Run by the script ``hapo submit`` renders (``exec``-ed, so this process is the batch
+shell and receives ``--signal=B:USR1@<s>``). On every start it logs
+``SLURM_RESTART_COUNT`` and trains with ``--resume`` semantics (the newest complete
+checkpoint, or from scratch when there is none). On SIGUSR1/SIGTERM it asks the
+trainer to checkpoint at the next step boundary (local: the signal is forwarded;
+OpenRLHF: a flag file the controller checks after each global step); when the
+trainer exits with ``EXIT_PREEMPTED`` it runs ``scontrol requeue`` -- at most
+``--max-requeues`` times -- and exits 0. Events go to ``OUT/slurm_events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import load_config
+from ..preemption import EXIT_PREEMPTED, on_stop_signal, request_flag
+
+
+class Events:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def log(self, event: str, **kw) -> None:
+        row = {"time": time.time(), "event": event, "job_id": _job_id(),
+               "restart_count": int(os.environ.get("SLURM_RESTART_COUNT") or 0), **kw}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"hapo job: {json.dumps(row)}", flush=True)
+
+
+def _job_id() -> str | None:
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def _train_command(backend: str, config: str, out: Path, sets: list[str]) -> list[str]:
+    s = [x for kv in sets for x in ("--set", kv)]
+    if backend == "local":
+        return [sys.executable, "-m", "hapo_openrlhf", "train", "--config", config, "--output-dir", str(out), "--resume", *s]
+    if backend == "openrlhf":  # resumes on its own (--ckpt.load_enable)
+        return [sys.executable, "-m", "hapo_openrlhf.integrations.openrlhf.train", "--config", config,
+                "--output-dir", str(out), *s]
+    raise ValueError(f"backend {backend!r} cannot run under Slurm yet")
+
+
+RAY_PROBE = ("import json, ray; ray.init(); "
+             "print(json.dumps({'ray_nodes': sum(n['Alive'] for n in ray.nodes())}))")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hapo_openrlhf.cluster.job")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--max-requeues", type=int, default=20)
+    ap.add_argument("--array-sets", default=None, help="JSON list of {suffix, sets}, indexed by SLURM_ARRAY_TASK_ID")
+    ap.add_argument("--ray-port", type=int, default=6379)
+    ap.add_argument("--ray-timeout", type=float, default=300)
+    ap.add_argument("--ray-check", action="store_true", help="bring Ray up on every node, report, exit (no training)")
+    a = ap.parse_args(argv)
+
+    out, sets = Path(a.output_dir), list(a.set)
+    if a.array_sets:
+        task = json.loads(a.array_sets)[int(os.environ["SLURM_ARRAY_TASK_ID"])]
+        out, sets = out / task["suffix"], sets + task["sets"]
+    out.mkdir(parents=True, exist_ok=True)
+    events = Events(out / "slurm_events.jsonl")
+    restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    events.log("start", nodes=os.environ.get("SLURM_JOB_NODELIST"), output_dir=str(out))
+    flag = request_flag(out)
+    flag.unlink(missing_ok=True)
+    cfg = load_config(a.config, sets)
+
+    state: dict = {"signal": None, "child": None}
+
+    def on_signal(signum: int) -> None:
+        if state["signal"] is None:
+            events.log("stop_signal", signal=signal.Signals(signum).name)
+        state["signal"] = signum
+        flag.touch()  # OpenRLHF: the controller checks it after each global step
+        child = state["child"]
+        if child is not None and child.poll() is None and cfg.backend == "local":
+            child.send_signal(signal.SIGUSR1)
+
+    on_stop_signal(on_signal)
+    ray = None
+    env = dict(os.environ)
+    if cfg.backend == "openrlhf" or a.ray_check:
+        from .ray_cluster import RayCluster, allocation_hosts
+
+        hosts = allocation_hosts()
+        ray = RayCluster(hosts, a.ray_port, a.ray_timeout, log_dir=out)  # GPUs: Ray detects them
+        try:
+            nodes = ray.start().wait_for_nodes()
+        except (RuntimeError, TimeoutError) as e:
+            events.log("ray_failed", error=str(e))
+            print(f"hapo job: error: {e}", file=sys.stderr)
+            return 1
+        events.log("ray_up", address=ray.address, nodes=len(nodes))
+        env["RAY_ADDRESS"] = ray.address
+    cmd = [sys.executable, "-c", RAY_PROBE] if a.ray_check else _train_command(cfg.backend, a.config, out, sets)
+    try:
+        child = subprocess.Popen(cmd, env=env)
+        state["child"] = child
+        rc = child.wait()
+    finally:
+        if ray is not None:
+            ray.stop()
+    preempted = rc == EXIT_PREEMPTED or (state["signal"] is not None and rc != 0)
+    if not preempted:
+        events.log("end", returncode=rc)
+        return rc
+    if restart >= a.max_requeues:
+        events.log("requeue_limit", returncode=rc, max_requeues=a.max_requeues)
+        print(f"hapo job: error: stopped after {restart} requeues (--max-requeues {a.max_requeues})", file=sys.stderr)
+        return 1
+    p = subprocess.run(["scontrol", "requeue", _job_id() or ""], capture_output=True, text=True)
+    events.log("requeue", returncode=rc, scontrol=p.returncode, message=(p.stderr or p.stdout).strip())
+    return 0 if p.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

