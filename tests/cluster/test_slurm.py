@@ -152,3 +152,38 @@ def test_scale_collect_arithmetic(tmp_path):
     t1, t2 = collect(tmp_path)
     assert t1["step_time_s"] == 2.0 and t1["tokens_per_s"] == 500.0  # first step (start-up) skipped
     assert t2["speedup"] == pytest.approx(1.6) and t2["efficiency"] == pytest.approx(0.8)
+
+
+TINY = ["warmup.steps=20", "data.synthetic.eval_size=8", "rollout.prompts_per_step=4", "trainer.steps=2",
+        "trainer.eval_every=0", "trainer.sample_every=0", "eval.n_samples=1"]
+
+
+def test_seed_array(slurm, tmp_path):
+    out = tmp_path / "arr"
+    sets = [x for kv in TINY for x in ("--set", kv)]
+    job = _submit(["configs/cpu_tiny.yaml", "--array", "seeds=3,4", "--output-dir", str(out), "--time", "0:30:00", *sets])
+    for task in ("0", "1"):
+        st = slurm.wait_for(f"{job}_{task}", timeout=900)
+        assert st["JobState"] == "COMPLETED", st
+    import yaml
+
+    for seed in (3, 4):
+        d = out / f"seed{seed}"
+        assert yaml.safe_load((d / "config.yaml").read_text())["seed"] == seed
+        assert (d / "summary.json").exists() and _events(d)[-1]["event"] == "end"
+    assert len(list(out.glob("slurm-*_*.out"))) == 2  # %A_%a logs
+
+
+def test_requeue_limit_fails_the_job(slurm, tmp_path):
+    out = tmp_path / "lim"
+    job = _submit(["configs/cpu_tiny.yaml", "--max-requeues", "0", "--output-dir", str(out), "--time", "0:30:00",
+                   *_sets()])
+    t0 = time.time()
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
+        assert time.time() - t0 < 600, "job made no progress"
+        time.sleep(0.5)
+    slurm.run("scancel", "--batch", "--signal=USR1", job)
+    st = slurm.wait_for(job, timeout=600)
+    assert st["JobState"] == "FAILED"
+    assert [e["event"] for e in _events(out)] == ["start", "stop_signal", "requeue_limit"]
+    assert (out / "checkpoints" / "latest").exists()  # nothing lost: the stop checkpoint is there

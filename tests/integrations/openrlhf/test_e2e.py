@@ -57,7 +57,8 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
 
     # OpenRLHF's loop ran two global steps (8 prompts, 4 per step) and checkpointed each
     assert _steps(out) == [1, 2]
-    assert {"global_step1", "global_step2"} <= {d.name for d in (out / "ckpt" / "_actor").iterdir()}
+    tags = {d.name for d in (out / "ckpt" / "_actor").iterdir()}
+    assert "global_step2" in tags and "global_step1" not in tags  # save_every 2
     assert (out / "final" / "config.json").exists() and json.loads((out / "final" / "hapo.json").read_text())
     m = _jsonl(out / "metrics.jsonl")
     assert all("quadrant/threshold" in r and "policy_loss" in r for r in m)  # hapo metrics via experience.info
@@ -107,7 +108,7 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
     assert p.returncode == EXIT_PREEMPTED, log[-6000:]
     assert "Loading the checkpoint" in log and "Global step 1:" not in log and "Global step 3:" in log
     assert "Global step 4:" not in log and _steps(out) == [1, 2, 3]
-    assert "global_step3" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}  # save_every 1: forced anyway
+    assert "global_step3" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}  # forced: 3 % 2 != 0
 
     # OpenRLHF's own resume path: the requeued launch continues from global_step3
     request_flag(out).unlink()
