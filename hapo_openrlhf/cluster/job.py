@@ -8,8 +8,9 @@ shell and receives ``--signal=B:USR1@<s>``). On every start it logs
 checkpoint, or from scratch when there is none). On SIGUSR1/SIGTERM it asks the
 trainer to checkpoint at the next step boundary (local: the signal is forwarded;
 OpenRLHF: a flag file the controller checks after each global step); when the
-trainer exits with ``EXIT_PREEMPTED`` it runs ``scontrol requeue`` -- at most
-``--max-requeues`` times -- and exits 0. Events go to ``OUT/slurm_events.jsonl``.
+trainer exits after a USR1 it runs ``scontrol requeue`` -- at most ``--max-requeues``
+times -- and exits 0; after a SIGTERM (plain ``scancel``, hard limit, scheduler
+preemption) it only checkpoints and stops. Events go to ``OUT/slurm_events.jsonl``.
 """
 
 from __future__ import annotations
@@ -114,14 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         child = subprocess.Popen(cmd, env=env)
         state["child"] = child
+        if state["signal"] is not None and cfg.backend == "local":  # arrived during start-up
+            child.send_signal(signal.SIGUSR1)
         rc = child.wait()
     finally:
         if ray is not None:
             ray.stop()
-    preempted = rc == EXIT_PREEMPTED or (state["signal"] is not None and rc != 0)
-    if not preempted:
-        events.log("end", returncode=rc)
-        return rc
+    # Only USR1 (the --signal=B:USR1@<s> warning, or `scancel --batch --signal=USR1`) requeues.
+    # SIGTERM (a plain scancel, the hard time limit, a scheduler preemption) checkpoints and
+    # stops; requeueing then is Slurm's decision (PreemptMode=REQUEUE), not the job's.
+    requeue = state["signal"] == signal.SIGUSR1 and rc != 0  # rc 0: training finished first
+    if not requeue:
+        if state["signal"] is None or rc == 0:
+            events.log("end", returncode=rc)
+            return rc
+        events.log("stopped", returncode=rc, signal=signal.Signals(state["signal"]).name)
+        return 0 if rc == EXIT_PREEMPTED else rc
     if restart >= a.max_requeues:
         events.log("requeue_limit", returncode=rc, max_requeues=a.max_requeues)
         print(f"hapo job: error: stopped after {restart} requeues (--max-requeues {a.max_requeues})", file=sys.stderr)

@@ -187,3 +187,26 @@ def test_requeue_limit_fails_the_job(slurm, tmp_path):
     assert st["JobState"] == "FAILED"
     assert [e["event"] for e in _events(out)] == ["start", "stop_signal", "requeue_limit"]
     assert (out / "checkpoints" / "latest").exists()  # nothing lost: the stop checkpoint is there
+
+
+def test_sigterm_checkpoints_but_does_not_requeue(tmp_path, monkeypatch):
+    """Outside Slurm: the job launcher with a local run, sent SIGTERM mid-run."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "term"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    p = subprocess.Popen([sys.executable, "-m", "hapo_openrlhf.cluster.job", "--config", "configs/cpu_tiny.yaml",
+                          "--output-dir", str(out), *_sets()], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
+        assert time.time() - t0 < 600 and p.poll() is None, "job made no progress"
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    assert [e["event"] for e in _events(out)] == ["start", "stop_signal", "stopped"]
+    assert _events(out)[-1]["signal"] == "SIGTERM"
+    assert (out / "checkpoints" / "latest").exists()
