@@ -113,9 +113,9 @@ def _submit(args) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
-    job = submit(script, output_dir_of(args.config, opts), test_only=args.test_only)
-    print(json.dumps({"test_only": job} if args.test_only else {"job_id": job,
-                      "output_dir": str(output_dir_of(args.config, opts))}))
+    out = output_dir_of(args.config, opts)
+    job = submit(script, out, test_only=args.test_only)
+    print(json.dumps({"test_only": job} if args.test_only else {"job_id": job, "output_dir": str(out)}))
     return 0
 
 

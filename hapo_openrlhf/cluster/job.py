@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts = allocation_hosts()
         ray = RayCluster(hosts, a.ray_port, a.ray_timeout, log_dir=out)  # GPUs: Ray detects them
         try:
-            nodes = ray.start().wait_for_nodes()
+            nodes = ray.start().nodes
         except (RuntimeError, TimeoutError) as e:
             events.log("ray_failed", error=str(e))
             print(f"hapo job: error: {e}", file=sys.stderr)

@@ -53,6 +53,7 @@ class RayCluster:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
         self.address = ""
+        self.nodes: list[dict] = []  # alive nodes once start() returned
 
     def _popen(self, cmd: list[str], name: str) -> subprocess.Popen:
         out = open(self.log_dir / f"ray_{name}.log", "ab") if self.log_dir else subprocess.DEVNULL
@@ -71,7 +72,7 @@ class RayCluster:
             self._popen(["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--exclude={self.hosts[0]}",
                          "--kill-on-bad-exit=1", _ray_exe(), "start", "--address", self.address, "--block",
                          "--disable-usage-stats", *_WORKER_PORTS, *gpus], "workers")
-        self.wait_for_nodes()
+        self.nodes = self.wait_for_nodes()
         return self
 
     def alive_nodes(self) -> list[dict]:

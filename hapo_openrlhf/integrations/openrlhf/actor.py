@@ -22,6 +22,7 @@ a Ray ``runtime_env``; see docs/openrlhf.md).
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import deque
 from typing import Optional, Union
 
@@ -66,8 +67,6 @@ class HapoPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
         _, out = output
         if self.loss_fn.needs_entropy:
             self.loss_fn.pending_entropy = getattr(out, "entropy", None)
-        import os
-
         if os.environ.get(DUMP_ENV):
             seqs = args[0] if args else kwargs["sequences"]
             mask = kwargs.get("attention_mask")

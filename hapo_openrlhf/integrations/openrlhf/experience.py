@@ -22,11 +22,14 @@ import json
 import os
 from typing import Any, Sequence
 
+import ray
 import torch
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from ... import algos
 from ...algos.advantages import grpo_sequence_advantage
 from ...algos.dapo import overlong_penalty
+from .actor import fingerprint
 from .loss import DUMP_ENV
 
 
@@ -97,25 +100,15 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     return {"inputs": inputs, "advantages": out.advantages, "loss_mask": loss_mask, "metrics": metrics}
 
 
-def _load_upstream():
-    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
-
-    return RemoteExperienceMaker
-
-
-class HapoExperienceMaker(_load_upstream()):
+class HapoExperienceMaker(RemoteExperienceMaker):
     """Upstream experience maker with the registry in place of the estimator chain."""
 
     _step = 0
 
     def make_experience(self, samples_list):
         group = self.actor_model_group
-        import ray
-
         ray.get(group.async_run_method(method_name="clear_behaviour_entropy"))
         experiences = super().make_experience(samples_list)
-        from .actor import fingerprint
-
         fps = [fingerprint(e.sequences, e.attention_mask) for e in experiences]
         dup = self.args.ds.ring_attn_size * self.args.ds.tensor_parallel_size
         refs = group.async_run_method_batch(method_name="pop_behaviour_entropy", fingerprint=fps)
