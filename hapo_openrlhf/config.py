@@ -56,6 +56,11 @@ class ModelConfig:
     intermediate_size: int = 384
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = True
+    # LM head + log-prob + entropy fused and chunked over tokens (no [B, T, V] logits)
+    fused_head: bool = True
+    # training forwards drop padding and run the rows as one packed sequence
+    # (flash-attn varlen on GPU, a block-diagonal SDPA mask on CPU)
+    packing: bool = False
 
     def __post_init__(self):
         _require(self.hidden_size % self.num_heads == 0, "model.hidden_size must be divisible by model.num_heads")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..algos import check_finite, logprobs_and_entropy
+from ..algos.fused import fused_logprobs_entropy
 
 
 @dataclass
@@ -69,18 +70,62 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     return Rollout(out, attn, resp_mask, P, texts, truncated)
 
 
-def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: int, with_entropy_grad: bool = False):
+def _hidden_states(model, seq_BL, attn_BL, packing: bool) -> torch.Tensor:
+    """Last hidden states [B, L, H] of the decoder (before the LM head).
+
+    packing: drop the padding and run the rows as one [1, sum(len)] sequence whose
+    position ids restart at 0 for every row. Hugging Face attention detects the
+    boundaries from the position ids: SDPA/eager build a block-diagonal causal mask,
+    flash-attention 2 runs its varlen kernel (cu_seqlens), so no row attends to
+    another and no compute is spent on padding. Results are scattered back to the
+    padded [B, L] layout (zeros on padding).
+    """
+    decoder = model.get_decoder()
+    if not packing:
+        pos = (attn_BL.cumsum(-1) - 1).clamp(min=0)
+        return decoder(input_ids=seq_BL, attention_mask=attn_BL, position_ids=pos, use_cache=False).last_hidden_state
+    keep = attn_BL.bool()
+    lens = keep.sum(-1)
+    if bool((lens == 0).any()):
+        raise ValueError("packing: a row has no attended token")
+    pos = torch.cat([torch.arange(int(n)) for n in lens]).unsqueeze(0)
+    packed = decoder(input_ids=seq_BL[keep].unsqueeze(0), attention_mask=None, position_ids=pos,
+                     use_cache=False).last_hidden_state[0]
+    out = packed.new_zeros(*seq_BL.shape, packed.shape[-1])
+    out[keep] = packed  # boolean indexing is row-major: the same order as the packing
+    return out
+
+
+def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: int, with_entropy_grad: bool = False,
+                   fused: bool = True, packing: bool = False):
     """(log-probs [B,R], entropy [B,R]) of the response tokens under ``model`` at
-    ``temperature``; entropy is detached unless ``with_entropy_grad``."""
+    ``temperature``; entropy is detached unless ``with_entropy_grad``.
+
+    fused: the LM head, log-prob and entropy run chunk by chunk from the hidden
+    states (``fused_logprobs_entropy``), so the [B, R, V] logits never exist; else
+    the model's logits are computed in full and reduced chunk by chunk.
+    """
     seq, attn = rollout.sequences_BL, rollout.attention_mask_BL
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits
     P = rollout.prompt_len
-    # logits at t predict token t+1: the response tokens are predicted from P-1 .. L-2
-    resp_logits = logits[:, P - 1 : -1]
     mask = rollout.response_mask_BR
-    check_finite("logits", resp_logits.detach().amax(-1), mask)
-    logp, ent = logprobs_and_entropy(resp_logits, rollout.response_ids_BR, chunk_size, temperature)
+    labels = rollout.response_ids_BR
+    if fused or packing:
+        # hidden at t predicts token t+1: the response tokens are predicted from P-1 .. L-2
+        hid = _hidden_states(model, seq, attn, packing)[:, P - 1 : -1]
+    if fused:
+        head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("fused LM head: the output layer has a bias (set model.fused_head: false)")
+        logp, ent = fused_logprobs_entropy(hid, head.weight, labels, temperature=temperature, chunk_size=chunk_size)
+        check_finite("log-probs", logp.detach(), mask)
+    else:
+        if packing:
+            resp_logits = model.get_output_embeddings()(hid)
+        else:
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            resp_logits = model(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1]
+        check_finite("logits", resp_logits.detach().amax(-1), mask)
+        logp, ent = logprobs_and_entropy(resp_logits, labels, chunk_size, temperature)
     if not with_entropy_grad:
         ent = ent.detach()
     return logp * mask, ent * mask

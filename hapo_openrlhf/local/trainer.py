@@ -189,7 +189,8 @@ class LocalTrainer:
     def _behaviour(self, ro: Rollout):
         a, T = self.cfg.algorithm, self.cfg.rollout.temperature
         with torch.no_grad():
-            return policy_forward(self.model, ro, temperature=T, chunk_size=a.entropy_chunk_size)
+            return policy_forward(self.model, ro, temperature=T, chunk_size=a.entropy_chunk_size,
+                                  fused=self.cfg.model.fused_head, packing=self.cfg.model.packing)
 
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -238,7 +239,8 @@ class LocalTrainer:
                 idx = list(range(s, min(B, s + cfg.optim.micro_batch_size)))
                 mro = ro.select(idx)
                 logp, ent = policy_forward(self.model, mro, temperature=cfg.rollout.temperature,
-                                           chunk_size=a.entropy_chunk_size, with_entropy_grad=needs_entropy)
+                                           chunk_size=a.entropy_chunk_size, with_entropy_grad=needs_entropy,
+                                           fused=cfg.model.fused_head, packing=cfg.model.packing)
                 loss, m = algos.compute_policy_loss(
                     a.loss, logp, old_logp[idx], adv[idx], loss_mask[idx], aggregation=a.aggregation,
                     normalizer=normalizer, entropy=ent, generator=self.loss_rng, **a.loss_params,

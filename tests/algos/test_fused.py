@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hapo_openrlhf.algos.fused import fused_logprobs_entropy
+from hapo_openrlhf.algos.fused import fused_logprobs_entropy, fused_token_loss
 
 
 @settings(max_examples=25, deadline=None)
@@ -58,3 +58,72 @@ def test_fused_never_materialises_more_than_a_chunk_of_logits():
 
     # the largest tensor is a chunk of logits or the weight (gradient); never N x V
     assert largest_tensor_numel(run) <= max(C * V, V * H, N * H)
+
+
+@settings(max_examples=20, deadline=None)
+@given(B=st.integers(1, 4), R=st.integers(1, 6), rows=st.integers(1, 3), temp=st.sampled_from([0.7, 1.0]),
+       beta=st.sampled_from([0.0, 0.05]), agg=st.sampled_from(["token-mean", "seq-mean-token-mean"]),
+       seed=st.integers(0, 999))
+def test_fused_token_loss_equals_registry_loss_on_full_logits(B, R, rows, temp, beta, agg, seed):
+    """PPO-clip (+ EntroReg) through the forward-gradient head == the registry loss on naive logits."""
+    from hapo_openrlhf.algos import compute_policy_loss
+
+    g = torch.Generator().manual_seed(seed)
+    H, V = 5, 11
+    h = torch.randn(B, R, H, generator=g, dtype=torch.float64).requires_grad_(True)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64).requires_grad_(True)
+    lab = torch.randint(0, V, (B, R), generator=g)
+    old = torch.randn(B, R, generator=g, dtype=torch.float64) * 0.3 - 2.5
+    adv = torch.randn(B, R, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, R, generator=g) < 0.8).long()
+    mask[:, 0] = 1
+    name, params = ("entro_reg", {"beta": beta}) if beta else ("ppo", {})
+
+    def loss_of(lp, ent, sl):  # whole rows per chunk: the per-row aggregation stays exact
+        r = slice(sl.start // R, sl.stop // R)
+        return compute_policy_loss(name, lp.view(-1, R).double(), old[r], adv[r], mask[r], aggregation=agg,
+                                   normalizer=float(mask.sum() if agg == "token-mean" else B),
+                                   entropy=ent.view(-1, R).double(), **params)[0]
+
+    loss, lp, ent = fused_token_loss(h, w, lab, loss_of, temperature=temp, chunk_size=rows * R)
+    loss.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    logp_all = torch.log_softmax((h @ w.t()) / temp, -1)
+    lp0 = logp_all.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+    ent0 = -(logp_all.exp() * logp_all).sum(-1)
+    loss0 = compute_policy_loss(name, lp0, old, adv, mask, aggregation=agg, entropy=ent0, **params)[0]
+    loss0.backward()
+    assert torch.allclose(loss.double(), loss0, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(lp.double(), lp0.detach(), atol=1e-5) and torch.allclose(ent.double(), ent0.detach(), atol=1e-5)
+    assert torch.allclose(gh, h.grad, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(gw, w.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_token_loss_backward_scales_by_the_upstream_gradient():
+    torch.manual_seed(0)
+    h = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(9, 4, requires_grad=True)
+    lab = torch.randint(0, 9, (6,))
+    loss, _, _ = fused_token_loss(h, w, lab, lambda lp, ent, sl: -(lp * 2 + ent).sum(), chunk_size=4)
+    (3.0 * loss).backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    lp, ent = fused_logprobs_entropy(h, w, lab, chunk_size=4)
+    (3.0 * -(lp * 2 + ent).sum()).backward()
+    torch.testing.assert_close(gh, h.grad)
+    torch.testing.assert_close(gw, w.grad)
+
+
+def test_bf16_weights_match_the_models_own_bf16_head():
+    """The chunk matmul runs in the weight's dtype (like the model's head), the softmax in fp32."""
+    torch.manual_seed(0)
+    h = torch.randn(10, 16).bfloat16()
+    w = (torch.randn(50, 16) * 0.3).bfloat16().requires_grad_(True)
+    lab = torch.randint(0, 50, (10,))
+    lp, ent = fused_logprobs_entropy(h, w, lab, temperature=0.6, chunk_size=3)
+    logp_all = torch.log_softmax((h @ w.t()).float() / 0.6, -1)
+    torch.testing.assert_close(lp, logp_all.gather(-1, lab[:, None]).squeeze(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, -(logp_all.exp() * logp_all).sum(-1), atol=1e-5, rtol=1e-5)
+    lp.sum().backward()
+    assert w.grad.dtype == torch.bfloat16 and torch.isfinite(w.grad.float()).all()

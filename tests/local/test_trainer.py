@@ -139,12 +139,13 @@ def test_dapo_dynamic_sampling_fills_with_informative_groups(tmp_path):
     assert "dapo/dropped_group_frac" in m
 
 
-def test_non_finite_logits_are_a_clear_error(tmp_path):
-    t = _trainer(tmp_path)
+@pytest.mark.parametrize("fused,what", [(True, "log-probs"), (False, "logits")])
+def test_non_finite_logits_are_a_clear_error(tmp_path, fused, what):
+    t = _trainer(tmp_path, [f"model.fused_head={str(fused).lower()}"])
     batch, _ = t.collect()
     with torch.no_grad():
         t.model.lm_head.weight.fill_(float("nan"))
-    with pytest.raises(FloatingPointError, match="non-finite logits"):
+    with pytest.raises(FloatingPointError, match=f"non-finite {what}"):
         t._behaviour(batch.rollout)
 
 

@@ -22,6 +22,7 @@ a Ray ``runtime_env``; see docs/openrlhf.md).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections import deque
 from typing import Optional, Union
@@ -31,7 +32,10 @@ import torch
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from ...algos.entropy import entropy_from_logits
+from .fused_head import install_fused_head
 from .loss import DUMP_ENV, HapoPolicyLoss
+
+logger = logging.getLogger(__name__)
 
 
 def fingerprint(sequences: torch.Tensor, attention_mask: torch.Tensor) -> str:
@@ -58,6 +62,12 @@ class HapoPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
         self.loss_fn = loss_from_config(hapo_cfg)
         self.trainer.actor_loss_fn = self.loss_fn
         self.trainer.actor.register_forward_hook(self._training_forward_hook, with_kwargs=True)
+        self._fused = False
+        if hapo_cfg["model"].get("fused_head", True):
+            why_not = install_fused_head(self.actor, self._entropy_chunk)
+            self._fused = why_not is None
+            if why_not:
+                logger.warning("hapo: fused LM head off, OpenRLHF's head is used: %s", why_not)
 
     # ---------------------------------------------------------------- hooks
     def _training_forward_hook(self, module, args, kwargs, output):
@@ -89,6 +99,8 @@ class HapoPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
 
             mm_inputs = merge_mm_train_inputs(mm_train_inputs_list, device)
         packed = bool(getattr(self.actor, "packing_samples", False))
+        # the fused head returns the entropy with the log-probs; packed rows: OpenRLHF unpacks it to [B, T]
+        entropy_out = packed or self._fused
         n_act = action_mask.shape[1]
         self.actor.eval()
         with torch.no_grad():
@@ -98,11 +110,10 @@ class HapoPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
                 attention_mask.to(device),
                 return_output=True,
                 ring_attn_group=self.strategy.ring_attn_group,
-                # packed rows: let OpenRLHF unpack its entropy back to [B, T]
-                return_entropy=packed,
+                return_entropy=entropy_out,
                 **mm_inputs,
             )
-            if packed:
+            if entropy_out:
                 entropy = output.entropy[:, -n_act:].float()
             else:
                 # logits are already divided by the rollout temperature inside Actor.forward;

@@ -1,0 +1,94 @@
+"""hapo's fused LM head inside OpenRLHF's real ``Actor``: the same log-probs, entropy and
+gradients as upstream's ``Actor.forward``, padded and packed, without building logits."""
+
+import pytest
+import torch
+
+
+def _actor(packing: bool, temperature: float = 0.8, tie: bool = False, V: int = 101, H: int = 64):
+    from openrlhf.models import Actor
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tie, attn_implementation="sdpa",
+                      use_cache=False)  # as Actor sets it when it loads a checkpoint itself
+    actor = Actor(Qwen2ForCausalLM(cfg).float(), temperature=temperature)
+    actor.packing_samples = packing  # upstream only sets it when it loads the model itself
+    return actor
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(1, 101, (3, 12), generator=g)
+    attn = torch.ones_like(seq)
+    attn[0, :3] = 0  # left-padded prompts
+    attn[1, :1] = 0
+    attn[2, 10:] = 0  # right padding after the response
+    action_mask = attn[:, -5:].clone()
+    return seq, attn, action_mask
+
+
+def _run(actor, entropy_weight=0.3):
+    seq, attn, am = _batch()
+    actor.zero_grad(set_to_none=True)
+    lp, out = actor(seq, am, attn, return_output=True, return_entropy=True)
+    ent = out.entropy[:, -am.shape[1]:]
+    g = torch.randn(lp.shape, generator=torch.Generator().manual_seed(5))
+    ((lp * g).sum() + entropy_weight * (ent * am).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+    return lp.detach(), (ent * am).detach(), grads
+
+
+def _assert_same(a, b):
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-5)
+    assert a[2].keys() == b[2].keys() and a[2]
+    for n in a[2]:
+        torch.testing.assert_close(a[2][n], b[2][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("tie", [False, True])
+def test_fused_forward_equals_upstream_forward(packing, tie):
+    from hapo_openrlhf.integrations.openrlhf.fused_head import install_fused_head
+
+    upstream = _run(_actor(packing, tie=tie))
+    actor = _actor(packing, tie=tie)
+    assert install_fused_head(actor, chunk_size=7) is None
+    fused = _run(actor)
+    _assert_same(fused, upstream)
+    if packing:  # packed (block-diagonal SDPA over one row) == padded, through the fused head
+        _assert_same(fused, _run(_actor(False, tie=tie)))
+
+
+def test_fused_forward_never_builds_the_logits():
+    from hapo_openrlhf.integrations.openrlhf.fused_head import install_fused_head
+
+    from ...conftest import largest_tensor_numel
+
+    V = 1000  # the [B, T, V] logits (36,000) dwarf the weights (V x H = 16,000) and a chunk (4 x V)
+    actor = _actor(False, V=V, H=16)
+    install_fused_head(actor, chunk_size=4)
+    seq, attn, am = _batch()
+    B, T = seq.shape
+    n = largest_tensor_numel(lambda: actor(seq, am, attn, return_output=True, return_entropy=True)[0].sum().backward())
+    assert n <= V * 16 < B * T * V / 2
+
+
+def test_logits_callers_and_unsupported_heads_keep_upstream():
+    from hapo_openrlhf.integrations.openrlhf.fused_head import fused_head_unsupported, install_fused_head
+
+    actor = _actor(False)
+    install_fused_head(actor, chunk_size=4)
+    seq, attn, _ = _batch()
+    out = actor(seq, attention_mask=attn, return_output=True)  # no action_mask: the caller wants logits
+    assert out["logits"].shape == (*seq.shape, 101)
+    biased = _actor(False)
+    biased.model.lm_head.bias = torch.nn.Parameter(torch.zeros(101))
+    assert "bias" in fused_head_unsupported(biased)
+    assert install_fused_head(biased, 4) is not None and "forward" not in vars(biased)
+    zero3 = _actor(False)
+    zero3.model.lm_head.weight.ds_id = 0  # what ZeRO-3 puts on a partitioned parameter
+    assert "ZeRO-3" in fused_head_unsupported(zero3)
