@@ -10,7 +10,8 @@ one chunk needs two [C,V] fp32 buffers (log p and p).
 Two autograd forms:
 
 * :func:`fused_logprobs_entropy` returns per-token (log-prob, entropy) for any
-  loss. Its backward recomputes each chunk's logits (one extra matmul) and applies
+  loss. Its backward recomputes each chunk's logits (one extra matmul; the
+  logsumexp is kept from the forward, so no renormalisation) and applies
 
       d logp_label / dz = onehot(label) - p
       d H / dz          = -p * (log p + H)
@@ -35,17 +36,26 @@ from typing import Callable
 import torch
 
 
-def _chunk_logp_p(h_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float):
-    """(log p [C,V], p [C,V]) in fp32 for one chunk: two [C,V] buffers, nothing else."""
+def _chunk_logp_p(h_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float, lse_C: torch.Tensor | None = None):
+    """(log p [C,V], p [C,V], logsumexp [C]) in fp32 for one chunk: two [C,V] buffers.
+
+    With ``lse_C`` given (the backward, from the forward) the normalisation is not
+    recomputed: log p = z - lse, p = exp(log p).
+    """
     z = h_CH.to(weight_VH.dtype) @ weight_VH.t()
     z = z.float()  # a no-op for fp32 weights
     if temperature != 1.0:
         z.div_(temperature)
-    z.sub_(z.amax(-1, keepdim=True))
+    if lse_C is not None:
+        z.sub_(lse_C.unsqueeze(-1))
+        return z, z.exp(), lse_C
+    m = z.amax(-1, keepdim=True)
+    z.sub_(m)
     p = z.exp()
     s = p.sum(-1, keepdim=True)
     p.div_(s)
-    return z.sub_(s.log_()), p  # z is now log p
+    log_s = s.log_()
+    return z.sub_(log_s), p, (m + log_s).squeeze(-1)  # z is now log p
 
 
 def _entropy(logp_CV: torch.Tensor, p_CV: torch.Tensor) -> torch.Tensor:
@@ -77,18 +87,19 @@ class _FusedLogpEntropy(torch.autograd.Function):
         N = hidden_NH.shape[0]
         logp = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
         ent = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
         for s in range(0, N, chunk):
-            lp_all, p = _chunk_logp_p(hidden_NH[s : s + chunk], weight_VH, temperature)
+            lp_all, p, lse[s : s + chunk] = _chunk_logp_p(hidden_NH[s : s + chunk], weight_VH, temperature)
             logp[s : s + chunk] = lp_all.gather(-1, labels_N[s : s + chunk].unsqueeze(-1)).squeeze(-1)
             ent[s : s + chunk] = _entropy(lp_all, p)
             del lp_all, p
-        ctx.save_for_backward(hidden_NH, weight_VH, labels_N, ent)
+        ctx.save_for_backward(hidden_NH, weight_VH, labels_N, ent, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, labels, ent = ctx.saved_tensors
+        hidden, weight, labels, ent, lse = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         g_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
         g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
@@ -97,7 +108,7 @@ class _FusedLogpEntropy(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             sl = slice(s, s + chunk)
             h = hidden[sl]
-            lp_all, p = _chunk_logp_p(h, weight, T)
+            lp_all, p, _ = _chunk_logp_p(h, weight, T, lse[sl])
             gz = _chunk_grad(lp_all, p, ent[sl], labels[sl], g_logp[sl], g_ent[sl], T)
             del p
             _accumulate(gz, h, weight, g_hidden, g_weight, s)
@@ -156,7 +167,7 @@ class _FusedTokenLoss(torch.autograd.Function):
         for s in range(0, N, chunk):
             sl = slice(s, min(s + chunk, N))
             h, lab = hidden_NH[sl], labels_N[sl]
-            lp_all, p = _chunk_logp_p(h, weight_VH, temperature)
+            lp_all, p, _ = _chunk_logp_p(h, weight_VH, temperature)
             lp = lp_all.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
             en = _entropy(lp_all, p)
             logp[sl], ent[sl] = lp, en

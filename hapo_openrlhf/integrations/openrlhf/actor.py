@@ -9,11 +9,14 @@ a Ray ``runtime_env``; see docs/openrlhf.md).
 * ``forward`` (OpenRLHF's old-log-prob pass, called once per micro-batch by
   ``RemoteExperienceMaker.make_experience``) keeps its upstream signature and
   return value, and additionally computes the per-token entropy of the behaviour
-  policy at the rollout temperature, chunked over tokens in fp32. The entropy is
+  policy at the rollout temperature, chunked over tokens in fp32 (from the fused
+  head's pass when it is installed, else from upstream's logits). The entropy is
   kept in a FIFO on the actor and fetched by the experience maker with
   ``pop_behaviour_entropy`` (same micro-batch dispatch, so the same order); each
   entry carries a fingerprint of its sequences and a mismatch is an error.
-* ``init_model_from_pretrained`` builds the upstream actor, then replaces
+* ``init_model_from_pretrained`` builds the upstream actor, swaps the policy
+  model's forward for the fused LM head (``fused_head.py``; upstream's is kept,
+  with a logged reason, where the fused head cannot serve), replaces
   ``trainer.actor_loss_fn`` with :class:`HapoPolicyLoss` and hooks the model's
   forward to hand the loss the current entropy (EntroReg) and, when dumping, the
   tokens of each row.

@@ -1,0 +1,31 @@
+"""The benchmark scripts run and report what docs/performance.md quotes (tiny sizes: the
+figures themselves come from full-size runs, never from tests)."""
+
+import json
+import subprocess
+import sys
+
+from .conftest import REPO
+
+
+def test_loss_head_script_reports_ratios_and_gradient_agreement():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "loss_head.py"), "--tokens", "96", "--vocab", "3000", "--hidden",
+         "32", "--chunk", "16", "--methods", "naive,chunked,fused,fused_fwdgrad"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for m in ("chunked", "fused", "fused_fwdgrad"):
+        assert res[f"time_ratio_{m}_vs_naive"] > 0 and res[f"mem_ratio_{m}_vs_naive"] is not None
+        assert res[f"{m}_max_rel_err_vs_naive"] < 1e-4, m
+    assert {"mem_ratio_fused_vs_naive", "time_ratio_fused_vs_naive"} <= set(res)
+
+
+def test_loss_head_script_names_a_failing_method():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "loss_head.py"), "--tokens", "8", "--vocab", "50", "--hidden", "8",
+         "--methods", "naive,nope"], capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert out.returncode == 0
+    assert "unknown method 'nope'" in out.stdout
