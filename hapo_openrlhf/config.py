@@ -58,6 +58,9 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     # LM head + log-prob + entropy fused and chunked over tokens (no [B, T, V] logits)
     fused_head: bool = True
+    # with fused_head and a row-local loss (ppo, entro_reg) the embedded trainer computes
+    # each chunk's gradient inside the head's forward (no logits recomputation)
+    fused_loss_in_forward: bool = True
     # training forwards drop padding and run the rows as one packed sequence
     # (flash-attn varlen on GPU, a block-diagonal SDPA mask on CPU)
     packing: bool = False

@@ -14,7 +14,7 @@ from .advantages import (
 from .dapo import DynamicSamplingBuffer, informative_groups, overlong_penalty
 from .entropy import check_finite, entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from .fused import fused_logprobs_entropy, fused_token_loss
-from .losses import AGGREGATIONS, LOSSES, aggregate, compute_policy_loss, default_normalizer, k3_kl, list_losses
+from .losses import AGGREGATIONS, LOSSES, ROW_LOCAL_LOSSES, aggregate, compute_policy_loss, default_normalizer, k3_kl, list_losses
 from .quadrants import (
     QUADRANTS,
     entropy_threshold,
@@ -25,7 +25,7 @@ from .quadrants import (
 )
 
 __all__ = [
-    "AGGREGATIONS", "ESTIMATORS", "LOSSES", "QUADRANTS", "AdvantageInputs", "AdvantageOutput",
+    "AGGREGATIONS", "ESTIMATORS", "LOSSES", "ROW_LOCAL_LOSSES", "QUADRANTS", "AdvantageInputs", "AdvantageOutput",
     "DynamicSamplingBuffer", "aggregate", "check_finite", "compute_advantages", "compute_policy_loss",
     "default_normalizer", "entropy_from_logits", "fused_logprobs_entropy", "fused_token_loss", "entropy_threshold", "group_mean_std", "hapo_multiplier",
     "informative_groups", "k3_kl", "list_estimators", "list_losses", "logprobs_and_entropy",

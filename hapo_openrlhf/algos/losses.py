@@ -34,6 +34,11 @@ LOSSES = Registry(
     ),
 )
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# losses whose value on whole rows, with the global normaliser, sums over row blocks
+# to the whole batch's loss (each token's term depends on its own row only): they can
+# run inside the fused head's forward (``algos.fused.fused_token_loss``). kl_cov and
+# clip_cov select tokens over the whole batch, so they cannot.
+ROW_LOCAL_LOSSES = frozenset({"ppo", "entro_reg"})
 
 
 def list_losses() -> list[str]:

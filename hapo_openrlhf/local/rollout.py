@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..algos import check_finite, logprobs_and_entropy
-from ..algos.fused import fused_logprobs_entropy
+from ..algos.fused import fused_logprobs_entropy, fused_token_loss
 
 
 @dataclass
@@ -94,6 +94,35 @@ def _hidden_states(model, seq_BL, attn_BL, packing: bool) -> torch.Tensor:
     out = packed.new_zeros(*seq_BL.shape, packed.shape[-1])
     out[keep] = packed  # boolean indexing is row-major: the same order as the packing
     return out
+
+
+def fused_policy_loss(model, rollout: Rollout, loss_of, *, temperature: float, chunk_size: int,
+                      packing: bool = False):
+    """(loss, log-probs [B,R], entropy [B,R]) with the loss's gradient computed inside the
+    fused head's forward (``fused_token_loss``), chunks of whole rows.
+
+    ``loss_of(logp_kR, ent_kR, rows: slice)`` returns the loss of rows ``rows`` (already
+    masked like ``policy_forward``'s outputs, normalised by the global normaliser); the
+    loss must be row-local (``algos.losses.ROW_LOCAL_LOSSES``). Log-probs and entropy
+    come back detached and masked, for metrics.
+    """
+    P, mask = rollout.prompt_len, rollout.response_mask_BR
+    B, R = mask.shape
+    hid = _hidden_states(model, rollout.sequences_BL, rollout.attention_mask_BL, packing)[:, P - 1 : -1]
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("fused LM head: the output layer has a bias (set model.fused_head: false)")
+    m = mask.float()
+
+    def token_loss(lp, en, sl):
+        rows = slice(sl.start // R, sl.stop // R)
+        lp, en = lp.view(-1, R), en.view(-1, R)
+        check_finite("log-probs", lp.detach(), mask[rows])
+        return loss_of(lp * m[rows], en * m[rows], rows)
+
+    loss, logp, ent = fused_token_loss(hid, head.weight, rollout.response_ids_BR, token_loss,
+                                       temperature=temperature, chunk_size=max(1, chunk_size // R) * R)
+    return loss, logp * mask, ent * mask
 
 
 def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: int, with_entropy_grad: bool = False,

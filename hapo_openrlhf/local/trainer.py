@@ -29,7 +29,7 @@ from .data import make_datasets
 from .evaluate import evaluate
 from .logger import MetricsLogger
 from .model import load_or_build, save_hf
-from .rollout import Rollout, concat_rollouts, generate, policy_forward
+from .rollout import Rollout, concat_rollouts, fused_policy_loss, generate, policy_forward
 from .samples import dump_token_samples
 from .sft import warmup
 
@@ -230,6 +230,7 @@ class LocalTrainer:
         normalizer = algos.default_normalizer(loss_mask, a.aggregation)
         # losses that take `entropy` (EntroReg) need the current policy's entropy with grad
         needs_entropy = "entropy" in algos.LOSSES.get(a.loss).accepts
+        in_forward = cfg.model.fused_head and cfg.model.fused_loss_in_forward and a.loss in algos.ROW_LOCAL_LOSSES
         self.model.train()
         sums: dict[str, float] = {}
         epochs, total = cfg.optim.ppo_epochs, 0.0
@@ -238,13 +239,24 @@ class LocalTrainer:
             for s in range(0, B, cfg.optim.micro_batch_size):
                 idx = list(range(s, min(B, s + cfg.optim.micro_batch_size)))
                 mro = ro.select(idx)
-                logp, ent = policy_forward(self.model, mro, temperature=cfg.rollout.temperature,
-                                           chunk_size=a.entropy_chunk_size, with_entropy_grad=needs_entropy,
-                                           fused=cfg.model.fused_head, packing=cfg.model.packing)
-                loss, m = algos.compute_policy_loss(
-                    a.loss, logp, old_logp[idx], adv[idx], loss_mask[idx], aggregation=a.aggregation,
-                    normalizer=normalizer, entropy=ent, generator=self.loss_rng, **a.loss_params,
-                )
+                kw = dict(aggregation=a.aggregation, normalizer=normalizer, generator=self.loss_rng, **a.loss_params)
+                if in_forward:
+                    def loss_of(lp, en, rows, idx=idx):
+                        i = idx[rows]
+                        return algos.compute_policy_loss(a.loss, lp, old_logp[i], adv[i], loss_mask[i], entropy=en,
+                                                         **kw)[0]
+
+                    loss, logp, ent = fused_policy_loss(self.model, mro, loss_of, temperature=cfg.rollout.temperature,
+                                                        chunk_size=a.entropy_chunk_size, packing=cfg.model.packing)
+                    # metrics (clip fraction, KL, ...) from the whole micro-batch's detached values
+                    _, m = algos.compute_policy_loss(a.loss, logp, old_logp[idx], adv[idx], loss_mask[idx],
+                                                     entropy=ent, **kw)
+                else:
+                    logp, ent = policy_forward(self.model, mro, temperature=cfg.rollout.temperature,
+                                               chunk_size=a.entropy_chunk_size, with_entropy_grad=needs_entropy,
+                                               fused=cfg.model.fused_head, packing=cfg.model.packing)
+                    loss, m = algos.compute_policy_loss(a.loss, logp, old_logp[idx], adv[idx], loss_mask[idx],
+                                                        entropy=ent, **kw)
                 loss.backward()
                 total += float(loss.detach()) / epochs
                 w = len(idx) / B
