@@ -88,7 +88,7 @@ def _hidden_states(model, seq_BL, attn_BL, packing: bool) -> torch.Tensor:
     lens = keep.sum(-1)
     if bool((lens == 0).any()):
         raise ValueError("packing: a row has no attended token")
-    pos = torch.cat([torch.arange(int(n)) for n in lens]).unsqueeze(0)
+    pos = torch.cat([torch.arange(int(n), device=seq_BL.device) for n in lens]).unsqueeze(0)
     packed = decoder(input_ids=seq_BL[keep].unsqueeze(0), attention_mask=None, position_ids=pos,
                      use_cache=False).last_hidden_state[0]
     out = packed.new_zeros(*seq_BL.shape, packed.shape[-1])
