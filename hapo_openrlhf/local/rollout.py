@@ -96,6 +96,20 @@ def _hidden_states(model, seq_BL, attn_BL, packing: bool) -> torch.Tensor:
     return out
 
 
+def _response_hidden(model, rollout: Rollout, packing: bool) -> torch.Tensor:
+    """Hidden states [B, R, H] that predict the response tokens: the state at t predicts
+    token t+1, so the response is predicted from positions P-1 .. L-2."""
+    P = rollout.prompt_len
+    return _hidden_states(model, rollout.sequences_BL, rollout.attention_mask_BL, packing)[:, P - 1 : -1]
+
+
+def _fused_head_weight(model) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("fused LM head: the output layer has a bias (set model.fused_head: false)")
+    return head.weight
+
+
 def fused_policy_loss(model, rollout: Rollout, loss_of, *, temperature: float, chunk_size: int,
                       packing: bool = False):
     """(loss, log-probs [B,R], entropy [B,R]) with the loss's gradient computed inside the
@@ -106,12 +120,8 @@ def fused_policy_loss(model, rollout: Rollout, loss_of, *, temperature: float, c
     loss must be row-local (``algos.losses.ROW_LOCAL_LOSSES``). Log-probs and entropy
     come back detached and masked, for metrics.
     """
-    P, mask = rollout.prompt_len, rollout.response_mask_BR
-    B, R = mask.shape
-    hid = _hidden_states(model, rollout.sequences_BL, rollout.attention_mask_BL, packing)[:, P - 1 : -1]
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("fused LM head: the output layer has a bias (set model.fused_head: false)")
+    mask = rollout.response_mask_BR
+    R = mask.shape[1]
     m = mask.float()
 
     def token_loss(lp, en, sl):
@@ -120,8 +130,9 @@ def fused_policy_loss(model, rollout: Rollout, loss_of, *, temperature: float, c
         check_finite("log-probs", lp.detach(), mask[rows])
         return loss_of(lp * m[rows], en * m[rows], rows)
 
-    loss, logp, ent = fused_token_loss(hid, head.weight, rollout.response_ids_BR, token_loss,
-                                       temperature=temperature, chunk_size=max(1, chunk_size // R) * R)
+    loss, logp, ent = fused_token_loss(_response_hidden(model, rollout, packing), _fused_head_weight(model),
+                                       rollout.response_ids_BR, token_loss, temperature=temperature,
+                                       chunk_size=max(1, chunk_size // R) * R)
     return loss, logp * mask, ent * mask
 
 
@@ -132,27 +143,16 @@ def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: i
 
     fused: the LM head, log-prob and entropy run chunk by chunk from the hidden
     states (``fused_logprobs_entropy``), so the [B, R, V] logits never exist; else
-    the model's logits are computed in full and reduced chunk by chunk.
+    the LM head builds the response positions' logits, reduced chunk by chunk.
     """
-    seq, attn = rollout.sequences_BL, rollout.attention_mask_BL
-    P = rollout.prompt_len
-    mask = rollout.response_mask_BR
-    labels = rollout.response_ids_BR
-    if fused or packing:
-        # hidden at t predicts token t+1: the response tokens are predicted from P-1 .. L-2
-        hid = _hidden_states(model, seq, attn, packing)[:, P - 1 : -1]
+    mask, labels = rollout.response_mask_BR, rollout.response_ids_BR
+    hid = _response_hidden(model, rollout, packing)
     if fused:
-        head = model.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ValueError("fused LM head: the output layer has a bias (set model.fused_head: false)")
-        logp, ent = fused_logprobs_entropy(hid, head.weight, labels, temperature=temperature, chunk_size=chunk_size)
+        logp, ent = fused_logprobs_entropy(hid, _fused_head_weight(model), labels, temperature=temperature,
+                                           chunk_size=chunk_size)
         check_finite("log-probs", logp.detach(), mask)
     else:
-        if packing:
-            resp_logits = model.get_output_embeddings()(hid)
-        else:
-            pos = (attn.cumsum(-1) - 1).clamp(min=0)
-            resp_logits = model(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1]
+        resp_logits = model.get_output_embeddings()(hid)
         check_finite("logits", resp_logits.detach().amax(-1), mask)
         logp, ent = logprobs_and_entropy(resp_logits, labels, chunk_size, temperature)
     if not with_entropy_grad:
