@@ -87,5 +87,7 @@ def test_baseline_configs_select_their_algorithms():
     got = {p.stem: load_config(p).algorithm for p in (REPO / "configs").glob("cpu_tiny_*.yaml")}
     assert got["cpu_tiny_dapo"].dynamic_sampling and got["cpu_tiny_dapo"].overlong.enable
     assert got["cpu_tiny_grpo"].aggregation == "seq-mean-token-mean"
+    for plain in ("cpu_tiny_grpo", "cpu_tiny_dr_grpo"):  # no DAPO pieces inherited from the HAPO base
+        assert not got[plain].dynamic_sampling and not got[plain].overlong.enable
     assert got["cpu_tiny_kl_cov"].loss == "kl_cov"
     assert got["cpu_tiny_quadrant_nhr"].estimator_params["quadrants"] == ("NHR",)

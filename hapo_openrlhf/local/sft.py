@@ -35,7 +35,12 @@ def warmup(model, tokenizer, task, template: str, *, steps: int, batch_size: int
         return float("nan")
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    if steps >= 3:
+        # 10% warm-up; at least two steps of it, so short warm-ups (smoke tests) have both phases
+        pct = min(0.5, max(0.1, 2 / steps))
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=pct)
+    else:  # OneCycleLR cannot split fewer than 3 steps into its two phases
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     model.train()
     loss_val = float("nan")
     for step in range(steps):
