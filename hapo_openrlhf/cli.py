@@ -5,7 +5,8 @@
     hapo eval --model DIR [--benchmarks aime24,math500,...] [--output-dir DIR]
     hapo submit CONFIG [--nodes N --gpus-per-node G --partition P --time T --account A] [--dry-run]
     hapo scale CONFIG --nodes 1,2,4,8 | hapo scale --collect BASE_DIR
-    hapo report RUN_DIR [RUN_DIR ...]
+    hapo experiment quadrants|compare|alpha|all [--config configs/experiments/toy_repro.yaml] [--seeds 1,2,3]
+    hapo report RUN_DIR [RUN_DIR ...] | hapo report EXPERIMENT_DIR
     hapo list
 """
 
@@ -155,9 +156,55 @@ def _add_slurm_args(p) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the rendered script, submit nothing")
 
 
+def _experiment(args) -> int:
+    from rich.console import Console
+
+    from .experiment import build_experiment_report, load_experiment, run_experiment
+
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
+    exp = load_experiment(args.config, seeds=seeds, output_dir=args.output_dir, workers=args.workers,
+                          overrides=args.set)
+    suites = list(exp.suites) if "all" in args.suites else list(dict.fromkeys(args.suites))
+    console = Console(stderr=True)
+    state = {"done": 0, "total": 0}
+
+    def on_event(kind: str, info: dict) -> None:
+        if kind == "plan":
+            state["total"] = info["jobs"]
+            console.print(f"[bold]hapo experiment[/] {', '.join(suites)}: {info['jobs']} jobs "
+                          f"({info['reused']} already finished), {exp.workers} workers -> {exp.output_dir}")
+            return
+        state["done"] += 1
+        head = f"[{state['done']}/{state['total']}] {info['name']}"
+        if kind == "failed":
+            console.print(f"{head} [red]FAILED[/] after {info['wall_s']:.0f} s: {info['error']}", highlight=False)
+            return
+        b, a = info["summary"]["before"]["eval/accuracy"], info["summary"]["after"]["eval/accuracy"]
+        how = "reused" if kind == "reused" else f"{info['wall_s']:.0f} s"
+        console.print(f"{head} ({how}): held-out accuracy {b:.3f} -> {a:.3f}", highlight=False)
+
+    manifest = run_experiment(exp, suites, on_event)
+    bad = manifest["failed"] + manifest["skipped_after_failed_warm_start"]
+    report = None
+    if any(j["status"] == "done" and not j["name"].startswith("warm_start/") for j in manifest["jobs"].values()):
+        report = build_experiment_report(exp.output_dir)
+        console.print(f"report: {report}")
+    if bad:
+        console.print(f"[red]{len(manifest['failed'])} failed[/] ({', '.join(manifest['failed'])}); "
+                      f"{len(manifest['skipped_after_failed_warm_start'])} not run because their warm start failed. "
+                      f"Errors: {exp.output_dir / 'experiment.json'}; rerun the same command to retry them.")
+    print(json.dumps({"report": str(report) if report else None, "wall_s": round(manifest["wall_s_this_invocation"], 1),
+                      "failed": manifest["failed"], "skipped": manifest["skipped_after_failed_warm_start"]}))
+    return 1 if bad else 0
+
+
 def _report(args) -> int:
+    from .experiment import build_experiment_report, is_experiment_dir
     from .report.html import build_report
 
+    if len(args.run_dirs) == 1 and is_experiment_dir(args.run_dirs[0]):
+        print(build_experiment_report(args.run_dirs[0], args.output_dir))
+        return 0
     out = args.output_dir or (Path(args.run_dirs[0]) / "report" if len(args.run_dirs) == 1 else Path("hapo_report"))
     print(build_report(args.run_dirs, out))
     return 0
@@ -211,8 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--collect", default=None, metavar="BASE_DIR")
     _add_slurm_args(sc)
     sc.set_defaults(fn=_scale)
-    r = sub.add_parser("report", help="plots from one or more run directories")
-    r.add_argument("run_dirs", nargs="+")
+    x = sub.add_parser("experiment", help="variants x seeds from shared warm starts, then one report")
+    x.add_argument("suites", nargs="+", metavar="SUITE", help="suites of the experiment file, or 'all'")
+    x.add_argument("--config", default="configs/experiments/toy_repro.yaml", help="the experiment file")
+    x.add_argument("--seeds", default=None, help="comma-separated; default: the experiment file's")
+    x.add_argument("--workers", type=int, default=None, help="parallel runs; default: the experiment file's")
+    x.add_argument("--output-dir", default=None, help="default: the experiment file's output_dir")
+    x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a run-config key in every run (merged into 'common')")
+    x.set_defaults(fn=_experiment)
+    r = sub.add_parser("report", help="plots from run directories, or an experiment directory's report")
+    r.add_argument("run_dirs", nargs="+", help="run directories, or one experiment directory")
     r.add_argument("--output-dir", default=None, help="default: RUN_DIR/report (one run) or ./hapo_report")
     r.set_defaults(fn=_report)
     sub.add_parser("list", help="registered estimators and losses").set_defaults(fn=_list)

@@ -1,0 +1,133 @@
+"""The paper's qualitative findings as checks on an experiment's runs.
+
+Each check is a paired comparison over seeds (runs of one seed share a warm start)
+with one fixed rule: **agree** when the mean per-seed difference points the way the
+paper says and exceeds twice its standard error, **disagree** when it points the
+other way by as much, **inconclusive** otherwise (or with fewer than two seeds).
+With three seeds this is a screen for a consistent direction, not a significance
+test; the numbers are printed next to every verdict.
+
+The paper's equations and exact claims are not in the text we have (SPEC.md 2.3);
+``reading`` states how each finding is operationalised here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from .stats import RunStats, by_seed, paired
+
+Metric = Callable[[RunStats], float]
+AGREE, DISAGREE, INCONCLUSIVE = "agree", "disagree", "inconclusive"
+
+
+def verdict(test: dict, direction: int = 1) -> str:
+    d, se = test["diff"], test["se"]
+    if test["n"] < 2 or math.isnan(d) or math.isnan(se):
+        return INCONCLUSIVE
+    if direction * d > 2 * se:
+        return AGREE
+    if direction * d < -2 * se:
+        return DISAGREE
+    return INCONCLUSIVE
+
+
+def _mean_of(runs: list[RunStats], variants: list[str], metric: Metric) -> dict[int, float]:
+    """seed -> mean of ``metric`` over ``variants`` (seeds where all are present)."""
+    per = [by_seed(runs, v, metric) for v in variants]
+    seeds = set.intersection(*(set(p) for p in per)) if per else set()
+    return {s: sum(p[s] for p in per) / len(per) for s in seeds}
+
+
+def _const(runs: list[RunStats], value: float) -> dict[int, float]:
+    return {r.seed: value for r in runs}
+
+
+def _combine(verdicts: list[str]) -> str:
+    if DISAGREE in verdicts:
+        return DISAGREE
+    return AGREE if verdicts and all(v == AGREE for v in verdicts) else INCONCLUSIVE
+
+
+def _fmt(t: dict) -> str:
+    return f"{t['diff']:+.3f} ± {t['se']:.3f} (n={t['n']})"
+
+
+def evaluate_findings(runs: list[RunStats]) -> list[dict]:
+    """One entry per finding whose variants are all present in ``runs``."""
+    have = {r.variant for r in runs}
+    out: list[dict] = []
+
+    def add(fid, claim, reading, needs, tests):
+        """tests: [(label, paired-test dict, rule)]; rule: +1 / -1 (the direction the paper
+        claims, see ``verdict``) or a function of the test dict returning a verdict"""
+        if not set(needs) <= have:
+            return
+        rows = [{"label": lab, **t, "verdict": rule(t) if callable(rule) else verdict(t, rule)}
+                for lab, t, rule in tests()]
+        out.append({"id": fid, "claim": claim, "reading": reading, "tests": rows,
+                    "verdict": _combine([r["verdict"] for r in rows]),
+                    "evidence": "; ".join(f"{r['label']}: {_fmt(r)} -> {r['verdict']}" for r in rows)})
+
+    ratio: Metric = lambda r: r.entropy_ratio  # noqa: E731
+    q_other = ["quadrant_phr", "quadrant_nhr", "quadrant_nlr"]
+    add("plr_entropy_collapse", "Training only on PLR tokens collapses entropy.",
+        "PLR's end/start entropy ratio (mean of the last vs first 10 steps' behaviour entropy) is below 1 "
+        "and below the mean ratio of the other three quadrant runs.",
+        ["quadrant_plr", *q_other],
+        lambda: [("1 - ratio(PLR)", paired(_const(runs, 1.0), by_seed(runs, "quadrant_plr", ratio)), 1),
+                 ("ratio(other quadrants) - ratio(PLR)",
+                  paired(_mean_of(runs, q_other, ratio), by_seed(runs, "quadrant_plr", ratio)), 1)])
+    add("plr_early_saturation", "PLR gains early, then saturates.",
+        "PLR's early gain (mean Avg@k over the first half's evaluations minus the warm start's) is > 0, and "
+        "its late gain (second half's mean minus first half's) is below that of PHR and NHR.",
+        ["quadrant_plr", "quadrant_phr", "quadrant_nhr"],
+        lambda: [("early gain(PLR)", paired(by_seed(runs, "quadrant_plr", lambda r: r.early_gain),
+                                            _const(runs, 0.0)), 1),
+                 ("late gain(PHR, NHR) - late gain(PLR)",
+                  paired(_mean_of(runs, ["quadrant_phr", "quadrant_nhr"], lambda r: r.late_gain),
+                         by_seed(runs, "quadrant_plr", lambda r: r.late_gain)), 1)])
+    add("nhr_faster_than_nlr", "The two negative quadrants learn at different speeds.",
+        "Our reading (the direction HAPO's up-weighting of high-entropy tokens assumes): NHR's early gain "
+        "exceeds NLR's.",
+        ["quadrant_nhr", "quadrant_nlr"],
+        lambda: [("early gain(NHR) - early gain(NLR)",
+                  paired(by_seed(runs, "quadrant_nhr", lambda r: r.early_gain),
+                         by_seed(runs, "quadrant_nlr", lambda r: r.early_gain)), 1)])
+    add("phr_nhr_sustained", "PHR and NHR (high-entropy tokens) give sustained gains.",
+        "The late gain of PHR and of NHR is > 0 (still improving in the second half).",
+        ["quadrant_phr", "quadrant_nhr"],
+        lambda: [(f"late gain({q[-3:].upper()})", paired(by_seed(runs, q, lambda r: r.late_gain),
+                                                         _const(runs, 0.0)), 1)
+                 for q in ("quadrant_phr", "quadrant_nhr")])
+    add("hapo_entropy_stable", "HAPO keeps entropy stable where GRPO collapses it.",
+        "HAPO's end/start entropy ratio exceeds GRPO's, and GRPO's is below 1. (DAPO, HAPO's base, is "
+        "compared too when present.)",
+        ["hapo", "grpo"],
+        lambda: [("ratio(HAPO) - ratio(GRPO)", paired(by_seed(runs, "hapo", ratio), by_seed(runs, "grpo", ratio)), 1),
+                 ("1 - ratio(GRPO)", paired(_const(runs, 1.0), by_seed(runs, "grpo", ratio)), 1)]
+        + ([("ratio(HAPO) - ratio(DAPO)", paired(by_seed(runs, "hapo", ratio), by_seed(runs, "dapo", ratio)), 1)]
+           if "dapo" in have else []))
+    final: Metric = lambda r: r.final  # noqa: E731
+
+    def no_worse(t: dict, tol: float = 0.03) -> str:
+        if t["n"] < 2 or math.isnan(t["se"]):
+            return INCONCLUSIVE
+        if t["diff"] < -2 * t["se"] and t["diff"] < -tol:
+            return DISAGREE
+        return AGREE if abs(t["diff"]) <= tol else INCONCLUSIVE
+
+    add("alpha_robust", "HAPO is robust to alpha up to 0.4.",
+        "Neither alpha 0.1 nor alpha 0.4 ends with a lower Avg@k than alpha 0.2 by more than twice the "
+        "standard error and more than 0.03 (disagree); both within 0.03 of alpha 0.2 (agree).",
+        ["hapo", "hapo_alpha0.1", "hapo_alpha0.4"],
+        lambda: [(f"Avg@k(alpha {a}) - Avg@k(alpha 0.2)",
+                  paired(by_seed(runs, f"hapo_alpha{a}", final), by_seed(runs, "hapo", final)), no_worse)
+                 for a in ("0.1", "0.4")])
+    add("hapo_beats_baselines", "HAPO reaches a higher Avg@k than GRPO and DAPO.",
+        "Final held-out Avg@k of HAPO minus that of GRPO and of DAPO, per seed.",
+        ["hapo", "grpo", "dapo"],
+        lambda: [(f"Avg@k(HAPO) - Avg@k({b.upper()})", paired(by_seed(runs, "hapo", final), by_seed(runs, b, final)), 1)
+                 for b in ("grpo", "dapo")])
+    return out

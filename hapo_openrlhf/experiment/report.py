@@ -1,0 +1,214 @@
+"""The experiment report: Markdown + PNGs + findings.json from an experiment directory.
+
+``hapo report EXPERIMENT_DIR`` (or the end of ``hapo experiment``) reads
+``experiment.json`` and each finished run's ``metrics.jsonl``; nothing is
+recomputed from models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..algos.quadrants import QUADRANTS
+from .findings import evaluate_findings
+from .stats import RunStats, load_run, spread
+
+QUADRANT_VIEW = ("quadrant_phr", "quadrant_plr", "quadrant_nhr", "quadrant_nlr", "grpo", "dapo", "hapo")
+
+
+def is_experiment_dir(path: str | Path) -> bool:
+    return (Path(path) / "experiment.json").exists()
+
+
+def load_experiment_runs(exp_dir: str | Path) -> tuple[dict, list[RunStats], list[str]]:
+    """(manifest, stats of every finished run of the suites that were run, missing runs)."""
+    exp_dir = Path(exp_dir)
+    manifest = json.loads((exp_dir / "experiment.json").read_text())
+    variants: list[str] = []
+    for s in suites_run(manifest):
+        variants += [v for v in manifest["suites"][s] if v not in variants]
+    runs, missing = [], []
+    for v in variants:
+        for seed in manifest["seeds"]:
+            name = f"{v}/seed_{seed}"
+            d = Path(manifest["runs"][name])
+            if not (d / "summary.json").exists():
+                missing.append(name)
+                continue
+            runs.append(load_run(d, v, seed, manifest.get("jobs", {}).get(name, {}).get("wall_s")))
+    return manifest, runs, missing
+
+
+def suites_run(manifest: dict) -> list[str]:
+    """The suites run so far, in the experiment file's order."""
+    return [s for s in manifest["suites"] if s in manifest.get("suites_run", [])]
+
+
+def _f(x: float, nd: int = 3) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def _ms(values: list[float], nd: int = 3) -> str:
+    s = spread(values)
+    return _f(s["mean"], nd) + ("" if math.isnan(s["std"]) else f" ± {_f(s['std'], nd)}")
+
+
+def variant_table(runs: list[RunStats], variants: list[str]) -> dict[str, dict]:
+    """variant -> {metric: spread over seeds} (the numbers behind the report's tables)."""
+    out = {}
+    for v in variants:
+        rs = [r for r in runs if r.variant == v]
+        if not rs:
+            continue
+        row = {name: spread([fn(r) for r in rs]) for name, fn in {
+            "avg_before": lambda r: r.before, "avg_final": lambda r: r.final, "pass_final": lambda r: r.final_pass,
+            "gain": lambda r: r.gain, "early_gain": lambda r: r.early_gain, "late_gain": lambda r: r.late_gain,
+            "entropy_start": lambda r: r.entropy_start, "entropy_end": lambda r: r.entropy_end,
+            "entropy_ratio": lambda r: r.entropy_ratio,
+        }.items()}
+        for q in QUADRANTS:
+            row[f"{q}_share"] = spread([r.quadrant_mean(q, "token_frac") for r in rs])
+            row[f"{q}_entropy_end"] = spread([r.quadrant_mean(q, "entropy_mean", last=10) for r in rs])
+        row["k"] = rs[0].k
+        row["seeds"] = sorted(r.seed for r in rs)
+        out[v] = row
+    return out
+
+
+def _plots(runs: list[RunStats], suites: dict[str, list[str]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+
+    def band(ax, xs_list, ys_list, label):
+        """Mean over seeds with the min-max band (curves aligned on their common steps)."""
+        common = sorted(set.intersection(*(set(x) for x in xs_list)))
+        if not common:
+            return
+        cols = [[dict(zip(x, y))[s] for x, y in zip(xs_list, ys_list)] for s in common]
+        m = [sum(c) / len(c) for c in cols]
+        (line,) = ax.plot(common, m, lw=1.6, label=label)
+        if len(xs_list) > 1:
+            ax.fill_between(common, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.15)
+
+    def smooth(ys, w=5):
+        return [sum(ys[max(0, i - w + 1): i + 1]) / len(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
+
+    def save(fig, name):
+        fig.tight_layout()
+        p = out / f"{name}.png"
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        written.append(p)
+
+    k = runs[0].k
+    for key, title in (("avg", f"held-out Avg@{k}"), ("pass_", f"held-out Pass@{k}"), ("entropy", "entropy")):
+        fig, axes = plt.subplots(1, len(suites), figsize=(5.2 * len(suites), 3.8), squeeze=False)
+        for ax, (suite, variants) in zip(axes[0], suites.items()):
+            for v in variants:
+                rs = [r for r in runs if r.variant == v]
+                if not rs:
+                    continue
+                if key == "entropy":
+                    band(ax, [r.train_steps for r in rs], [smooth(r.entropy) for r in rs], v)
+                else:
+                    band(ax, [r.eval_steps for r in rs], [getattr(r, key) for r in rs], v)
+            ax.set(title=f"{suite}: {title}" + (" (5-step moving average)" if key == "entropy" else ""),
+                   xlabel="RL step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+        save(fig, {"avg": "avg_at_k", "pass_": "pass_at_k", "entropy": "entropy"}[key])
+    view = [v for v in QUADRANT_VIEW if any(r.variant == v for r in runs)]
+    for stat, name, title in (("entropy_mean", "quadrant_entropy", "mean entropy"),
+                              ("token_frac", "quadrant_share", "token share")):
+        fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
+        for ax, q in zip(axes.flat, QUADRANTS):
+            for v in view:
+                rs = [r for r in runs if r.variant == v]
+                ys = [smooth([x if x is not None else math.nan for x in r.quadrant[q][stat]]) for r in rs]
+                band(ax, [r.train_steps for r in rs], ys, v)
+            ax.set_title(f"{q}: {title} (5-step moving average)", fontsize=9)
+            ax.grid(alpha=0.3)
+        axes[0, 0].legend(fontsize=6)
+        axes[1, 0].set_xlabel("RL step")
+        axes[1, 1].set_xlabel("RL step")
+        save(fig, name)
+    return written
+
+
+def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    exp_dir = Path(exp_dir)
+    out = Path(out_dir or exp_dir / "report")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest, runs, missing = load_experiment_runs(exp_dir)
+    if not runs:
+        raise ValueError(f"{str(exp_dir)!r}: no finished run yet")
+    suites = {s: manifest["suites"][s] for s in suites_run(manifest)}
+    variants = [v for vs in suites.values() for v in vs]
+    table = variant_table(runs, list(dict.fromkeys(variants)))
+    findings = evaluate_findings(runs)
+    (out / "findings.json").write_text(json.dumps(findings, indent=1))
+    (out / "stats.json").write_text(json.dumps(table, indent=1))
+    pngs = _plots(runs, suites, out)
+
+    k = runs[0].k
+    jobs = manifest.get("jobs", {})
+    job_s = sum(j.get("wall_s", 0.0) for j in jobs.values() if not j.get("reused"))
+    steps = sorted({r.steps for r in runs})
+    lines = [
+        f"# Experiment report: {Path(manifest['experiment']).name}", "",
+        f"Seeds {manifest['seeds']}; {len(runs)} finished runs; RL steps {steps}; "
+        f"held-out Avg@{k} / Pass@{k}. Mean ± sample std over seeds; each seed's runs share one warm start.",
+        f"Wall time of the last `hapo experiment` invocation: {_f(manifest.get('wall_s_this_invocation', 0) / 60, 1)} min "
+        f"({manifest['workers']} workers x {manifest['threads_per_worker']} thread(s); "
+        f"{_f(job_s / 60, 1)} min of run time in total).", "",
+    ]
+    if missing:
+        lines += [f"**Missing runs** (not finished): {', '.join(missing)}", ""]
+    if manifest.get("failed"):
+        lines += [f"**Failed runs**: {', '.join(manifest['failed'])} (see experiment.json)", ""]
+    for suite, vs in suites.items():
+        lines += [f"## {suite}", "",
+                  f"| variant | Avg@{k} before | Avg@{k} final | Pass@{k} final | gain | early gain | late gain | "
+                  "entropy start → end | entropy ratio | share PHR/PLR/NHR/NLR |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for v in vs:
+            rs = [r for r in runs if r.variant == v]
+            if not rs:
+                lines.append(f"| {v} | (no finished run) |||||||||")
+                continue
+            col = lambda fn, nd=3: _ms([fn(r) for r in rs], nd)  # noqa: E731
+            share = "/".join(_f(spread([r.quadrant_mean(q, "token_frac") for r in rs])["mean"], 2) for q in QUADRANTS)
+            lines.append(
+                f"| {v} | {col(lambda r: r.before)} | {col(lambda r: r.final)} | {col(lambda r: r.final_pass)} | "
+                f"{col(lambda r: r.gain)} | {col(lambda r: r.early_gain)} | {col(lambda r: r.late_gain)} | "
+                f"{_f(spread([r.entropy_start for r in rs])['mean'])} → {_f(spread([r.entropy_end for r in rs])['mean'])} | "
+                f"{col(lambda r: r.entropy_ratio)} | {share} |")
+        lines.append("")
+    lines += ["## Per-quadrant entropy at the end (mean of the last 10 steps)", "",
+              "| variant | " + " | ".join(QUADRANTS) + " |", "|---|" + "---|" * len(QUADRANTS)]
+    for v in table:
+        lines.append(f"| {v} | " + " | ".join(_ms([r.quadrant_mean(q, 'entropy_mean', last=10) for r in runs
+                                                    if r.variant == v]) for q in QUADRANTS) + " |")
+    lines += ["", "## The paper's findings", "",
+              "Rule: a paired difference over seeds agrees when it points the paper's way by more than twice "
+              "its standard error, disagrees when it points the other way by as much, and is inconclusive "
+              "otherwise (see `hapo_openrlhf/experiment/findings.py`).", "",
+              "| finding | verdict | evidence (mean ± s.e. of the per-seed difference) |", "|---|---|---|"]
+    for f in findings:
+        lines.append(f"| {f['claim']} <br>*{f['reading']}* | **{f['verdict']}** | {f['evidence']} |")
+    if not findings:
+        lines.append("| (no finding has all its variants in this experiment) | | |")
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in pngs]
+    lines += ["", "Definitions: *early gain* = mean Avg@k over the evaluations in the first half of RL minus the "
+              "warm start's; *late gain* = mean over the second half's evaluations minus the first half's; "
+              "*entropy ratio* = mean behaviour entropy of the last 10 steps / first 10 steps; *share* = mean "
+              "token share of each quadrant over the run (tau = the 80th percentile of the batch's entropy)."]
+    md = out / "experiment.md"
+    md.write_text("\n".join(lines) + "\n")
+    return md

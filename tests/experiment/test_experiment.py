@@ -1,0 +1,145 @@
+"""`hapo experiment`: the experiment file, and a reduced run of the shipped toy
+reproduction through the real CLI (the CI smoke test of the full experiment)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hapo_openrlhf.experiment import load_experiment
+from hapo_openrlhf.experiment.runner import _run_job
+
+from ..conftest import REPO, run_cli
+
+TOY = REPO / "configs" / "experiments" / "toy_repro.yaml"
+BASE = str(REPO / "configs" / "cpu_tiny.yaml")
+# the smoke version: every variant, two seeds, a few steps, tiny evaluation
+SMOKE = ["trainer.steps=3", "trainer.eval_every=1", "warmup.steps=40", "data.synthetic.eval_size=8",
+         "data.synthetic.train_size=200", "eval.n_samples=2", "rollout.prompts_per_step=4",
+         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24", "eval.max_new_tokens=24",
+         "trainer.sample_every=0"]
+
+
+def _sets(xs):
+    return [a for x in xs for a in ("--set", x)]
+
+
+def _write(tmp_path, body: dict) -> Path:
+    p = tmp_path / "exp.yaml"
+    p.write_text(yaml.safe_dump({"run_config": BASE, **body}))
+    return p
+
+
+def test_shipped_experiment_resolves_every_variant():
+    exp = load_experiment(TOY)
+    assert exp.seeds == (1, 2, 3) and exp.workers == 2 and exp.threads_per_worker == 1
+    assert exp.suites["quadrants"] == ("quadrant_phr", "quadrant_plr", "quadrant_nhr", "quadrant_nlr")
+    assert len(exp.variants_of(list(exp.suites))) == 15 and len(exp.runs) == 45
+    algo = {v: exp.runs[(v, 1)].config["algorithm"] for v in exp.variants_of(list(exp.suites))}
+    assert algo["hapo"]["estimator_params"] == {"alpha": 0.2, "phi": 2.0, "normalize": "zscore"}
+    assert algo["hapo_alpha0.4"]["estimator_params"]["alpha"] == 0.4
+    assert algo["hapo_ablate_nhr"]["estimator_params"]["ablate"] == ["NHR"]
+    assert algo["quadrant_plr"]["estimator_params"]["quadrants"] == ["PLR"]
+    assert not algo["grpo"]["dynamic_sampling"] and algo["dapo"]["dynamic_sampling"]
+    for (v, s), job in exp.runs.items():
+        c = job.config
+        assert c["seed"] == s and c["warmup"]["steps"] == 0 and c["trainer"]["threads"] == 1
+        assert c["model"]["path"] == str((exp.warm[s].out / "final_model").resolve())
+        assert c["trainer"]["steps"] == 100  # `common` reached every variant
+    assert all(j.config["trainer"]["steps"] == 0 for j in exp.warm.values())
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"variants": {"a": {}}, "suites": {"s": ["b"]}}, "suite 's' names unknown variant"),
+    ({"variants": {"a": {}}, "suites": {"all": ["a"]}}, "'all' is reserved"),
+    ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1, 1]}, "seeds must be distinct"),
+    ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "bogus": 1}, "unknown key"),
+    ({"variants": {"a": {"cfg": "x"}}, "suites": {"s": ["a"]}}, "variant 'a' must be a mapping"),
+    ({"variants": {"a": {"override": {"data": {"synthetic": {"digits": 2}}}}}, "suites": {"s": ["a"]}},
+     "changes \\['data'\\], which the shared warm start"),
+    ({"variants": {"a": {"override": {"model": {"hidden_size": 64}}}}, "suites": {"s": ["a"]}}, "model.hidden_size"),
+    ({"variants": {"a": {"override": {"algorithm": {"estimator": "nope"}}}}, "suites": {"s": ["a"]}},
+     "variant 'a'.*nope"),
+    ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "common": {"trainer": {"stepz": 1}}}, "trainer.stepz"),
+])
+def test_bad_experiment_files_fail_before_training(tmp_path, body, match):
+    with pytest.raises(ValueError, match=match):
+        load_experiment(_write(tmp_path, body))
+
+
+def test_a_failing_run_is_reported_not_raised(tmp_path):
+    exp = load_experiment(_write(tmp_path, {"variants": {"a": {}}, "suites": {"s": ["a"]}}),
+                          output_dir=str(tmp_path / "out"), seeds=[1])
+    r = _run_job(exp.runs[("a", 1)])  # its warm start was never trained: model.path is missing
+    assert r["status"] == "failed" and "model.path" in r["error"] and "does not exist" in r["error"]
+    assert "Traceback" in r["traceback"]
+
+
+def test_experiment_cli_smoke(tmp_path):
+    """Every variant of the shipped experiment for two seeds, a few steps each: the report,
+    the shared warm start, reuse on rerun, a run reproducible alone, conflicts refused."""
+    out = tmp_path / "exp"
+    cmd = ["experiment", "all", "--config", str(TOY), "--seeds", "1,2", "--output-dir", str(out), *_sets(SMOKE)]
+    res = run_cli(cmd, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    last = json.loads(res.stdout.strip().splitlines()[-1])
+    assert last["failed"] == [] and last["skipped"] == []
+    manifest = json.loads((out / "experiment.json").read_text())
+    assert manifest["suites_run"] == ["alpha", "compare", "quadrants"]
+    assert len(manifest["jobs"]) == 2 + 15 * 2 and all(j["status"] == "done" for j in manifest["jobs"].values())
+
+    # report: Markdown, PNGs, every finding evaluated with two seeds
+    report = Path(last["report"])
+    md = report.read_text()
+    for v in ("quadrant_plr", "grpo", "dapo", "hapo_ablate_nlr", "entro_adv", "forking", "hapo_alpha0.4"):
+        assert f"| {v} |" in md
+    for png in ("avg_at_k", "pass_at_k", "entropy", "quadrant_entropy", "quadrant_share"):
+        assert (report.parent / f"{png}.png").stat().st_size > 1000
+    findings = json.loads((report.parent / "findings.json").read_text())
+    assert [f["id"] for f in findings] == ["plr_entropy_collapse", "plr_early_saturation", "nhr_faster_than_nlr",
+                                           "phr_nhr_sustained", "hapo_entropy_stable", "alpha_robust",
+                                           "hapo_beats_baselines"]
+    assert all(t["n"] == 2 for f in findings for t in f["tests"])
+
+    # one warm start per seed, shared: every run of a seed starts from the same model, so its
+    # step-0 evaluation equals the warm start's final evaluation exactly
+    for s in (1, 2):
+        warm = json.loads((out / "warm_start" / f"seed_{s}" / "summary.json").read_text())["after"]
+        for v in manifest["suites"]["compare"] + manifest["suites"]["quadrants"]:
+            run = out / "runs" / v / f"seed_{s}"
+            assert json.loads((run / "summary.json").read_text())["before"] == warm, (v, s)
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            assert cfg["model"]["path"] == str((out / "warm_start" / f"seed_{s}" / "final_model").resolve())
+    assert (out / "runs" / "hapo" / "seed_1" / "run.log").exists()
+
+    # a run is an ordinary run: `hapo train` on its saved config reproduces it exactly
+    alone = tmp_path / "alone"
+    res = run_cli(["train", "--config", str(out / "runs" / "hapo" / "seed_2" / "config.yaml"),
+                   "--output-dir", str(alone)])
+    assert res.returncode == 0, res.stderr[-2000:]
+
+    def recs(d):
+        return [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")}
+                for l in (d / "metrics.jsonl").read_text().splitlines()]
+
+    assert recs(alone) == recs(out / "runs" / "hapo" / "seed_2")
+
+    # rerun: everything is reused; a run deleted by hand is redone; the report is rebuilt
+    shutil.rmtree(out / "runs" / "forking" / "seed_1")
+    res = run_cli(["experiment", "compare", "--config", str(TOY), "--seeds", "1,2", "--output-dir", str(out),
+                   *_sets(SMOKE)], timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "20 jobs (19 already finished)" in " ".join(res.stderr.split())
+    assert (out / "runs" / "forking" / "seed_1" / "summary.json").exists()
+
+    # a finished run made with another configuration is never overwritten
+    res = run_cli(["experiment", "compare", "--config", str(TOY), "--seeds", "1,2", "--output-dir", str(out),
+                   *_sets([*SMOKE, "optim.lr=3e-4"])], timeout=600)
+    assert res.returncode == 2 and "different configuration" in res.stderr
+
+    # `hapo report EXPERIMENT_DIR` rebuilds the same report
+    (report.parent / "experiment.md").unlink()
+    res = run_cli(["report", str(out)])
+    assert res.returncode == 0 and Path(res.stdout.strip()).read_text().startswith("# Experiment report")

@@ -1,0 +1,109 @@
+"""Experiment statistics and finding verdicts on hand-built runs (no training)."""
+
+import json
+import math
+
+import pytest
+
+from hapo_openrlhf.experiment.findings import AGREE, DISAGREE, INCONCLUSIVE, evaluate_findings, verdict
+from hapo_openrlhf.experiment.stats import RunStats, load_run, paired, spread
+
+
+def _write_run(d, evals, entropies, k=4, steps=None):
+    """metrics.jsonl as the embedded trainer writes it: step-0 eval, train steps, evals."""
+    d.mkdir(parents=True)
+    recs = []
+    steps = steps or len(entropies)
+    ev = dict(evals)
+    recs.append({"step": 0, f"eval/avg@{k}": ev.pop(0), f"eval/pass@{k}": 0.9})
+    for s, h in enumerate(entropies, start=1):
+        r = {"step": s, "reward/mean": 0.5, "actor/entropy": h, "quadrant/PLR/token_frac": 0.4,
+             "quadrant/PLR/entropy_mean": h / 2}
+        if s in ev and s != steps:
+            r.update({f"eval/avg@{k}": ev[s], f"eval/pass@{k}": 0.8})
+        recs.append(r)
+    recs.append({"step": steps, f"eval/avg@{k}": ev[steps], f"eval/pass@{k}": 0.7, "final": 1})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_run_stats_hand_computed(tmp_path):
+    # 20 steps, evals at 0, 5, 10, 15, 20: first half = steps 5, 10; second half = 15, 20
+    ent = [1.0] * 10 + [0.5] * 10
+    _write_run(tmp_path / "r", {0: 0.4, 5: 0.5, 10: 0.6, 15: 0.65, 20: 0.75}, ent)
+    r = load_run(tmp_path / "r", "hapo", 1)
+    assert (r.k, r.steps, r.eval_steps) == (4, 20, [0, 5, 10, 15, 20])
+    assert r.before == 0.4 and r.final == 0.75 and r.final_pass == 0.7
+    assert r.gain == pytest.approx(0.35)
+    assert r.early_gain == pytest.approx((0.5 + 0.6) / 2 - 0.4)
+    assert r.late_gain == pytest.approx((0.65 + 0.75) / 2 - (0.5 + 0.6) / 2)
+    assert (r.entropy_start, r.entropy_end, r.entropy_ratio) == (1.0, 0.5, 0.5)
+    assert r.quadrant_mean("PLR", "entropy_mean", last=10) == pytest.approx(0.25)
+    assert r.quadrant_mean("PLR", "token_frac") == pytest.approx(0.4)
+    assert math.isnan(r.quadrant_mean("PHR", "token_frac"))  # never logged
+
+
+def test_load_run_without_evaluation_is_an_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.1}) + "\n")
+    with pytest.raises(ValueError, match="no held-out evaluation"):
+        load_run(tmp_path, "x", 1)
+
+
+def test_spread_and_paired():
+    s = spread([1.0, 2.0, 3.0, math.nan])
+    assert (s["mean"], s["std"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 1.0, 3.0, 3)
+    t = paired({1: 0.5, 2: 0.6, 3: 0.7, 4: 0.9}, {1: 0.4, 2: 0.4, 3: 0.5})  # seed 4 unpaired: ignored
+    assert t["per_seed"] == pytest.approx([0.1, 0.2, 0.2])
+    assert t["diff"] == pytest.approx(0.5 / 3)
+    assert t["se"] == pytest.approx(math.sqrt(1 / 300) / math.sqrt(3))
+    assert verdict(t) == AGREE and verdict(t, -1) == DISAGREE
+    assert verdict({"diff": 0.05, "se": 0.04, "n": 3}) == INCONCLUSIVE  # within 2 s.e.
+    assert verdict(paired({1: 1.0}, {1: 0.0})) == INCONCLUSIVE  # one seed: no spread
+
+
+def _run(variant, seed, *, before=0.4, evals=(0.5, 0.5, 0.5, 0.5), ent=(1.0, 1.0)):
+    steps = 20 * len(evals)
+    es = list(range(0, steps + 1, 20))
+    h0, h1 = ent
+    return RunStats(variant, seed, 4, steps, es, [before, *evals], [0.9] * len(es), list(range(1, steps + 1)),
+                    [h0] * 10 + [h1] * (steps - 10))
+
+
+def test_findings_verdicts_follow_the_rule():
+    seeds = (1, 2, 3)
+    runs = []
+    for s in seeds:
+        j = 0.002 * s  # small seed-to-seed jitter so standard errors are not zero
+        runs += [
+            # PLR: entropy collapses, early gain then nothing
+            _run("quadrant_plr", s, evals=(0.6 + j, 0.6, 0.6, 0.6 - j), ent=(1.0, 0.4 + j)),
+            # PHR / NHR keep improving; NHR learns faster than NLR
+            _run("quadrant_phr", s, evals=(0.45, 0.5 + j, 0.6, 0.7), ent=(1.0, 1.0 + j)),
+            _run("quadrant_nhr", s, evals=(0.55 + j, 0.6, 0.65, 0.7), ent=(1.0, 1.1)),
+            _run("quadrant_nlr", s, evals=(0.41 + j, 0.42, 0.42, 0.42), ent=(1.0, 1.0 - j)),
+            # GRPO's entropy *rises* here: the HAPO-vs-GRPO finding must come out "disagree"
+            _run("grpo", s, evals=(0.5, 0.5, 0.5, 0.5 + j), ent=(1.0, 1.5 + j)),
+            _run("hapo", s, evals=(0.5, 0.5, 0.5, 0.6 + j), ent=(1.0, 1.0)),
+            _run("hapo_alpha0.1", s, evals=(0.5, 0.5, 0.5, 0.61 + j), ent=(1.0, 1.0)),
+            _run("hapo_alpha0.4", s, evals=(0.5, 0.5, 0.5, 0.45 - j), ent=(1.0, 1.0)),  # much worse
+        ]
+    f = {x["id"]: x for x in evaluate_findings(runs)}
+    assert f["plr_entropy_collapse"]["verdict"] == AGREE
+    assert f["plr_early_saturation"]["verdict"] == AGREE
+    assert f["nhr_faster_than_nlr"]["verdict"] == AGREE
+    assert f["phr_nhr_sustained"]["verdict"] == AGREE
+    assert f["hapo_entropy_stable"]["verdict"] == DISAGREE  # GRPO's ratio is 1.5, not < 1
+    alpha = {t["label"]: t["verdict"] for t in f["alpha_robust"]["tests"]}
+    assert alpha == {"Avg@k(alpha 0.1) - Avg@k(alpha 0.2)": AGREE, "Avg@k(alpha 0.4) - Avg@k(alpha 0.2)": DISAGREE}
+    assert f["alpha_robust"]["verdict"] == DISAGREE
+    assert "hapo_beats_baselines" not in f  # needs DAPO, which is absent
+    # ratio(HAPO) = 1.0, ratio(GRPO) = 1.5 + 0.002 * seed
+    assert f["hapo_entropy_stable"]["tests"][0]["diff"] == pytest.approx(-0.504)
+    assert "-0.504" in f["hapo_entropy_stable"]["evidence"]
+    # every test carries its numbers
+    for x in f.values():
+        for t in x["tests"]:
+            assert t["n"] == 3 and len(t["per_seed"]) == 3
+
+
+def test_findings_need_their_variants():
+    assert evaluate_findings([_run("hapo", 1)]) == []
