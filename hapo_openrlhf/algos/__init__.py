@@ -14,6 +14,7 @@ from .advantages import (
 from .dapo import DynamicSamplingBuffer, informative_groups, overlong_penalty
 from .entropy import check_finite, entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from .fused import fused_logprobs_entropy, fused_token_loss
+from .vocab_parallel import vocab_parallel_logprobs_entropy
 from .losses import AGGREGATIONS, LOSSES, ROW_LOCAL_LOSSES, aggregate, compute_policy_loss, default_normalizer, k3_kl, list_losses
 from .quadrants import (
     QUADRANTS,
@@ -25,6 +26,7 @@ from .quadrants import (
 )
 
 __all__ = [
+    "vocab_parallel_logprobs_entropy",
     "AGGREGATIONS", "ESTIMATORS", "LOSSES", "ROW_LOCAL_LOSSES", "QUADRANTS", "AdvantageInputs", "AdvantageOutput",
     "DynamicSamplingBuffer", "aggregate", "check_finite", "compute_advantages", "compute_policy_loss",
     "default_normalizer", "entropy_from_logits", "fused_logprobs_entropy", "fused_token_loss", "entropy_threshold", "group_mean_std", "hapo_multiplier",

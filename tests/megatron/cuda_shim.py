@@ -1,0 +1,19 @@
+"""The CPU shim megatron-core 0.16.1 needs to run on gloo without CUDA (test-only;
+every line is listed in docs/megatron.md). Nothing else is patched: the model,
+tensor-parallel layers and their collectives are megatron-core's own."""
+
+import torch
+
+
+def install() -> None:
+    # parameters and RNG trackers ask for "the current CUDA device"
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    # model_parallel_cuda_manual_seed / CudaRNGStatesTracker keep CUDA generator states:
+    # point them at the CPU generator (dropout is 0 in the tests, so no stream is consumed)
+    torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
