@@ -118,8 +118,10 @@ def _plots(runs: list[RunStats], suites: dict[str, list[str]], out: Path) -> lis
                     band(ax, [r.train_steps for r in rs], [smooth(r.entropy) for r in rs], v)
                 else:
                     band(ax, [r.eval_steps for r in rs], [getattr(r, key) for r in rs], v)
-            ax.set(title=f"{suite}: {title}" + (" (5-step moving average)" if key == "entropy" else ""),
+            ax.set(title=f"{suite}: {title}" + (" (5-step moving average, log scale)" if key == "entropy" else ""),
                    xlabel="RL step")
+            if key == "entropy":  # runs can differ by orders of magnitude (a collapsing or exploding run)
+                ax.set_yscale("log")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6)
         save(fig, {"avg": "avg_at_k", "pass_": "pass_at_k", "entropy": "entropy"}[key])
@@ -132,7 +134,10 @@ def _plots(runs: list[RunStats], suites: dict[str, list[str]], out: Path) -> lis
                 rs = [r for r in runs if r.variant == v]
                 ys = [smooth([x if x is not None else math.nan for x in r.quadrant[q][stat]]) for r in rs]
                 band(ax, [r.train_steps for r in rs], ys, v)
-            ax.set_title(f"{q}: {title} (5-step moving average)", fontsize=9)
+            ax.set_title(f"{q}: {title} (5-step moving average{', log scale' if stat == 'entropy_mean' else ''})",
+                         fontsize=9)
+            if stat == "entropy_mean":
+                ax.set_yscale("log")
             ax.grid(alpha=0.3)
         axes[0, 0].legend(fontsize=6)
         axes[1, 0].set_xlabel("RL step")

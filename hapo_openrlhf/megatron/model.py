@@ -31,6 +31,9 @@ def qwen2_transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtyp
         params_dtype=params_dtype, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
+        pipeline_dtype=params_dtype,
+        # hapo's losses divide by the global normaliser themselves (schedule.forward_backward)
+        calculate_per_token_loss=True,
     )
     kw.update(overrides)
     return TransformerConfig(**kw)

@@ -16,10 +16,10 @@ from ..conftest import REPO, run_cli
 TOY = REPO / "configs" / "experiments" / "toy_repro.yaml"
 BASE = str(REPO / "configs" / "cpu_tiny.yaml")
 # the smoke version: every variant, two seeds, a few steps, tiny evaluation
-SMOKE = ["trainer.steps=3", "trainer.eval_every=1", "warmup.steps=40", "data.synthetic.eval_size=8",
+SMOKE = ["trainer.steps=2", "trainer.eval_every=1", "warmup.steps=20", "data.synthetic.eval_size=8",
          "data.synthetic.train_size=200", "eval.n_samples=2", "rollout.prompts_per_step=4",
-         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24", "eval.max_new_tokens=24",
-         "trainer.sample_every=0"]
+         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16", "eval.max_new_tokens=16",
+         "algorithm.max_gen_rounds=1", "trainer.sample_every=0"]
 
 
 def _sets(xs):

@@ -2,6 +2,8 @@
 every line is listed in docs/megatron.md). Nothing else is patched: the model,
 tensor-parallel layers and their collectives are megatron-core's own."""
 
+import types
+
 import torch
 
 
@@ -17,3 +19,18 @@ def install() -> None:
 
     mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # the pipeline schedules allocate their token counter with device="cuda"
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchWithCpuForCuda("torch")
+
+
+class _TorchWithCpuForCuda(types.ModuleType):
+    """``torch`` for one module's namespace, with ``zeros(..., device="cuda")`` on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
