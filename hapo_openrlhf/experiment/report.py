@@ -163,7 +163,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
 
     k = runs[0].k
     jobs = manifest.get("jobs", {})
-    job_s = sum(j.get("wall_s", 0.0) for j in jobs.values() if not j.get("reused"))
+    job_s = sum(j.get("wall_s", 0.0) for j in jobs.values())
     steps = sorted({r.steps for r in runs})
     lines = [
         f"# Experiment report: {Path(manifest['experiment']).name}", "",
@@ -171,7 +171,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
         f"held-out Avg@{k} / Pass@{k}. Mean ± sample std over seeds; each seed's runs share one warm start.",
         f"Wall time of the last `hapo experiment` invocation: {_f(manifest.get('wall_s_this_invocation', 0) / 60, 1)} min "
         f"({manifest['workers']} workers x {manifest['threads_per_worker']} thread(s); "
-        f"{_f(job_s / 60, 1)} min of run time in total).", "",
+        f"{_f(job_s / 60, 1)} min of run time over all runs, including earlier invocations).", "",
     ]
     if missing:
         lines += [f"**Missing runs** (not finished): {', '.join(missing)}", ""]

@@ -122,6 +122,7 @@ def run_experiment(exp: Experiment, suites: list[str],
         _write_json(manifest_path, manifest)
 
     for r in results.values():
+        r["wall_s"] = manifest["jobs"].get(r["name"], {}).get("wall_s", 0.0)  # its time when it ran
         record(r)
         emit("reused", r)
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no torch/Ray state is inherited

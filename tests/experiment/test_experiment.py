@@ -133,6 +133,8 @@ def test_experiment_cli_smoke(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "20 jobs (19 already finished)" in " ".join(res.stderr.split())
     assert (out / "runs" / "forking" / "seed_1" / "summary.json").exists()
+    rerun = json.loads((out / "experiment.json").read_text())["jobs"]
+    assert rerun["hapo/seed_1"]["reused"] and rerun["hapo/seed_1"]["wall_s"] == manifest["jobs"]["hapo/seed_1"]["wall_s"]
 
     # a finished run made with another configuration is never overwritten
     res = run_cli(["experiment", "compare", "--config", str(TOY), "--seeds", "1,2", "--output-dir", str(out),
