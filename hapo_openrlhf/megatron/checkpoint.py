@@ -1,0 +1,103 @@
+"""Megatron distributed (sharded) checkpoints of the model, a torch optimizer's
+state and the trainer state, written atomically.
+
+Every rank writes its own shards through ``megatron.core.dist_checkpointing``
+(the ``torch_dist`` format: resharding on load is Megatron's). Optimizer moments
+are saved as sharded tensors laid out like their parameters
+(``optim_state_to_sharding_state``); the step count and the trainer state
+(step, data position, RNG, ...) are common state written once. A checkpoint is
+written to ``step_N.tmp/`` and renamed to ``step_N/`` by rank 0 after every rank
+has finished, so a directory named ``step_N`` is always complete; a crash mid-save
+leaves only a ``.tmp`` directory, which ``latest`` ignores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint directory under ``root`` (None if there is none)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()]
+    return max(found)[1] if found else None
+
+
+def _sharded(model, optimizer, trainer_state: dict[str, Any] | None):
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    model_sd = model.sharded_state_dict()
+    out: dict[str, Any] = {"model": model_sd, "trainer": trainer_state or {}}
+    if optimizer is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        osd = optimizer.state_dict()
+        # a fresh optimizer has no state yet: give it zero moments to load into
+        for i, p in enumerate(params):
+            if i not in osd["state"]:
+                osd["state"][i] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+                                   "step": torch.zeros(())}
+        steps = {i: float(s.get("step", 0)) for i, s in osd["state"].items()}
+        id_map = get_param_id_to_sharded_param_map(model_sd, params)
+        optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
+        out["optimizer"] = osd
+        out["optimizer_step"] = max(steps.values(), default=0.0)
+    return out
+
+
+def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict[str, Any] | None = None) -> Path:
+    """Write ``root/step_{step}`` from every rank of the job (a collective call)."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    if dist.get_rank() == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(model, optimizer, trainer_state), str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()
+    return final
+
+
+def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
+    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); returns the
+    trainer state. The model and optimizer must be built with the same parallel layout."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not path.is_dir() or path.name.endswith(".tmp"):
+        raise ValueError(f"{str(path)!r} is not a complete checkpoint directory")
+    sharded = _sharded(model, optimizer, {})
+    state = dist_checkpointing.load(sharded, str(path))
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
+    if bad:
+        raise ValueError(f"checkpoint {str(path)!r} does not match the model: {bad[:5]}")
+    if optimizer is not None:
+        osd = state["optimizer"]
+        step = torch.tensor(float(state["optimizer_step"]))
+        for s in osd["state"].values():
+            s["step"] = step.clone()
+        groups = optimizer.state_dict()["param_groups"]
+        optimizer.load_state_dict({"state": osd["state"], "param_groups": groups})
+    return state["trainer"]
