@@ -1,16 +1,12 @@
 """Megatron distributed checkpoints at TP=2: train 2 steps, save, resume in fresh
 processes, train 2 more == 4 uninterrupted steps (losses and every weight, bitwise)."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hapo_openrlhf.algos import compute_policy_loss
 
+from ._dist import init_megatron, load_hf_into, spawn
 from .test_convert import tiny_qwen2
 
 B, S, TP = 4, 8, 2
@@ -25,68 +21,49 @@ def _step_data(step):
     return ids, am, mask, -torch.rand(B, S - 1, generator=g) * 3, torch.randn(B, S - 1, generator=g)
 
 
-def _worker(rank, port, ckpt_root, phase, out):
+def _worker(rank, ckpt_root, phase, out):
     """phase 'full': 4 steps; 'first': 2 steps then save; 'resume': load then steps 3-4."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
-    try:
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
+    from hapo_openrlhf.megatron import checkpoint
+    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
+    from hapo_openrlhf.megatron.schedule import forward_backward
 
-        from hapo_openrlhf.megatron import checkpoint
-        from hapo_openrlhf.megatron.convert import hf_to_megatron
-        from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
-        from hapo_openrlhf.megatron.schedule import forward_backward
+    init_megatron(tp=TP)
+    hf = tiny_qwen2(False, layers=2)
+    model = build_qwen2_gpt_model(hf.config, tp=TP)
+    if phase != "resume":  # the resumed run starts from Megatron's random init: everything must come from disk
+        load_hf_into(model, hf, tp=TP, tp_rank=rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    start, losses = 0, []
+    if phase == "resume":
+        state = checkpoint.load(checkpoint.latest(ckpt_root), model, opt)
+        start, losses = state["step"], list(state["losses"])
+    stop = 2 if phase == "first" else 4
+    for step in range(start, stop):
+        ids, am, mask, old, adv = _step_data(step)
+        n = float(mask.sum())
 
-        from .cuda_shim import install
+        def loss_fn(lp, en, mb):
+            return compute_policy_loss("ppo", lp, old, adv, mask, normalizer=n)[0], {}
 
-        install()
-        ps.initialize_model_parallel(tensor_model_parallel_size=TP)
-        tensor_parallel.model_parallel_cuda_manual_seed(7)
-        hf = tiny_qwen2(False, layers=2)
-        model = build_qwen2_gpt_model(hf.config, tp=TP)
-        if phase != "resume":  # the resumed run starts from Megatron's random init: everything must come from disk
-            model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, tp=TP, tp_rank=rank), strict=False)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        start, losses = 0, []
-        if phase == "resume":
-            state = checkpoint.load(checkpoint.latest(ckpt_root), model, opt)
-            start, losses = state["step"], list(state["losses"])
-        stop = 2 if phase == "first" else 4
-        for step in range(start, stop):
-            ids, am, mask, old, adv = _step_data(step)
-            n = float(mask.sum())
-
-            def loss_fn(lp, en, mb):
-                return compute_policy_loss("ppo", lp, old, adv, mask, normalizer=n)[0], {}
-
-            opt.zero_grad(set_to_none=True)
-            stats = forward_backward(model, [{"input_ids": ids, "attention_mask": am}], loss_fn, vocab_size=259)
-            opt.step()
-            losses.append(float(stats[0]["loss"]))
-        if phase == "first":
-            checkpoint.save(ckpt_root, 2, model, opt, {"step": 2, "losses": losses})
-        if phase != "first":
-            torch.save({"losses": losses, "weights": {k: v.clone() for k, v in model.state_dict().items()
-                                                      if not k.endswith("_extra_state")},
-                        "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()]},
-                       f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        opt.zero_grad(set_to_none=True)
+        stats = forward_backward(model, [{"input_ids": ids, "attention_mask": am}], loss_fn, vocab_size=259)
+        opt.step()
+        losses.append(float(stats[0]["loss"]))
+    if phase == "first":
+        checkpoint.save(ckpt_root, 2, model, opt, {"step": 2, "losses": losses})
+    if phase != "first":
+        torch.save({"losses": losses, "weights": {k: v.clone() for k, v in model.state_dict().items()
+                                                  if not k.endswith("_extra_state")},
+                    "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()]},
+                   f"{out}.{rank}")
 
 
 def test_tp2_checkpoint_resumes_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
-    mp.spawn(_worker, args=(_port(), str(ckpt), "full", str(tmp_path / "full")), nprocs=TP, join=True)
-    mp.spawn(_worker, args=(_port(), str(ckpt), "first", None), nprocs=TP, join=True)
+    spawn(_worker, TP, str(ckpt), "full", str(tmp_path / "full"))
+    spawn(_worker, TP, str(ckpt), "first", None)
     assert [p.name for p in ckpt.iterdir()] == ["step_2"]  # complete, no .tmp left behind
-    mp.spawn(_worker, args=(_port(), str(ckpt), "resume", str(tmp_path / "resumed")), nprocs=TP, join=True)
+    spawn(_worker, TP, str(ckpt), "resume", str(tmp_path / "resumed"))
     for rank in range(TP):
         full, resumed = torch.load(tmp_path / f"full.{rank}"), torch.load(tmp_path / f"resumed.{rank}")
         assert len(full["losses"]) == 4 and full["losses"] == resumed["losses"]

@@ -2,16 +2,13 @@
 micro-batches with the global token normaliser, at PP=2 (1F1B over gloo p2p) and
 at TP=2, give the gradient of one big batch on the Hugging Face model."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hapo_openrlhf.algos import compute_policy_loss
 
+from ._dist import init_megatron, load_hf_into, spawn
 from .test_convert import tiny_qwen2
 
 T, MB, B, S = 0.9, 2, 6, 10  # 6 rows in 3 micro-batches of 2
@@ -46,68 +43,51 @@ def _reference(hf):
     return float(loss), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, port, tp, pp, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
+def _worker(rank, tp, pp, out):
+    from megatron.core import parallel_state as ps
 
-        from hapo_openrlhf.megatron.convert import hf_to_megatron, megatron_to_hf
-        from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
-        from hapo_openrlhf.megatron.schedule import forward_backward
+    from hapo_openrlhf.megatron.convert import megatron_to_hf
+    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
+    from hapo_openrlhf.megatron.schedule import forward_backward
 
-        from .cuda_shim import install
+    init_megatron(tp=tp, pp=pp)
+    world = tp * pp
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    hf = tiny_qwen2(False, layers=4)
+    model = build_qwen2_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=pp_rank)
+    load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
+    ids, am, mask, old, adv = _data()
+    n_global = float(mask.sum())
+    mbs = [{"input_ids": ids[i : i + MB], "attention_mask": am[i : i + MB], "mask": mask[i : i + MB],
+            "old": old[i : i + MB], "adv": adv[i : i + MB]} for i in range(0, B, MB)]
 
-        install()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        tensor_parallel.model_parallel_cuda_manual_seed(7)
-        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-        hf = tiny_qwen2(False, layers=4)
-        model = build_qwen2_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=pp_rank)
-        sd = hf_to_megatron(hf.state_dict(), hf.config, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        assert unexpected == [] and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
-        ids, am, mask, old, adv = _data()
-        n_global = float(mask.sum())
-        mbs = [{"input_ids": ids[i : i + MB], "attention_mask": am[i : i + MB], "mask": mask[i : i + MB],
-                "old": old[i : i + MB], "adv": adv[i : i + MB]} for i in range(0, B, MB)]
+    def loss_fn(lp, en, mb):
+        loss, m = _loss(lp, en, mb["old"], mb["adv"], mb["mask"], n_global)
+        return loss, {"clip_frac": torch.tensor(m["actor/clip_frac"])}
 
-        def loss_fn(lp, en, mb):
-            loss, m = _loss(lp, en, mb["old"], mb["adv"], mb["mask"], n_global)
-            return loss, {"clip_frac": torch.tensor(m["actor/clip_frac"])}
-
-        stats = forward_backward(model, mbs, loss_fn, vocab_size=259, temperature=T, chunk_size=7)
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        everyone = [None] * world
-        dist.all_gather_object(everyone, (pp_rank, tp_rank, grads, [float(s["loss"]) for s in stats]))
-        # the old-log-prob pass: forward only, values back from the last stage
-        with torch.no_grad():
-            fwd = forward_backward(model, mbs, None, vocab_size=259, temperature=T, chunk_size=7)
-        if rank == world - 1:
-            assert len(fwd) == len(mbs) and fwd[0][0].shape == (MB, S - 1)
-        if rank == 0:
-            ref_loss, ref_grads = _reference(hf)
-            shards = {(s, r): g for s, r, g, _ in everyone}
-            losses = [l for s, r, _, l in everyone if s == pp - 1 and r == 0][0]
-            assert len(losses) == 3
-            assert abs(sum(losses) - ref_loss) < 1e-5, (sum(losses), ref_loss)
-            merged = megatron_to_hf(shards, hf.config, tp=tp, pp=pp)
-            for n, g in ref_grads.items():
-                torch.testing.assert_close(merged[n].double(), g, rtol=1e-3, atol=1e-6, msg=n)
-            torch.save({"ok": True}, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    stats = forward_backward(model, mbs, loss_fn, vocab_size=259, temperature=T, chunk_size=7)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (pp_rank, tp_rank, grads, [float(s["loss"]) for s in stats]))
+    # the old-log-prob pass: forward only, values back from the last stage
+    with torch.no_grad():
+        fwd = forward_backward(model, mbs, None, vocab_size=259, temperature=T, chunk_size=7)
+    if rank == world - 1:
+        assert len(fwd) == len(mbs) and fwd[0][0].shape == (MB, S - 1)
+    if rank == 0:
+        ref_loss, ref_grads = _reference(hf)
+        shards = {(s, r): g for s, r, g, _ in everyone}
+        losses = [l for s, r, _, l in everyone if s == pp - 1 and r == 0][0]
+        assert len(losses) == 3
+        assert abs(sum(losses) - ref_loss) < 1e-5, (sum(losses), ref_loss)
+        merged = megatron_to_hf(shards, hf.config, tp=tp, pp=pp)
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(merged[n].double(), g, rtol=1e-3, atol=1e-6, msg=n)
+        torch.save({"ok": True}, out)
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)])
 def test_microbatched_loss_through_the_schedule_equals_one_big_batch(tmp_path, tp, pp):
     out = tmp_path / "ok.pt"
-    mp.spawn(_worker, args=(tp * pp, _port(), tp, pp, str(out)), nprocs=tp * pp, join=True)
+    spawn(_worker, tp * pp, tp, pp, str(out))
     assert torch.load(out)["ok"]

@@ -2,14 +2,11 @@
 log-probs, entropy and every parameter gradient equal the Hugging Face model's,
 computed from vocabulary shards (the full vocabulary is never gathered)."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ._dist import init_megatron, load_hf_into, spawn
 from .test_convert import tiny_qwen2
 
 T = 0.8
@@ -43,58 +40,40 @@ def _hf_reference(model, ids, am, w_lp, w_en):
     return lp.detach(), en.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, port, tied, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
+def _worker(rank, world, tied, out):
+    from megatron.core import parallel_state as ps
 
-        from hapo_openrlhf.megatron.convert import hf_to_megatron, megatron_to_hf
-        from hapo_openrlhf.megatron.model import build_qwen2_gpt_model, logprobs_and_entropy
+    from hapo_openrlhf.megatron.convert import megatron_to_hf
+    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model, logprobs_and_entropy
 
-        from .cuda_shim import install
-
-        install()
-        ps.initialize_model_parallel(tensor_model_parallel_size=world)
-        tensor_parallel.model_parallel_cuda_manual_seed(7)
-        hf = tiny_qwen2(tied, layers=2)
-        model = build_qwen2_gpt_model(hf.config, tp=world)
-        missing, unexpected = model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, tp=world, tp_rank=rank),
-                                                    strict=False)
-        assert unexpected == [] and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
-        ids, am, w_lp, w_en = _batch()
-        lp, en = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5,
-                                      tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank)
-        m = _both_real(am).float()
-        ((lp * w_lp * m).sum() + (en * w_en * m).sum()).backward()
-        grads = {n.replace("module.", ""): p.grad.detach().clone() for n, p in model.named_parameters()}
-        everyone = [None] * world
-        dist.all_gather_object(everyone, grads)
-        if rank == 0:
-            ref_lp, ref_en, ref_grads = _hf_reference(hf, ids, am, w_lp.double(), w_en.double())
-            valid = _both_real(am)
-            torch.testing.assert_close(lp.double()[valid], ref_lp[valid], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(en.double()[valid], ref_en[valid], rtol=1e-4, atol=1e-4)
-            merged = megatron_to_hf({(0, r): everyone[r] for r in range(world)}, hf.config, tp=world, pp=1)
-            for n, g in ref_grads.items():
-                if tied and n == "lm_head.weight":
-                    continue
-                torch.testing.assert_close(merged[n].double(), g, rtol=1e-3, atol=1e-5, msg=n)
-            torch.save({"ok": True, "n_grads": len(merged)}, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    init_megatron(tp=world)
+    hf = tiny_qwen2(tied, layers=2)
+    model = build_qwen2_gpt_model(hf.config, tp=world)
+    load_hf_into(model, hf, tp=world, tp_rank=rank)
+    ids, am, w_lp, w_en = _batch()
+    lp, en = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5,
+                                  tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank)
+    m = _both_real(am).float()
+    ((lp * w_lp * m).sum() + (en * w_en * m).sum()).backward()
+    grads = {n.replace("module.", ""): p.grad.detach().clone() for n, p in model.named_parameters()}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, grads)
+    if rank == 0:
+        ref_lp, ref_en, ref_grads = _hf_reference(hf, ids, am, w_lp.double(), w_en.double())
+        valid = _both_real(am)
+        torch.testing.assert_close(lp.double()[valid], ref_lp[valid], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(en.double()[valid], ref_en[valid], rtol=1e-4, atol=1e-4)
+        merged = megatron_to_hf({(0, r): everyone[r] for r in range(world)}, hf.config, tp=world, pp=1)
+        for n, g in ref_grads.items():
+            if tied and n == "lm_head.weight":
+                continue
+            torch.testing.assert_close(merged[n].double(), g, rtol=1e-3, atol=1e-5, msg=n)
+        torch.save({"ok": True, "n_grads": len(merged)}, out)
 
 
 @pytest.mark.parametrize("world, tied", [(1, True), (2, True), (2, False)])
 def test_tp_logprobs_entropy_and_grads_equal_hf(tmp_path, world, tied):
     out = tmp_path / "ok.pt"
-    mp.spawn(_worker, args=(world, _port(), tied, str(out)), nprocs=world, join=True)
+    spawn(_worker, world, world, tied, str(out))
     res = torch.load(out)
     assert res["ok"] and res["n_grads"] == 26 + (not tied)  # embed, final norm, 2 x 12 per layer, lm_head
