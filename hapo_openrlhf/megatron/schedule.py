@@ -68,3 +68,23 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     return fb(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
               num_microbatches=len(micro_batches), seq_length=shape[1], micro_batch_size=shape[0],
               forward_only=forward_only or loss_fn is None)
+
+
+def allreduce_tied_embedding_grads(model) -> None:
+    """With tied embeddings and PP > 1 the first stage's embedding and the last stage's
+    head are two copies of one weight: sum their gradients over Megatron's embedding group
+    (what its DDP wrapper does in ``finalize_model_grads``) so both copies take the same
+    step. A no-op otherwise. Call after ``forward_backward``, before the optimizer step."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not getattr(model, "share_embeddings_and_output_weights", False):
+        return
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return
+    if not (ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True)):
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=ps.get_embedding_group())

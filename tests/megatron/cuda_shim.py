@@ -11,6 +11,8 @@ def install() -> None:
     # parameters and RNG trackers ask for "the current CUDA device"
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
+    # tied embeddings with PP > 1: the last stage's copy is moved with weight.data.cuda()
+    torch.Tensor.cuda = lambda self, *a, **k: self
     # model_parallel_cuda_manual_seed / CudaRNGStatesTracker keep CUDA generator states:
     # point them at the CPU generator (dropout is 0 in the tests, so no stream is consumed)
     torch.cuda.manual_seed = torch.manual_seed

@@ -1,5 +1,6 @@
 """Megatron distributed checkpoints at TP=2: train 2 steps, save, resume in fresh
-processes, train 2 more == 4 uninterrupted steps (losses and every weight, bitwise)."""
+processes, train 2 more == 4 uninterrupted steps (losses and every weight, bitwise);
+the same checkpoint also resumes at TP=1 (resharded on load)."""
 
 import pytest
 import torch
@@ -21,17 +22,17 @@ def _step_data(step):
     return ids, am, mask, -torch.rand(B, S - 1, generator=g) * 3, torch.randn(B, S - 1, generator=g)
 
 
-def _worker(rank, ckpt_root, phase, out):
+def _worker(rank, ckpt_root, phase, out, tp=TP):
     """phase 'full': 4 steps; 'first': 2 steps then save; 'resume': load then steps 3-4."""
     from hapo_openrlhf.megatron import checkpoint
     from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
     from hapo_openrlhf.megatron.schedule import forward_backward
 
-    init_megatron(tp=TP)
+    init_megatron(tp=tp)
     hf = tiny_qwen2(False, layers=2)
-    model = build_qwen2_gpt_model(hf.config, tp=TP)
+    model = build_qwen2_gpt_model(hf.config, tp=tp)
     if phase != "resume":  # the resumed run starts from Megatron's random init: everything must come from disk
-        load_hf_into(model, hf, tp=TP, tp_rank=rank)
+        load_hf_into(model, hf, tp=tp, tp_rank=rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     start, losses = 0, []
     if phase == "resume":
@@ -72,6 +73,20 @@ def test_tp2_checkpoint_resumes_exactly(tmp_path):
             assert torch.equal(full["weights"][k], resumed["weights"][k]), k
         for a, b in zip(full["exp_avg"], resumed["exp_avg"]):
             assert torch.equal(a, b)
+
+    # resharding on load (Megatron's): the TP=2 checkpoint continues on one rank, equal to
+    # the TP=2 run up to float reduction order
+    from hapo_openrlhf.megatron.convert import megatron_to_hf
+
+    spawn(_worker, 1, str(ckpt), "resume", str(tmp_path / "tp1"), 1)
+    full = [torch.load(tmp_path / f"full.{r}") for r in range(TP)]
+    tp1 = torch.load(tmp_path / "tp1.0")
+    torch.testing.assert_close(torch.tensor(tp1["losses"]), torch.tensor(full[0]["losses"]), rtol=1e-5, atol=1e-6)
+    cfg = tiny_qwen2(False, layers=2).config
+    a = megatron_to_hf({(0, r): full[r]["weights"] for r in range(TP)}, cfg, tp=TP, pp=1)
+    b = megatron_to_hf({(0, 0): tp1["weights"]}, cfg, tp=1, pp=1)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 def test_incomplete_checkpoint_is_ignored_and_refused(tmp_path):

@@ -30,7 +30,7 @@ def _loss(lp, en, old, adv, mask, normalizer):
     return compute_policy_loss("entro_reg", lp, old, adv, mask, entropy=en, beta=0.05, normalizer=normalizer)
 
 
-def _reference(hf):
+def _reference(hf, tied):
     ids, am, mask, old, adv = _data()
     model = hf.double()
     pos = (am.cumsum(-1) - 1).clamp(min=0)
@@ -40,20 +40,23 @@ def _reference(hf):
     en = -(logp_all.exp() * logp_all).sum(-1)
     loss, _ = _loss(lp, en, old.double(), adv.double(), mask.double(), float(mask.sum()))
     loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    if tied:  # one tensor: Hugging Face lists it once, as the embedding
+        grads.pop("lm_head.weight", None)
+    return float(loss), grads
 
 
-def _worker(rank, tp, pp, out):
+def _worker(rank, tp, pp, tied, out):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
     from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
-    from hapo_openrlhf.megatron.schedule import forward_backward
+    from hapo_openrlhf.megatron.schedule import allreduce_tied_embedding_grads, forward_backward
 
     init_megatron(tp=tp, pp=pp)
     world = tp * pp
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    hf = tiny_qwen2(False, layers=4)
+    hf = tiny_qwen2(tied, layers=4)
     model = build_qwen2_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=pp_rank)
     load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
     ids, am, mask, old, adv = _data()
@@ -66,6 +69,7 @@ def _worker(rank, tp, pp, out):
         return loss, {"clip_frac": torch.tensor(m["actor/clip_frac"])}
 
     stats = forward_backward(model, mbs, loss_fn, vocab_size=259, temperature=T, chunk_size=7)
+    allreduce_tied_embedding_grads(model)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     everyone = [None] * world
     dist.all_gather_object(everyone, (pp_rank, tp_rank, grads, [float(s["loss"]) for s in stats]))
@@ -75,7 +79,7 @@ def _worker(rank, tp, pp, out):
     if rank == world - 1:
         assert len(fwd) == len(mbs) and fwd[0][0].shape == (MB, S - 1)
     if rank == 0:
-        ref_loss, ref_grads = _reference(hf)
+        ref_loss, ref_grads = _reference(hf, tied)
         shards = {(s, r): g for s, r, g, _ in everyone}
         losses = [l for s, r, _, l in everyone if s == pp - 1 and r == 0][0]
         assert len(losses) == 3
@@ -86,8 +90,10 @@ def _worker(rank, tp, pp, out):
         torch.save({"ok": True}, out)
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)])
-def test_microbatched_loss_through_the_schedule_equals_one_big_batch(tmp_path, tp, pp):
+@pytest.mark.parametrize("tp, pp, tied", [(1, 2, False), (1, 2, True), (2, 1, False)])
+def test_microbatched_loss_through_the_schedule_equals_one_big_batch(tmp_path, tp, pp, tied):
+    """PP=2 with tied embeddings: the embedding (first stage) and head (last stage) copies'
+    gradients are summed by ``allreduce_tied_embedding_grads``."""
     out = tmp_path / "ok.pt"
-    spawn(_worker, tp * pp, tp, pp, str(out))
+    spawn(_worker, tp * pp, tp, pp, tied, str(out))
     assert torch.load(out)["ok"]
