@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from ..algos.quadrants import QUADRANTS
+from ..report.plots import moving_average, save_png
 from .findings import evaluate_findings
 from .stats import RunStats, load_run, spread
 
@@ -50,8 +51,8 @@ def _f(x: float, nd: int = 3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
-def _ms(values: list[float], nd: int = 3) -> str:
-    s = spread(values)
+def _ms(s: dict[str, float], nd: int = 3) -> str:
+    """'mean ± std' of a ``spread`` dict."""
     return _f(s["mean"], nd) + ("" if math.isnan(s["std"]) else f" ± {_f(s['std'], nd)}")
 
 
@@ -96,15 +97,11 @@ def _plots(runs: list[RunStats], suites: dict[str, list[str]], out: Path) -> lis
         if len(xs_list) > 1:
             ax.fill_between(common, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.15)
 
-    def smooth(ys, w=5):
-        return [sum(ys[max(0, i - w + 1): i + 1]) / len(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
+    def smooth(ys):
+        return moving_average(ys, 5)
 
     def save(fig, name):
-        fig.tight_layout()
-        p = out / f"{name}.png"
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        written.append(p)
+        save_png(fig, out, name, written, dpi=100)
 
     k = runs[0].k
     for key, title in (("avg", f"held-out Avg@{k}"), ("pass_", f"held-out Pass@{k}"), ("entropy", "entropy")):
@@ -183,23 +180,21 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
                   "entropy start → end | entropy ratio | share PHR/PLR/NHR/NLR |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for v in vs:
-            rs = [r for r in runs if r.variant == v]
-            if not rs:
+            if v not in table:
                 lines.append(f"| {v} | (no finished run) |||||||||")
                 continue
-            col = lambda fn, nd=3: _ms([fn(r) for r in rs], nd)  # noqa: E731
-            share = "/".join(_f(spread([r.quadrant_mean(q, "token_frac") for r in rs])["mean"], 2) for q in QUADRANTS)
+            t = table[v]
+            share = "/".join(_f(t[f"{q}_share"]["mean"], 2) for q in QUADRANTS)
             lines.append(
-                f"| {v} | {col(lambda r: r.before)} | {col(lambda r: r.final)} | {col(lambda r: r.final_pass)} | "
-                f"{col(lambda r: r.gain)} | {col(lambda r: r.early_gain)} | {col(lambda r: r.late_gain)} | "
-                f"{_f(spread([r.entropy_start for r in rs])['mean'])} → {_f(spread([r.entropy_end for r in rs])['mean'])} | "
-                f"{col(lambda r: r.entropy_ratio)} | {share} |")
+                f"| {v} | {_ms(t['avg_before'])} | {_ms(t['avg_final'])} | {_ms(t['pass_final'])} | "
+                f"{_ms(t['gain'])} | {_ms(t['early_gain'])} | {_ms(t['late_gain'])} | "
+                f"{_f(t['entropy_start']['mean'])} → {_f(t['entropy_end']['mean'])} | "
+                f"{_ms(t['entropy_ratio'])} | {share} |")
         lines.append("")
     lines += ["## Per-quadrant entropy at the end (mean of the last 10 steps)", "",
               "| variant | " + " | ".join(QUADRANTS) + " |", "|---|" + "---|" * len(QUADRANTS)]
-    for v in table:
-        lines.append(f"| {v} | " + " | ".join(_ms([r.quadrant_mean(q, 'entropy_mean', last=10) for r in runs
-                                                    if r.variant == v]) for q in QUADRANTS) + " |")
+    for v, t in table.items():
+        lines.append(f"| {v} | " + " | ".join(_ms(t[f"{q}_entropy_end"]) for q in QUADRANTS) + " |")
     lines += ["", "## The paper's findings", "",
               "Rule: a paired difference over seeds agrees when it points the paper's way by more than twice "
               "its standard error, disagrees when it points the other way by as much, and is inconclusive "

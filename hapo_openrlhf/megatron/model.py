@@ -83,7 +83,14 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
     vocabulary is never gathered."""
     pos, mask = attention_inputs(attention_mask)
     logits = model(input_ids=input_ids, position_ids=pos, attention_mask=mask)  # [B, S, V / tp]
-    Vr = logits.shape[-1]
+    return shard_logprobs_entropy(logits, input_ids, vocab_size=vocab_size, temperature=temperature,
+                                  chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
+
+
+def shard_logprobs_entropy(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float,
+                           chunk_size: int, tp_group, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs and entropy [B, S-1] from this rank's output shard
+    ``logits [B, S, V / tp]`` (the shift and the shard's vocabulary offset in one place)."""
     return vocab_parallel_logprobs_entropy(
-        logits[:, :-1], input_ids[:, 1:], vocab_start=tp_rank * Vr, vocab_size=vocab_size, group=tp_group,
-        temperature=temperature, chunk_size=chunk_size)
+        logits[:, :-1], input_ids[:, 1:], vocab_start=tp_rank * logits.shape[-1], vocab_size=vocab_size,
+        group=tp_group, temperature=temperature, chunk_size=chunk_size)

@@ -16,8 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..algos.entropy import DEFAULT_CHUNK
-from ..algos.vocab_parallel import vocab_parallel_logprobs_entropy
-from .model import attention_inputs
+from .model import attention_inputs, shard_logprobs_entropy
 
 # loss_fn(logp [B, S-1], entropy [B, S-1], micro_batch) -> (scalar loss, {metric: float tensor})
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -54,9 +53,8 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
         output = model(input_ids=mb["input_ids"], position_ids=pos, attention_mask=mask)
 
         def loss_func(logits: torch.Tensor, non_loss_data: bool = False):
-            lp, en = vocab_parallel_logprobs_entropy(
-                logits[:, :-1], mb["input_ids"][:, 1:], vocab_start=tp_rank * logits.shape[-1],
-                vocab_size=vocab_size, group=tp_group, temperature=temperature, chunk_size=chunk_size)
+            lp, en = shard_logprobs_entropy(logits, mb["input_ids"], vocab_size=vocab_size, temperature=temperature,
+                                            chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
             if loss_fn is None:  # forward only: hand the values back
                 return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), (lp.detach(), en.detach())
             loss, metrics = loss_fn(lp, en, mb)

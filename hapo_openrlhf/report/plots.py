@@ -23,9 +23,25 @@ PER_QUADRANT = {
 }
 
 
+def moving_average(ys: list[float], w: int) -> list[float]:
+    """Trailing mean over the last ``w`` points (fewer at the start)."""
+    return [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))]
+
+
+def save_png(fig, out_dir: Path, name: str, written: list[Path], dpi: int = 110) -> None:
+    """Lay out, write ``out_dir/name.png``, close the figure and record its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    p = out_dir / f"{name}.png"
+    fig.savefig(p, dpi=dpi)
+    plt.close(fig)
+    written.append(p)
+
+
 def _smooth(ys: list[float]) -> tuple[list[float], int]:
     w = max(1, len(ys) // 10)
-    return [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))], w
+    return moving_average(ys, w), w
 
 
 def _series(recs, key):
@@ -59,11 +75,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     written = []
 
     def save(fig, name):
-        fig.tight_layout()
-        p = out_dir / f"{name}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        save_png(fig, out_dir, name, written)
 
     for name, (keys, title) in SINGLE.items():
         fig, ax = plt.subplots(figsize=(6, 3.6))

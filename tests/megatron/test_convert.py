@@ -21,6 +21,16 @@ def tiny_qwen2(tied: bool, layers: int = 4) -> Qwen2ForCausalLM:
     return model
 
 
+def hf_logprobs_entropy(model, ids, am, temperature):
+    """The reference: fp64 next-token log-probs and entropy [B, S-1] of the Hugging Face
+    model over the full vocabulary (``model`` is converted to float64 in place)."""
+    model = model.double()
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    z = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, :-1] / temperature
+    logp_all = torch.log_softmax(z, -1)
+    return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_round_trip_is_exact(tied, tp, pp):

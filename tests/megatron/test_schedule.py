@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hapo_openrlhf.algos import compute_policy_loss
 
 from ._dist import init_megatron, load_hf_into, spawn
-from .test_convert import tiny_qwen2
+from .test_convert import hf_logprobs_entropy, tiny_qwen2
 
 T, MB, B, S = 0.9, 2, 6, 10  # 6 rows in 3 micro-batches of 2
 
@@ -32,15 +32,10 @@ def _loss(lp, en, old, adv, mask, normalizer):
 
 def _reference(hf, tied):
     ids, am, mask, old, adv = _data()
-    model = hf.double()
-    pos = (am.cumsum(-1) - 1).clamp(min=0)
-    z = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, :-1] / T
-    logp_all = torch.log_softmax(z, -1)
-    lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    en = -(logp_all.exp() * logp_all).sum(-1)
+    lp, en = hf_logprobs_entropy(hf, ids, am, T)
     loss, _ = _loss(lp, en, old.double(), adv.double(), mask.double(), float(mask.sum()))
     loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in hf.named_parameters()}
     if tied:  # one tensor: Hugging Face lists it once, as the embedding
         grads.pop("lm_head.weight", None)
     return float(loss), grads

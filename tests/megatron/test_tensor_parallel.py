@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ._dist import init_megatron, load_hf_into, spawn
-from .test_convert import tiny_qwen2
+from .test_convert import hf_logprobs_entropy, tiny_qwen2
 
 T = 0.8
 
@@ -29,12 +29,7 @@ def _both_real(am):
 
 
 def _hf_reference(model, ids, am, w_lp, w_en):
-    model = model.double()
-    pos = (am.cumsum(-1) - 1).clamp(min=0)
-    z = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, :-1] / T
-    logp_all = torch.log_softmax(z, -1)
-    lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    en = -(logp_all.exp() * logp_all).sum(-1)
+    lp, en = hf_logprobs_entropy(model, ids, am, T)
     m = _both_real(am).double()
     ((lp * w_lp * m).sum() + (en * w_en * m).sum()).backward()
     return lp.detach(), en.detach(), {n: p.grad for n, p in model.named_parameters()}
