@@ -2,6 +2,7 @@
 
     hapo train --config configs/cpu_tiny.yaml [--output-dir DIR] [--resume] [--set k=v ...]
     hapo train --backend openrlhf --config configs/qwen25_math_7b_hapo.yaml [--print-command]
+    hapo train --config configs/qwen25_math_7b_hapo_megatron.yaml [--print-command]   # Megatron policy actor
     hapo eval --model DIR [--benchmarks aime24,math500,...] [--output-dir DIR]
     hapo submit CONFIG [--nodes N --gpus-per-node G --partition P --time T --account A] [--dry-run]
     hapo scale CONFIG --nodes 1,2,4,8 | hapo scale --collect BASE_DIR
@@ -30,7 +31,7 @@ def _train(args) -> int:
 
     overrides = list(args.set) + ([f"backend={args.backend}"] if args.backend else [])
     cfg = load_config(args.config, overrides)
-    if cfg.backend == "openrlhf":
+    if cfg.backend in ("openrlhf", "megatron"):  # OpenRLHF's controller; the policy actor differs
         from .integrations.openrlhf.flags import build_argv
 
         if args.print_command:
@@ -44,9 +45,7 @@ def _train(args) -> int:
         return openrlhf_main(["--config", args.config, *(["--output-dir", args.output_dir] if args.output_dir else []),
                               *[x for kv in overrides for x in ("--set", kv)]])
     if args.print_command:
-        raise ValueError("--print-command is for --backend openrlhf (the local back end runs in this process)")
-    if cfg.backend != "local":
-        raise ValueError(f"backend {cfg.backend!r} is not available in this version; use local or openrlhf")
+        raise ValueError("--print-command is for --backend openrlhf or megatron (the local back end runs in this process)")
     console = Console()
     trainer = LocalTrainer(cfg, args.output_dir, resume=args.resume)
     console.print(f"[bold]hapo[/] {cfg.run_name}: estimator={cfg.algorithm.estimator} loss={cfg.algorithm.loss} "
@@ -223,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train with a run config (embedded CPU back end, or OpenRLHF)")
     t.add_argument("--config", required=True)
-    t.add_argument("--backend", choices=["local", "openrlhf"], default=None, help="default: the config's backend")
+    t.add_argument("--backend", choices=["local", "openrlhf", "megatron"], default=None, help="default: the config's backend")
     t.add_argument("--print-command", action="store_true",
                    help="openrlhf: print OpenRLHF's argv as one JSON list on the last line, start nothing")
     t.add_argument("--output-dir", default=None, help="default: the config's output_dir")

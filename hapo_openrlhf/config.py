@@ -269,6 +269,40 @@ class OpenRLHFConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """The Megatron-core policy actor (``backend: megatron``; docs/megatron.md).
+
+    OpenRLHF's controller, vLLM engines, reward and hapo's experience maker are the
+    same as ``backend: openrlhf`` (the ``openrlhf`` section still places them and sets
+    the batch sizes); only the policy actor is Megatron's GPTModel, split
+    ``tensor_parallel`` x ``pipeline_parallel`` ways per data-parallel replica."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1  # > 1 needs Transformer Engine's attention (not supported yet)
+    sequence_parallel: bool = False  # needs the Transformer Engine layer spec (not built yet)
+    params_dtype: str = "bf16"  # bf16 | fp32 (weights, activations and the AdamW moments' params)
+    vocab_multiple: int = 128  # the vocabulary is padded to a multiple of this x tensor_parallel
+    timeout_minutes: int = 60  # torch.distributed collectives
+
+    def __post_init__(self):
+        _require(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1,
+                 "megatron.tensor_parallel and pipeline_parallel must be >= 1")
+        _require(self.context_parallel == 1,
+                 "megatron.context_parallel > 1 needs Transformer Engine attention, which this back end does not "
+                 "build (docs/megatron.md); use tensor/pipeline parallelism")
+        _require(not self.sequence_parallel,
+                 "megatron.sequence_parallel needs Transformer Engine's (or Apex's) layer norms; the model is built "
+                 "with megatron-core's local layer spec, whose torch norms refuse it (docs/megatron.md)")
+        _require(self.params_dtype in ("bf16", "fp32"), f"megatron.params_dtype must be bf16 or fp32, got {self.params_dtype!r}")
+        _require(self.vocab_multiple >= 1 and self.timeout_minutes >= 1, "megatron.vocab_multiple and timeout_minutes must be >= 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run_name: str = "run"
     seed: int = 1234
@@ -283,9 +317,30 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     openrlhf: OpenRLHFConfig = field(default_factory=OpenRLHFConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     def __post_init__(self):
         _require(self.backend in ("local", "openrlhf", "megatron"), f"backend must be local, openrlhf or megatron, got {self.backend!r}")
+        if self.backend == "megatron":
+            self._check_megatron()
+
+    def _check_megatron(self) -> None:
+        o, m = self.openrlhf, self.megatron
+        world = o.actor_num_nodes * o.actor_gpus_per_node
+        _require(world % m.model_parallel_size == 0,
+                 f"backend megatron: tensor_parallel x pipeline_parallel ({m.model_parallel_size}) must divide the "
+                 f"actor world size (openrlhf.actor_num_nodes x actor_gpus_per_node = {world})")
+        _require(not o.packing_samples,
+                 "backend megatron: openrlhf.packing_samples must be false (packed THD batches need Transformer Engine "
+                 "or flash-attn varlen inside Megatron, which this back end does not build; docs/megatron.md)")
+        _require(o.ring_attn_size == 1, "backend megatron: openrlhf.ring_attn_size must be 1 (no context parallelism)")
+        _require(not o.dynamic_batch, "backend megatron: openrlhf.dynamic_batch must be false")
+        _require(not (o.colocate_all and o.vllm_enable_sleep),
+                 "backend megatron: the Megatron actor cannot offload its states for vLLM's sleep mode; set "
+                 "openrlhf.vllm_enable_sleep: false (and colocate_all: false unless the GPUs hold both)")
+        _require(self.algorithm.kl_coef == 0,
+                 "backend megatron: algorithm.kl_coef must be 0 (the reference model would be a DeepSpeed model split "
+                 "by OpenRLHF's AutoTP; not supported)")
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))

@@ -50,7 +50,7 @@ def _train_command(backend: str, config: str, out: Path, sets: list[str]) -> lis
     s = [x for kv in sets for x in ("--set", kv)]
     if backend == "local":
         return [sys.executable, "-m", "hapo_openrlhf", "train", "--config", config, "--output-dir", str(out), "--resume", *s]
-    if backend == "openrlhf":  # resumes on its own (--ckpt.load_enable)
+    if backend in ("openrlhf", "megatron"):  # resumes on its own (--ckpt.load_enable)
         return [sys.executable, "-m", "hapo_openrlhf.integrations.openrlhf.train", "--config", config,
                 "--output-dir", str(out), *s]
     raise ValueError(f"backend {backend!r} cannot run under Slurm yet")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     on_stop_signal(on_signal)
     ray = None
     env = dict(os.environ)
-    if cfg.backend == "openrlhf" or a.ray_check:
+    if cfg.backend in ("openrlhf", "megatron") or a.ray_check:
         from .ray_cluster import RayCluster, allocation_hosts
 
         hosts = allocation_hosts()

@@ -66,7 +66,7 @@ def array_overrides(spec: str | None) -> list[dict]:
 
 def layout_overrides(cfg: RunConfig, nodes: int, gpus: int) -> list[str]:
     """Overrides that make the training layout match the allocation."""
-    if cfg.backend != "openrlhf":
+    if cfg.backend not in ("openrlhf", "megatron"):
         return []
     o = cfg.openrlhf
     out = [f"openrlhf.actor_num_nodes={nodes}", f"openrlhf.actor_gpus_per_node={gpus}"]
@@ -78,7 +78,7 @@ def layout_overrides(cfg: RunConfig, nodes: int, gpus: int) -> list[str]:
 def render(config: str | Path, opts: SubmitOptions, workdir: str | Path | None = None) -> str:
     config = Path(config).resolve()
     cfg = load_config(config, list(opts.sets))
-    is_orl = cfg.backend == "openrlhf"
+    is_orl = cfg.backend in ("openrlhf", "megatron")
     nodes = opts.nodes or (cfg.openrlhf.actor_num_nodes if is_orl else 1)
     gpus = opts.gpus_per_node if opts.gpus_per_node is not None else (cfg.openrlhf.actor_gpus_per_node if is_orl else 0)
     if cfg.backend == "local" and nodes > 1 and not opts.ray_check:

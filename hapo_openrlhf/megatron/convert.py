@@ -150,3 +150,27 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
             out[p + "mlp.up_proj.weight"] = torch.cat([b for _, b in fc1])
             out[p + "mlp.down_proj.weight"] = cat(stage, m + "mlp.linear_fc2.weight", 1)
     return out
+
+
+def gather_hf_state_dict(model, hf_config, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Collective over the whole job: the Hugging Face state dict of the model, on global
+    rank ``dst`` (None on every other rank). The shards of the data-parallel replica that
+    holds ``dst`` are sent to it (CPU copies, in the parameters' dtype) and merged with
+    :func:`megatron_to_hf`; other replicas only take part in the barrier. Peak host memory
+    on ``dst``: one full copy of the weights."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    group = ps.get_model_parallel_group()
+    members = dist.get_process_group_ranks(group)
+    if dst in members:
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()
+              if not k.endswith("_extra_state") and v is not None}
+        mine = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), sd)
+        got = [None] * len(members) if dist.get_rank() == dst else None
+        dist.gather_object(mine, got, dst=dst, group=group)
+    dist.barrier()
+    if dist.get_rank() != dst:
+        return None
+    return megatron_to_hf({(s, r): d for s, r, d in got}, hf_config, tp=tp, pp=pp)

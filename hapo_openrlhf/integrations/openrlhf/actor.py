@@ -56,12 +56,37 @@ def loss_from_config(hapo_cfg: dict) -> HapoPolicyLoss:
                           norm_constant=float(hapo_cfg["rollout"]["max_new_tokens"]))
 
 
-class HapoPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
+class BehaviourEntropyStore:
+    """The behaviour entropy of each old-log-prob micro-batch, kept on the policy actor
+    until the experience maker fetches it (FIFO, checked by a fingerprint of the rows)."""
+
+    def _keep_behaviour_entropy(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                                entropy: torch.Tensor) -> None:
+        if not hasattr(self, "_behaviour_entropy"):
+            self._behaviour_entropy = deque()
+        self._behaviour_entropy.append((fingerprint(sequences, attention_mask), entropy.cpu()))
+
+    def clear_behaviour_entropy(self) -> int:
+        store = getattr(self, "_behaviour_entropy", deque())
+        n = len(store)
+        store.clear()
+        return n
+
+    def pop_behaviour_entropy(self, fingerprint: str) -> torch.Tensor:
+        store = getattr(self, "_behaviour_entropy", None)
+        if not store:
+            raise RuntimeError("pop_behaviour_entropy: no stored entropy (forward was not called for this batch)")
+        fp, ent = store.popleft()
+        if fp != fingerprint:
+            raise RuntimeError("behaviour entropy out of order: the stored micro-batch does not match the requested one")
+        return ent
+
+
+class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
         hapo_cfg = strategy.args.hapo
         self._entropy_chunk = int(hapo_cfg["algorithm"]["entropy_chunk_size"])
-        self._behaviour_entropy: deque = deque()
         self.loss_fn = loss_from_config(hapo_cfg)
         self.trainer.actor_loss_fn = self.loss_fn
         self.trainer.actor.register_forward_hook(self._training_forward_hook, with_kwargs=True)
@@ -129,21 +154,9 @@ class HapoPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
                 ])
             entropy = entropy * action_mask.to(entropy.device).float()
         self.actor.train()
-        self._behaviour_entropy.append((fingerprint(sequences, attention_mask), entropy.cpu()))
+        self._keep_behaviour_entropy(sequences, attention_mask, entropy)
         return action_log_probs.to("cpu")
 
-    def clear_behaviour_entropy(self) -> int:
-        n = len(self._behaviour_entropy)
-        self._behaviour_entropy.clear()
-        return n
-
-    def pop_behaviour_entropy(self, fingerprint: str) -> torch.Tensor:
-        if not self._behaviour_entropy:
-            raise RuntimeError("pop_behaviour_entropy: no stored entropy (forward was not called for this batch)")
-        fp, ent = self._behaviour_entropy.popleft()
-        if fp != fingerprint:
-            raise RuntimeError("behaviour entropy out of order: the stored micro-batch does not match the requested one")
-        return ent
 
 
 HapoPolicyModelActor = ray.remote(num_gpus=1)(HapoPolicyModelActorImpl)

@@ -66,8 +66,10 @@ def _f(x: float) -> str:
 
 def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
     """``[PROGRAM, --flag, value, ...]``: the argv OpenRLHF's ``train_ppo_ray`` main parses."""
+    if cfg.backend not in ("openrlhf", "megatron"):
+        raise ValueError(f"OpenRLHF flags are for backend openrlhf or megatron, not {cfg.backend!r}")
     if not cfg.model.path:
-        raise ValueError("backend openrlhf needs model.path (a Hugging Face model directory or hub id)")
+        raise ValueError(f"backend {cfg.backend} needs model.path (a Hugging Face model directory or hub id)")
     paths = RunPaths(Path(out or cfg.output_dir))
     o, r, a, opt = cfg.openrlhf, cfg.rollout, cfg.algorithm, cfg.optim
     if r.max_new_tokens >= o.max_len:
@@ -77,7 +79,11 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
     if (r.prompts_per_step * n) % o.train_batch_size:
         raise ValueError(f"openrlhf.train_batch_size ({o.train_batch_size}) must divide the rollout batch "
                          f"(rollout.prompts_per_step x samples_per_prompt = {r.prompts_per_step * n})")
-    dp = world // o.ring_attn_size
+    # ranks that receive the same micro-batches: OpenRLHF's controller knows them as
+    # ring_attn_size x ds.tensor_parallel_size; the Megatron actor's model-parallel group
+    # (TP x PP) is passed as ds.tensor_parallel_size (docs/megatron.md, "Controller")
+    mp = cfg.megatron.model_parallel_size if cfg.backend == "megatron" else 1
+    dp = world // (o.ring_attn_size * mp)
     if o.train_batch_size % (o.micro_train_batch_size * dp):
         raise ValueError(f"openrlhf.train_batch_size ({o.train_batch_size}) must be a multiple of "
                          f"micro_train_batch_size x data-parallel size ({o.micro_train_batch_size} x {dp})")
@@ -100,6 +106,7 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
         "--ds.attn_implementation", o.attn_implementation,
         "--ds.ring_attn_size", str(o.ring_attn_size),
         "--ds.ring_attn_head_stride", str(o.ring_attn_head_stride),
+        "--ds.tensor_parallel_size", str(mp),
         # data: prompts are templated by hapo (one template registry for every back end)
         "--data.prompt_dataset", str(paths.train_jsonl),
         "--data.input_key", "prompt",

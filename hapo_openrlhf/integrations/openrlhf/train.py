@@ -1,6 +1,6 @@
 """Entry point: OpenRLHF 0.11.2's own ``train_ppo_ray`` with hapo's subclasses installed.
 
-    hapo train --backend openrlhf --config CONFIG [--print-command]
+    hapo train --backend openrlhf|megatron --config CONFIG [--print-command]
     python -m hapo_openrlhf.integrations.openrlhf.train --config CONFIG [--print-command]
 
 1. ``flags.build_argv`` turns the run config into OpenRLHF flags (one function).
@@ -10,8 +10,9 @@
    parser and every validation it does -- runs with that argv. Its final
    ``train(args)`` call is routed to :func:`train_with_hapo`, which attaches the run
    config to ``args.hapo`` (it travels to every Ray actor inside the strategy),
-   points ``train_ppo_ray.PolicyModelActor`` and ``ppo_trainer.PPOTrainer`` at the
-   hapo subclasses, and calls OpenRLHF's own ``train``.
+   points ``train_ppo_ray.PolicyModelActor`` at hapo's policy actor (the DeepSpeed
+   subclass, or the Megatron actor for ``backend: megatron``) and
+   ``ppo_trainer.PPOTrainer`` at hapo's controller, and calls OpenRLHF's own ``train``.
 
 Only the driver is patched; the workers receive the subclasses because Ray
 pickles the actor classes by import path (``hapo_openrlhf`` must be importable
@@ -70,17 +71,28 @@ def parse_with_upstream(argv: list[str]) -> Any:
     return run_upstream_main(argv, lambda args: args)
 
 
+def policy_actor_class(backend: str):
+    """The Ray actor class OpenRLHF's driver builds its policy group from."""
+    if backend == "megatron":
+        from .megatron_actor import MegatronPolicyActor
+
+        return MegatronPolicyActor
+    from .actor import HapoPolicyModelActor
+
+    return HapoPolicyModelActor
+
+
 @contextlib.contextmanager
-def installed():
-    """Point OpenRLHF's driver-side names at the hapo subclasses (restored on exit)."""
+def installed(backend: str = "openrlhf"):
+    """Point OpenRLHF's driver-side names at the hapo subclasses (restored on exit):
+    the policy actor (DeepSpeed or Megatron) and the controller."""
     import openrlhf.cli.train_ppo_ray as cli
     import openrlhf.trainer.ppo_trainer as pt
 
-    from .actor import HapoPolicyModelActor
     from .trainer import HapoPPOTrainer
 
     saved = (cli.PolicyModelActor, pt.PPOTrainer)
-    cli.PolicyModelActor, pt.PPOTrainer = HapoPolicyModelActor, HapoPPOTrainer
+    cli.PolicyModelActor, pt.PPOTrainer = policy_actor_class(backend), HapoPPOTrainer
     try:
         yield
     finally:
@@ -95,7 +107,7 @@ def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None
     if args.critic.model_name_or_path:
         raise ValueError("hapo estimators are critic-free; OpenRLHF was asked for a critic")
     args.hapo = {**cfg.to_dict(), "output_dir": str(out or cfg.output_dir)}
-    with installed():
+    with installed(cfg.backend):
         cli.train(args)
 
 

@@ -34,3 +34,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory):
+    """A tiny Qwen2 from the embedded default, briefly warmed up by the local back end so some
+    rollouts are correct (shared by the DeepSpeed and Megatron end-to-end tests)."""
+    from tests.conftest import run_cli
+
+    out = tmp_path_factory.mktemp("warm")
+    p = run_cli(["train", "--config", "configs/cpu_tiny.yaml", "--output-dir", str(out), "--set", "warmup.steps=200",
+                 "--set", "trainer.steps=0", "--set", "data.synthetic.eval_size=16"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out / "final_model"

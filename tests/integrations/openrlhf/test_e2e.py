@@ -13,23 +13,13 @@ import torch
 
 from hapo_openrlhf import algos
 from hapo_openrlhf.algos.entropy import entropy_from_logits
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO
 
 HERE = Path(__file__).resolve().parent
 RUN = HERE / "shim" / "run_e2e.py"
 CFG = HERE / "e2e_tiny.yaml"
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def warm_model(tmp_path_factory):
-    """A tiny Qwen2 briefly warmed up by the local back end, so some rollouts are correct."""
-    out = tmp_path_factory.mktemp("warm")
-    p = run_cli(["train", "--config", "configs/cpu_tiny.yaml", "--output-dir", str(out), "--set", "warmup.steps=200",
-                 "--set", "trainer.steps=0", "--set", "data.synthetic.eval_size=16"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    return out / "final_model"
 
 
 def _run(out, dump, *sets):

@@ -9,7 +9,7 @@ from hapo_openrlhf.config import load_config
 from hapo_openrlhf.integrations.openrlhf.flags import PROGRAM, REWARD_FUNC, build_argv
 from tests.conftest import REPO, run_cli
 
-CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if load_config(p).backend == "openrlhf")
+CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if load_config(p).backend in ("openrlhf", "megatron"))
 E2E = Path(__file__).with_name("e2e_tiny.yaml")
 
 
@@ -51,6 +51,23 @@ def test_every_config_passes_openrlhf_parser(path, tmp_path):
     assert args.ckpt.save_steps == (cfg.trainer.save_every or -1)
     assert args.actor.entropy_coef == (0.0 if a.loss == "entro_reg" else None)
     assert (args.algo.kl.use_loss, args.algo.kl.estimator) == ((True, "k3") if a.kl_coef > 0 else (False, "k1"))
+    # OpenRLHF's "duplicate actors" (ranks fed the same micro-batches) = the Megatron replica's TP x PP
+    assert args.ds.tensor_parallel_size == (cfg.megatron.model_parallel_size if cfg.backend == "megatron" else 1)
+
+
+def test_megatron_configs_are_shipped_and_checked():
+    names = {p.stem for p in CONFIGS if load_config(p).backend == "megatron"}
+    assert {"qwen25_math_7b_hapo_megatron", "deepscaler_1p5b_24k_hapo_megatron"} <= names
+    base = REPO / "configs/qwen25_math_7b_hapo_megatron.yaml"
+    for override, msg in [("megatron.tensor_parallel=3", "must divide the actor world size"),
+                          ("megatron.context_parallel=2", "Transformer Engine"),
+                          ("megatron.sequence_parallel=true", "Transformer Engine"),
+                          ("openrlhf.packing_samples=true", "packing_samples must be false"),
+                          ("algorithm.kl_coef=0.01", "kl_coef must be 0"),
+                          ("openrlhf.vllm_enable_sleep=true", "sleep mode"),
+                          ("megatron.params_dtype=fp16", "bf16 or fp32")]:
+        with pytest.raises(ValueError, match=msg):
+            load_config(base, [override, *(["openrlhf.colocate_all=true"] if "sleep" in override else [])])
 
 
 def test_24k_config_long_context_flags(tmp_path):

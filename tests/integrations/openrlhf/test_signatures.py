@@ -29,7 +29,25 @@ PINNED = {
     "RolloutRayActor.init_process_group": "(self, master_address, master_port, rank_offset, world_size, group_name, backend, use_ray)",
     "RolloutRayActor.update_weight": "(self, name, dtype, shape, empty_cache=False)",
     "hierarchize": "(args)",
+    # the Megatron policy actor implements the policy-actor interface the controller calls
+    "BaseDistributedActor.__init__": "(self, world_size, rank, master_addr, master_port)",
+    "RayActorGroup.__init__": "(self, num_nodes, num_gpus_per_node, ray_actor_type: Type[openrlhf.trainer.ray.launcher.BaseModelActor], pg: ray.util.placement_group.PlacementGroup = None, num_gpus_per_actor=1, duplicate_actors: int = 1, resources: Dict[str, float] = None, num_resources_per_node: int = None) -> None",
+    "ActorPPOTrainer._init_vllm_sync_group": "(self, backend: str)",
+    "PolicyModelActor.fit": "(self, kl_ctl: float = 0)",
+    "PolicyModelActor.append": "(self, experience: openrlhf.trainer.ppo_utils.experience.Experience)",
+    "PolicyModelActor.save_checkpoint": "(self, tag, client_states=None, metric_value=None, metric_key=None)",
+    "PolicyModelActor.save_model": "(self)",
+    "PolicyModelActor.broadcast_to_vllm": "(self)",
+    "PolicyModelActor.get_checkpoint_states": "(self)",
+    "split_experience_batch": "(experience: openrlhf.trainer.ppo_utils.experience.Experience) -> List[openrlhf.trainer.ppo_utils.experience.Experience]",
+    "make_experience_batch": "(items: List[openrlhf.trainer.ppo_utils.experience.Experience], packing_samples=False) -> openrlhf.trainer.ppo_utils.experience.Experience",
+    "remove_padding_in_sequences": "(items: List[openrlhf.trainer.ppo_utils.experience.Experience]) -> List[openrlhf.trainer.ppo_utils.experience.Experience]",
 }
+
+# the policy-actor methods OpenRLHF's controller (trainer, experience maker, driver) calls
+CONTROLLER_CALLS = ["init_model_from_pretrained", "execute_batch", "forward", "append", "fit", "broadcast_to_vllm",
+                    "save_checkpoint", "get_checkpoint_states", "save_model", "empty_cache", "reload_states",
+                    "offload_states", "get_master_addr_port"]
 
 
 def _sig(obj) -> str:
@@ -42,7 +60,8 @@ def _upstream():
     from openrlhf.models import Actor, PolicyLoss
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer, PPOTrainer
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
-    from openrlhf.trainer.ray.launcher import BaseModelActor, RayActorGroup
+    from openrlhf.trainer.ppo_utils import experience
+    from openrlhf.trainer.ray.launcher import BaseDistributedActor, BaseModelActor, RayActorGroup
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
     from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, create_vllm_engines
     from openrlhf.utils.config import hierarchize
@@ -64,6 +83,12 @@ def _upstream():
         "RolloutRayActor.generate": R.generate, "RolloutRayActor.generate_responses": R.generate_responses,
         "RolloutRayActor.init_process_group": R.init_process_group, "RolloutRayActor.update_weight": R.update_weight,
         "hierarchize": hierarchize,
+        "BaseDistributedActor.__init__": BaseDistributedActor.__init__, "RayActorGroup.__init__": RayActorGroup.__init__,
+        "ActorPPOTrainer._init_vllm_sync_group": ActorPPOTrainer._init_vllm_sync_group,
+        **{f"PolicyModelActor.{m}": getattr(P, m) for m in ("fit", "append", "save_checkpoint", "save_model",
+                                                            "broadcast_to_vllm", "get_checkpoint_states")},
+        **{f: getattr(experience, f) for f in ("split_experience_batch", "make_experience_batch",
+                                               "remove_padding_in_sequences")},
     }
 
 
@@ -122,3 +147,32 @@ def test_cpu_shim_engine_factory_mirrors_upstream():
     import hapo_cpu_shim
 
     assert _params(hapo_cpu_shim.create_cpu_engines) == _params(_upstream()["create_vllm_engines"])
+
+
+def test_megatron_actor_offers_every_controller_call():
+    """The Megatron actor answers every method the controller calls on a policy group, with
+    upstream's parameters; and OpenRLHF still finds those calls where hapo expects them."""
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ppo_utils import experience_maker
+
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
+    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+
+    up = PolicyModelActor.__ray_actor_class__
+    for m in CONTROLLER_CALLS:
+        assert _params(getattr(MegatronPolicyActorImpl, m)) == _params(getattr(up, m)), m
+    src = inspect.getsource(ppo_trainer) + inspect.getsource(experience_maker)
+    called = set(re.findall(r'method_name="(\w+)"', src))
+    assert called - {"clear_behaviour_entropy", "pop_behaviour_entropy"} <= set(CONTROLLER_CALLS), called
+    # ranks of one replica are consecutive actors: the controller's duplicate factor
+    assert "duplicate_factor = args.ds.ring_attn_size * args.ds.tensor_parallel_size" in inspect.getsource(experience_maker)
+
+
+def test_megatron_rank_order_is_supported():
+    """tp-pp-dp rank order (a data-parallel replica = consecutive ranks) is megatron-core's."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import parallel_state as ps
+
+    assert "order" in inspect.signature(ps.initialize_model_parallel).parameters
+    assert "tp-pp-dp" in inspect.getsource(ps.initialize_model_parallel)

@@ -22,6 +22,7 @@ the path when the real packages are absent) and ``ray.init(num_gpus=N)`` so Ray'
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -74,8 +75,13 @@ class GlooBroadcaster:
 
 
 def install() -> None:
-    """Ray ``worker_process_setup_hook`` (and driver): items 1-4 above."""
+    """Ray ``worker_process_setup_hook`` (and driver): items 1-4 above (plus, with
+    ``HAPO_SHIM_MEGATRON=1``, megatron-core's CPU shim for the Megatron policy actor)."""
     _cuda_shim()
+    if os.environ.get("HAPO_SHIM_MEGATRON") == "1":
+        from tests.megatron.cuda_shim import install as install_megatron_shim
+
+        install_megatron_shim()
     import torch
     import openrlhf.trainer.ppo_utils.replay_buffer as rb
     import openrlhf.trainer.ray.ppo_actor as pa
@@ -171,6 +177,15 @@ class CpuRolloutActorImpl(_rollout_base()):
         self._group.broadcast(w, src=0)
         with torch.no_grad():
             self.params[name].copy_(w)
+        self._synced = getattr(self, "_synced", set()) | {name}
+        dump = os.environ.get("HAPO_OPENRLHF_DUMP_DIR")
+        if empty_cache and dump:  # the last tensor of a sync: record what the engine now holds
+            self.syncs = getattr(self, "syncs", 0) + 1
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            torch.save({"updated": sorted(self._synced), "weights": {k: v.detach().clone() for k, v in
+                                                                      self.model.state_dict().items()}},
+                       Path(dump) / f"engine{self.seed}_sync{self.syncs}.pt")
+            self._synced = set()
 
     def weight_checksum(self) -> float:
         return float(sum(p.double().sum() for p in self.params.values()))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parents[3]))  # the repository root (tests.megatron.cuda_shim)
 
 import hapo_cpu_shim  # noqa: E402
 
@@ -32,9 +33,12 @@ def main() -> int:
 
     from hapo_openrlhf.integrations.openrlhf.train import main as train_main
 
-    pythonpath = os.pathsep.join([str(HERE), *hapo_cpu_shim.stub_path(), os.environ.get("PYTHONPATH", "")])
+    # the repository root: the Megatron CPU shim lives in tests/megatron/cuda_shim.py
+    pythonpath = os.pathsep.join([str(HERE), str(HERE.parents[3]), *hapo_cpu_shim.stub_path(),
+                                  os.environ.get("PYTHONPATH", "")])
     env = {k: os.environ[k] for k in ("HAPO_OPENRLHF_DUMP_DIR", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
-                                      "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS") if k in os.environ}
+                                      "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "HAPO_SHIM_MEGATRON")
+           if k in os.environ}
     env.update(PYTHONPATH=pythonpath, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false",
                RAY_ENABLE_ZERO_COPY_TORCH_TENSORS="1")
     ray.init(address="local", num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,

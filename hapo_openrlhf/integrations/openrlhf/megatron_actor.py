@@ -1,0 +1,465 @@
+"""The Megatron-core policy actor behind OpenRLHF 0.11.2's policy-actor interface
+(``backend: megatron``; docs/megatron.md).
+
+OpenRLHF's controller drives its policy actors through a handful of methods on a
+``RayActorGroup``; this class implements the same ones, so the controller, the vLLM
+engines, hapo's experience maker and its loss are unchanged:
+
+==========================  ====================================================
+``init_model_from_pretrained``  torch.distributed + Megatron parallel state (ranks
+                            ordered tp-pp-dp, so each data-parallel replica is
+                            ``TP x PP`` consecutive Ray actors: OpenRLHF's
+                            "duplicate actors"), a Qwen2 ``GPTModel`` stage loaded
+                            from the Hugging Face checkpoint, AdamW, the LR
+                            schedule, hapo's loss, resume, the vLLM sync group.
+``forward``                 old log-probs through the Megatron schedule (forward
+                            only), plus the behaviour entropy kept for
+                            ``pop_behaviour_entropy``; both from vocabulary shards.
+``append`` / ``fit``        the replay buffer and the PPO epochs: per optimizer
+                            step, the global token count, ``forward_backward`` with
+                            hapo's loss on the last stage, gradient finalisation
+                            (tied embeddings, sequence parallel, data parallel),
+                            clipping, AdamW, the scheduler.
+``broadcast_to_vllm``       Megatron shards -> Hugging Face tensors on rank 0 ->
+                            OpenRLHF's weight-sync group (NCCL or Ray collective).
+``save_checkpoint`` /       Megatron distributed checkpoints under
+``get_checkpoint_states``   ``ckpt.path/_actor/step_N`` with OpenRLHF's
+                            ``client_states`` (data position, step, best metric).
+``save_model``              the trained model in Hugging Face layout.
+==========================  ====================================================
+
+What OpenRLHF's DeepSpeed actor does and this one does not: EMA, LoRA, packed
+samples, dynamic batches, sleep/offload (colocated vLLM), a KL reference; the
+config loader rejects those settings for ``backend: megatron``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+from dataclasses import fields
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import ray
+import torch
+import torch.distributed as dist
+from openrlhf.trainer.ppo_utils.experience import (
+    Experience,
+    make_experience_batch,
+    remove_padding_in_sequences,
+    split_experience_batch,
+)
+from openrlhf.trainer.ray.launcher import BaseModelActor
+from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+from .actor import BehaviourEntropyStore, loss_from_config
+from .loss import DUMP_ENV
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_TAG = re.compile(r"^(best_)?global_step(\d+)$")
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class SafetensorsDir(Mapping):
+    """A Hugging Face checkpoint directory's ``*.safetensors`` as a lazy name -> tensor
+    mapping: each rank reads only the tensors of its own shard."""
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        self._where: dict[str, Path] = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                for k in h.keys():
+                    self._where[k] = f
+        if not self._where:
+            raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if key not in self._where:
+            raise KeyError(f"{key} is not in the checkpoint")
+        with safe_open(str(self._where[key]), "pt") as h:
+            return h.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def resolve_pretrained(pretrain: str) -> Path:
+    """A local checkpoint directory for ``pretrain`` (downloads a hub id's weights once)."""
+    if os.path.isdir(pretrain):
+        return Path(pretrain)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(pretrain, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+
+
+def left_pad(t: torch.Tensor, width: int, value: int | float = 0) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+
+class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
+    # ------------------------------------------------------------------ setup
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from transformers import AutoConfig, AutoTokenizer
+        from transformers.trainer import get_scheduler
+
+        from ...megatron.checkpoint import latest, load
+        from ...megatron.convert import hf_to_megatron
+        from ...megatron.model import build_qwen2_gpt_model
+
+        self.strategy = strategy
+        self.args = args = strategy.args
+        hcfg = args.hapo
+        m = hcfg["megatron"]
+        self.vllm_engines = vllm_engines
+        self.tp, self.pp = int(m["tensor_parallel"]), int(m["pipeline_parallel"])
+        dup = args.ds.ring_attn_size * args.ds.tensor_parallel_size
+        if dup != self.tp * self.pp:
+            raise ValueError(f"OpenRLHF's controller groups {dup} actors per data-parallel replica "
+                             f"(ring_attn_size x ds.tensor_parallel_size) but the Megatron layout is "
+                             f"TP {self.tp} x PP {self.pp}: launch through hapo_openrlhf's flags (flags.build_argv)")
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=timedelta(minutes=int(m["timeout_minutes"])))
+        # tp-pp-dp: a data-parallel replica is TP x PP consecutive ranks (OpenRLHF's duplicate actors)
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                                     order="tp-cp-ep-pp-dp")
+        seed = int(args.train.seed)
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+
+        path = resolve_pretrained(pretrain)
+        self.hf_config = AutoConfig.from_pretrained(path)
+        self.params_dtype = DTYPES[m["params_dtype"]]
+        self.vocab_size = int(self.hf_config.vocab_size)
+        model = build_qwen2_gpt_model(self.hf_config, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank,
+                                      params_dtype=self.params_dtype, vocab_multiple=int(m["vocab_multiple"]),
+                                      sequence_parallel=bool(m["sequence_parallel"]))
+        weights = hf_to_megatron(SafetensorsDir(path), self.hf_config, tp=self.tp, tp_rank=self.tp_rank, pp=self.pp,
+                                 pp_rank=self.pp_rank, vocab_multiple=int(m["vocab_multiple"]))
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
+        if bad:
+            raise ValueError(f"{pretrain}: Hugging Face weights do not fill the Megatron model: {bad[:5]}")
+        self.model = model.to(_device())
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+        adam = args.actor.adam
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=adam.lr,
+                                           betas=tuple(adam.betas), eps=adam.eps, weight_decay=adam.weight_decay)
+        name = args.actor.lr_scheduler
+        self.scheduler = get_scheduler(
+            name, self.optimizer, num_warmup_steps=math.ceil(max_steps * args.actor.lr_warmup_ratio),
+            num_training_steps=max_steps,
+            scheduler_specific_kwargs=({"min_lr_rate": args.actor.min_lr_ratio}
+                                       if name in {"cosine_with_min_lr", "cosine_warmup_with_min_lr"} else {}))
+        self.loss_fn = loss_from_config(hcfg)
+        self.temperature = float(args.rollout.temperature)
+        self.entropy_chunk = int(hcfg["algorithm"]["entropy_chunk_size"])
+        self.items: list[Experience] = []
+
+        self.ckpt_root = Path(args.ckpt.path) / "_actor"
+        self.checkpoint_states: dict[str, Any] = {}
+        found = latest(self.ckpt_root) if args.ckpt.load_enable else None
+        if found is not None:
+            if dist.get_rank() == 0:
+                print(f"Loading the checkpoint: {found}", flush=True)
+            state = load(found, self.model, self.optimizer)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.checkpoint_states = state["client_states"]
+
+        if self.vllm_engines is not None and dist.get_rank() == 0:
+            # OpenRLHF's own group set-up (NCCL / Ray collective between rank 0 and every engine)
+            ActorPPOTrainer._init_vllm_sync_group(self, args.vllm.sync_backend)
+        dist.barrier()
+
+    # ------------------------------------------------------ old log-probs
+    def _logprobs_entropy(self, sequences: torch.Tensor, attention_mask: torch.Tensor):
+        """[B, S-1] log-probs and entropy (no grad) on every rank of the model-parallel group."""
+        from megatron.core import parallel_state as ps
+
+        from ...megatron.schedule import forward_backward
+
+        dev = _device()
+        mb = {"input_ids": sequences.to(dev), "attention_mask": attention_mask.to(dev)}
+        self.model.eval()
+        with torch.no_grad():
+            out = forward_backward(self.model, [mb], None, vocab_size=self.vocab_size, temperature=self.temperature,
+                                   chunk_size=self.entropy_chunk, forward_only=True)
+        self.model.train()
+        B, S = sequences.shape
+        if out:
+            lp, en = (t.float().contiguous() for t in out[0])
+        else:
+            lp = torch.empty(B, S - 1, dtype=torch.float32, device=dev)
+            en = torch.empty_like(lp)
+        if self.pp > 1:  # the last stage computed them: hand them to the stage that answers the controller
+            src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+            dist.broadcast(lp, src=src, group=group)
+            dist.broadcast(en, src=src, group=group)
+        return lp, en
+
+    def forward(
+        self,
+        sequences: torch.LongTensor,
+        action_mask: Optional[Union[int, list[int]]] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        packed_seq_lens=None,
+        mm_train_inputs_list=None,
+    ) -> torch.Tensor:
+        """OpenRLHF's old-log-prob forward: action log-probs [B, A] (masked, on the CPU);
+        the behaviour entropy of the same pass is kept for ``pop_behaviour_entropy``."""
+        if mm_train_inputs_list and any(mm_train_inputs_list):
+            raise ValueError("the Megatron actor has no vision inputs")
+        lp, en = self._logprobs_entropy(sequences, attention_mask)
+        A = action_mask.shape[1]
+        am = action_mask.to(lp.device).float()
+        self._keep_behaviour_entropy(sequences, attention_mask, (en[:, -A:] * am).cpu())
+        return (lp[:, -A:] * am).cpu()
+
+    # ------------------------------------------------------------ training
+    def append(self, experience: Experience) -> None:
+        experience.to_device(torch.device("cpu"))
+        self.items.extend(remove_padding_in_sequences(split_experience_batch(experience)))
+
+    def _loss_norm(self, window: list[Experience]) -> dict[str, Any]:
+        """The step's global normalisers (no ``/ gas``: Megatron's schedule does not scale
+        micro-batch losses, ``calculate_per_token_loss=True``)."""
+        from megatron.core import parallel_state as ps
+
+        dev = _device()
+        counts = torch.zeros(2, dtype=torch.float32, device=dev)
+        for e in window:
+            m = e.action_mask.to(dev).float()
+            counts[0] += m.sum()
+            counts[1] += (m.sum(-1) > 0).sum()
+        if self.dp_size > 1:
+            dist.all_reduce(counts, group=ps.get_data_parallel_group())
+        return {"dp_size": self.dp_size, "batch_num_tokens": counts[0], "global_batch_size": counts[1]}
+
+    def _micro_batches(self, window: list[Experience]) -> list[dict[str, Any]]:
+        """Left-pad the step's micro-batches to one length (pipeline stages exchange fixed
+        shapes); the response stays the last ``A`` positions, as OpenRLHF slices it."""
+        dev = _device()
+        S = max(e.sequences.shape[1] for e in window)
+        out = []
+        for e in window:
+            mb = {"input_ids": left_pad(e.sequences, S).to(dev), "attention_mask": left_pad(e.attention_mask, S).to(dev),
+                  "action_mask": e.action_mask.to(dev), "old_log_probs": e.action_log_probs.to(dev),
+                  "advantages": e.advantages.to(dev)}
+            if os.environ.get(DUMP_ENV):
+                mb["rows"] = [row[m.bool()].tolist() for row, m in zip(e.sequences, e.attention_mask)]
+            out.append(mb)
+        return out
+
+    def _optimizer_step(self, window: list[Experience]) -> dict[str, float]:
+        from ...megatron.optim import clip_grad_norm, finalize_grads
+        from ...megatron.schedule import forward_backward
+
+        info = self._loss_norm(window)
+
+        def loss_fn(lp, en, mb):
+            A = mb["action_mask"].shape[1]
+            if self.loss_fn.needs_entropy:
+                self.loss_fn.pending_entropy = en
+            if "rows" in mb:
+                self.loss_fn.pending_sequences = mb["rows"]
+            loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(lp[:, -A:], mb["old_log_probs"], mb["advantages"],
+                                                          action_mask=mb["action_mask"], rollout_log_probs=None,
+                                                          **info)
+            return loss, {"ppo_clip_ratio": clip_ratio.detach().float(), "ppo_kl": ppo_kl.detach().float(),
+                          "tokens": mb["action_mask"].sum().float()}
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = forward_backward(self.model, self._micro_batches(window), loss_fn, vocab_size=self.vocab_size,
+                               temperature=self.temperature, chunk_size=self.entropy_chunk)
+        finalize_grads(self.model)
+        norm = clip_grad_norm(self.model, float(self.args.actor.max_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        stats = {"actor_grad_norm": norm, "actor_lr": lr}
+        if out:  # last stage: the step's loss and the token-weighted PPO statistics (this replica)
+            tokens = sum(float(o["tokens"]) for o in out)
+            stats["_loss_sum"] = sum(float(o["loss"]) for o in out)
+            stats["_tokens"] = tokens
+            for k in ("ppo_clip_ratio", "ppo_kl"):
+                stats["_w_" + k] = sum(float(o[k]) * float(o["tokens"]) for o in out)
+        return stats
+
+    @staticmethod
+    def _info_sums(e: Experience, sums: dict[str, list[float]]) -> None:
+        """Upstream's metric weighting: 0-d info values per token, per-sample values per sample."""
+        n_tok, n_smp = float(e.action_mask.sum()), float(e.action_mask.shape[0])
+        values: dict[str, torch.Tensor] = {}
+        for k, v in e.info.items():
+            if isinstance(v, torch.Tensor):
+                values[k] = v
+            elif isinstance(v, list):
+                values[k] = torch.tensor(v, dtype=torch.float)
+        for f in fields(Experience):
+            if f.name in {"rewards", "scores"} or not Experience.is_episode_tensor_field(f.name):
+                continue
+            v = getattr(e, f.name)
+            if isinstance(v, torch.Tensor) and f.name not in values:
+                values[f.name] = v
+        for k, v in values.items():
+            w = n_tok if v.dim() == 0 else n_smp
+            s = sums.setdefault(k, [0.0, 0.0])
+            s[0] += float(v.float().mean()) * w
+            s[1] += w
+
+    def fit(self, kl_ctl: float = 0) -> dict[str, float]:
+        """PPO epochs over the replay buffer; returns the same status dict on every rank."""
+        from megatron.core import parallel_state as ps
+
+        args = self.args
+        mb = int(args.train.micro_batch_size)
+        if not self.items or len(self.items) % mb:
+            raise ValueError(f"the Megatron actor got {len(self.items)} samples, not a positive multiple of "
+                             f"train.micro_batch_size {mb} (no sample is dropped)")
+        gas = max(int(args.train.batch_size) // (mb * self.dp_size), 1)
+        batches = [make_experience_batch(self.items[i:i + mb]) for i in range(0, len(self.items), mb)]
+        sums: dict[str, list[float]] = {}
+        loss_sum = tokens = 0.0
+        last: dict[str, float] = {}
+        for _ in range(int(args.train.max_epochs)):
+            for k in range(0, len(batches), gas):
+                window = batches[k:k + gas]
+                st = self._optimizer_step(window)
+                last = {"actor_grad_norm": st["actor_grad_norm"], "actor_lr": st["actor_lr"]}
+                loss_sum += st.get("_loss_sum", 0.0)
+                tokens += st.get("_tokens", 0.0)
+                for key in ("ppo_clip_ratio", "ppo_kl"):
+                    s = sums.setdefault(key, [0.0, 0.0])
+                    s[0] += st.get("_w_" + key, 0.0)
+                    s[1] += st.get("_tokens", 0.0)
+                for e in window:
+                    self._info_sums(e, sums)
+        self.items.clear()
+        n_steps = int(args.train.max_epochs) * math.ceil(len(batches) / gas)
+        # the mean over optimizer steps of each step's whole loss: a replica's micro-batch losses
+        # sum to dp_size x its share (normaliser count / dp_size), and the weights sum dp_size times
+        sums["policy_loss"] = [loss_sum, float(n_steps)]
+        keys = sorted(sums)
+        vec = torch.tensor([x for k in keys for x in sums[k]], dtype=torch.float64)
+        if self.pp > 1:  # loss statistics live on the last stage
+            dist.broadcast(vec, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        if self.dp_size > 1:
+            dist.all_reduce(vec, group=ps.get_data_parallel_group())
+        vec = vec.view(-1, 2)
+        status = {k: float(v[0] / v[1]) if float(v[1]) > 0 else 0.0 for k, v in zip(keys, vec)}
+        status.update(last)
+        return status
+
+    # --------------------------------------------------------- weight sync
+    def broadcast_to_vllm(self) -> None:
+        from ...megatron.convert import gather_hf_state_dict
+
+        sd = gather_hf_state_dict(self.model, self.hf_config)
+        if dist.get_rank() == 0:
+            vargs = self.args.vllm
+            resets = ([e.reset_prefix_cache.remote() for e in self.vllm_engines]
+                      if getattr(vargs, "enable_prefix_caching", False) else [])
+            use_ray = getattr(vargs, "sync_with_ray", False)
+            names = list(sd)
+            for i, name in enumerate(names):
+                t = sd.pop(name).to(_device())
+                refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=i == len(names) - 1)
+                        for e in self.vllm_engines]
+                if use_ray:
+                    import ray.util.collective as collective
+
+                    collective.broadcast(t, 0, group_name=self._model_update_group)
+                else:
+                    self._model_update_group.broadcast(t, src=0, stream=torch.cuda.current_stream())
+                ray.get(refs)
+            if resets:
+                ray.get(resets)
+        dist.barrier()
+
+    # --------------------------------------------------------- checkpoints
+    def _save_hf(self, out: str | Path) -> None:
+        """The model in Hugging Face layout at ``out`` (collective; rank 0 writes, atomically)."""
+        from transformers import AutoModelForCausalLM
+
+        from ...megatron.convert import gather_hf_state_dict
+
+        sd = gather_hf_state_dict(self.model, self.hf_config)
+        if dist.get_rank() == 0:
+            out = Path(out)
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            hf = AutoModelForCausalLM.from_config(self.hf_config, torch_dtype=self.params_dtype)
+            missing, unexpected = hf.load_state_dict(sd, strict=False)
+            if unexpected or any(k != "lm_head.weight" for k in missing):
+                raise RuntimeError(f"Megatron -> Hugging Face conversion mismatch: {missing[:5]} {unexpected[:5]}")
+            hf.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        dist.barrier()
+
+    def save_model(self) -> None:
+        self._save_hf(self.args.ckpt.output_dir)
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None) -> None:
+        from ...megatron.checkpoint import save
+
+        m = _TAG.match(tag)
+        if not m:
+            raise ValueError(f"checkpoint tag {tag!r} is not OpenRLHF's global_stepN / best_global_stepN")
+        args = self.args
+        root = self.ckpt_root / "best" if m.group(1) else self.ckpt_root
+        if not args.ckpt.disable_ds:
+            state = {"client_states": dict(client_states or {}), "scheduler": self.scheduler.state_dict(),
+                     "tag": tag, "metric_key": metric_key, "metric_value": metric_value}
+            save(root, int(m.group(2)), self.model, self.optimizer, trainer_state=state)
+            if dist.get_rank() == 0:
+                self._prune(root, int(args.ckpt.max_num))
+        if args.ckpt.save_hf:
+            self._save_hf(Path(args.ckpt.path) / f"{tag}_hf")
+        dist.barrier()
+
+    @staticmethod
+    def _prune(root: Path, keep: int) -> None:
+        found = sorted((int(p.name[5:]), p) for p in root.glob("step_*")
+                       if p.is_dir() and p.name[5:].isdigit())
+        for _, p in found[:-keep] if keep > 0 else []:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def get_checkpoint_states(self) -> dict[str, Any]:
+        return self.checkpoint_states
+
+    # ------------------------------------------------ not on this back end
+    def reload_states(self):
+        raise NotImplementedError("the Megatron actor has no sleep mode (openrlhf.vllm_enable_sleep must be false)")
+
+    offload_states = reload_states
+
+
+MegatronPolicyActor = ray.remote(num_gpus=1)(MegatronPolicyActorImpl)

@@ -1,0 +1,104 @@
+"""End to end on CPU with the Megatron policy actor (``backend: megatron``): OpenRLHF
+0.11.2's own PPO controller, hapo's experience maker and loss, the Megatron actor at
+TP=2 on two Ray actors (gloo), the CPU rollout engine of the test shim -- then
+OpenRLHF's own resume path from the Megatron distributed checkpoint."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hapo_openrlhf import algos
+from tests.conftest import REPO
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    if os.environ.get("HAPO_REQUIRE_MEGATRON") == "1":
+        raise RuntimeError("HAPO_REQUIRE_MEGATRON=1 but megatron-core is not installed")
+    pytest.skip("megatron-core not installed (the megatron extra)", allow_module_level=True)
+
+HERE = Path(__file__).resolve().parent
+RUN = HERE / "shim" / "run_e2e.py"
+CFG = HERE / "e2e_tiny.yaml"
+MEGATRON = ["backend=megatron", "megatron.tensor_parallel=2", "megatron.params_dtype=fp32",
+            "openrlhf.actor_gpus_per_node=2"]
+
+pytestmark = pytest.mark.slow
+
+
+def _run(out, dump, *sets):
+    env = {**os.environ, "HAPO_OPENRLHF_DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1", "HAPO_SHIM_MEGATRON": "1"}
+    args = [sys.executable, str(RUN), str(CFG), str(out)]
+    for s in [*MEGATRON, *sets]:
+        args += ["--set", s]
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def _jsonl(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def test_openrlhf_loop_with_megatron_actor_then_resume(tmp_path, warm_model):
+    from transformers import AutoModelForCausalLM
+
+    out, dump = tmp_path / "run", tmp_path / "dump"
+    p = _run(out, dump, f"model.path={warm_model}")
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    assert json.loads((out / "openrlhf_argv.json").read_text()).count("--ds.tensor_parallel_size") == 1
+
+    # two global steps; Megatron distributed checkpoints under OpenRLHF's _actor directory
+    assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert sorted(d.name for d in (out / "ckpt" / "_actor").iterdir()) == ["step_2"]  # save_every 2
+    m = _jsonl(out / "metrics.jsonl")
+    assert all("quadrant/threshold" in r and "policy_loss" in r and "actor_grad_norm" in r for r in m)
+
+    # the registry's advantages reached the loss on the Megatron actor (TP rank 0's rows)
+    loss_rows = _jsonl(dump / "loss_rank0.jsonl")
+    assert len(loss_rows) == 2 * 16
+    for step in (1, 2):
+        d = torch.load(dump / f"advantages_step{step}.pt")
+        inputs = algos.AdvantageInputs(rewards=d["rewards"], response_mask=d["response_mask"], entropy=d["entropy"],
+                                       group_index=d["group_index"])
+        want = algos.run_estimator("hapo", inputs, alpha=0.2, phi=2.0, normalize="zscore").advantages
+        torch.testing.assert_close(d["advantages"], want)
+        by_tokens = {tuple(r["tokens"]): r["advantages"] for r in _jsonl(dump / f"experiences_step{step}.jsonl")}
+        got = loss_rows[(step - 1) * 16: step * 16]
+        assert sorted(tuple(r["tokens"]) for r in got) == sorted(by_tokens)
+        for r in got:
+            assert r["advantages"] == pytest.approx(by_tokens[tuple(r["tokens"])], abs=1e-6)
+        if step == 1:  # behaviour entropy from the vocab-parallel shards = the initial weights' (fp32)
+            model = AutoModelForCausalLM.from_pretrained(warm_model, dtype=torch.float32).eval()
+            for i, r in enumerate(_jsonl(dump / "experiences_step1.jsonl")[:6]):
+                ids = torch.tensor([r["tokens"]])
+                with torch.no_grad():
+                    logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+                n = ids.shape[1] - 1
+                mask = d["response_mask"][i][:n]
+                ent = -(logp.exp() * logp).sum(-1)
+                torch.testing.assert_close(ent[mask].float(), d["entropy"][i][:n][mask], rtol=0, atol=1e-4)
+
+    # weight sync: after each step the engine holds the actor's weights, in Hugging Face layout;
+    # after the last one they are exactly the saved final model
+    final = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).state_dict()
+    syncs = sorted(dump.glob("engine*_sync*.pt"))
+    assert [s.name for s in syncs] == ["engine7_sync1.pt", "engine7_sync2.pt"]
+    first, last = (torch.load(s) for s in syncs)
+    hf_names = {k for k in final if k != "lm_head.weight"} | ({"lm_head.weight"} if "lm_head.weight" in
+                                                                 first["updated"] else set())
+    assert set(last["updated"]) == hf_names
+    for k, v in final.items():
+        assert torch.equal(last["weights"][k], v), k
+    assert not torch.equal(first["weights"]["model.norm.weight"], last["weights"]["model.norm.weight"])
+
+    # OpenRLHF's resume path: a second launch with more episodes continues after global step 2
+    p = _run(out, tmp_path / "dump2", f"model.path={warm_model}", "openrlhf.num_episodes=2")
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    assert "Loading the checkpoint" in log and "Global step 2:" not in log and "Global step 3:" in log
+    assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert sorted(d.name for d in (out / "ckpt" / "_actor").iterdir()) == ["step_2", "step_4"]

@@ -1,0 +1,220 @@
+"""The Megatron policy actor behind OpenRLHF's policy-actor interface, on 2 gloo ranks
+(no Ray; the e2e test runs it under OpenRLHF's controller).
+
+Each layout -- TP=2, PP=2 with tied embeddings and EntroReg,
+DP=2 -- is checked against an independent single-process Hugging Face reference:
+
+* ``forward`` (the old-log-prob pass) returns the Hugging Face log-probs of the
+  response tokens at the rollout temperature, and keeps the behaviour entropy;
+* ``append`` + ``fit`` (two optimizer steps of two micro-batches, global token-mean
+  normaliser, clipping, AdamW, weight decay) leave exactly the weights of the
+  reference that trains the same rows with ``HapoPolicyLoss`` + ``torch.optim.AdamW``;
+* ``save_model`` writes them in Hugging Face layout; ``fit``'s status reports the same
+  gradient norm and loss.
+
+The args are OpenRLHF's own: ``flags.build_argv`` through OpenRLHF's real parser.
+"""
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    if os.environ.get("HAPO_REQUIRE_MEGATRON") == "1":
+        raise RuntimeError("HAPO_REQUIRE_MEGATRON=1 but megatron-core is not installed")
+    pytest.skip("megatron-core not installed (the megatron extra)", allow_module_level=True)
+
+HERE = Path(__file__).resolve().parent
+CFG = HERE / "e2e_tiny.yaml"
+P, A, B = 6, 8, 4  # prompt width (left-padded), response width (right-padded), rows per micro-rollout batch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tiny_model_dir(path: Path, tied: bool) -> Path:
+    from hapo_openrlhf.local.model import build_tokenizer
+    from tests.megatron.test_convert import tiny_qwen2
+
+    model = tiny_qwen2(tied)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def _experiences(n_batches: int, seed: int):
+    """OpenRLHF experiences of B rows: a left-padded prompt, a right-padded response."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        seq = torch.zeros(B, P + A, dtype=torch.long)
+        am = torch.zeros(B, P + A, dtype=torch.long)
+        act = torch.zeros(B, A, dtype=torch.bool)
+        plen = torch.randint(2, P + 1, (B,), generator=g)
+        rlen = torch.randint(1, A + 1, (B,), generator=g)
+        rlen[0] = A  # the widest response fixes the batch's width
+        for i in range(B):
+            seq[i, P - plen[i]: P + rlen[i]] = torch.randint(3, 259, (int(plen[i] + rlen[i]),), generator=g)
+            am[i, P - plen[i]: P + rlen[i]] = 1
+            act[i, : rlen[i]] = True
+        out.append(Experience(
+            sequences=seq, attention_mask=am, action_mask=act,
+            advantages=torch.randn(B, A, generator=g) * act, rewards=torch.rand(B, generator=g),
+            response_length=rlen.float(), total_length=(plen + rlen).float(),
+            info={"reward": torch.rand(B, generator=g)}, index=list(range(B))))
+    return out
+
+
+def _rows(exp):
+    """(unpadded token ids, response length) per row."""
+    return [(s[m.bool()], int(a.sum())) for s, m, a in zip(exp.sequences, exp.attention_mask, exp.action_mask)]
+
+
+def _hf_row(model, ids, r, temperature):
+    """Log-probs and entropy of a row's last ``r`` tokens (float64 reference)."""
+    z = model(input_ids=ids[None]).logits[0, :-1].double() / temperature
+    logp = torch.log_softmax(z, -1)
+    lp = logp.gather(-1, ids[1:, None]).squeeze(-1)
+    return lp[-r:], -(logp.exp() * logp).sum(-1)[-r:]
+
+
+def _args(tmp_path, sets):
+    from hapo_openrlhf.config import load_config
+    from hapo_openrlhf.integrations.openrlhf.flags import build_argv
+    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+
+    cfg = load_config(CFG, ["backend=megatron", "model.path=/unused", "openrlhf.actor_gpus_per_node=2",
+                            "rollout.temperature=0.7", "openrlhf.train_batch_size=8", "openrlhf.micro_train_batch_size=4",
+                            "optim.weight_decay=0.01", "optim.grad_clip=0.5", "megatron.params_dtype=fp32", *sets])
+    args = parse_with_upstream(build_argv(cfg, tmp_path))
+    args.hapo = cfg.to_dict()
+    # a large epsilon keeps AdamW's update linear in tiny gradients, so fp32 summation order
+    # (sharded vs whole matrices) cannot flip the sign of a near-zero element's step
+    args.actor.adam.eps = 1e-3
+    return cfg, args
+
+
+def _worker(rank, world, port, args, model_dir, per_rank, out_dir):
+    from tests.megatron.cuda_shim import install
+
+    install()
+    import torch.distributed as dist
+
+    from hapo_openrlhf.integrations.openrlhf.actor import fingerprint
+    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+
+    actor = MegatronPolicyActorImpl(world, rank, "127.0.0.1", port)
+    actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir),
+                                     max_steps=4, vllm_engines=None)
+    mine = per_rank[rank]
+    lps = [actor.forward(e.sequences, e.action_mask, e.attention_mask) for e in mine]
+    ents = [actor.pop_behaviour_entropy(fingerprint(e.sequences, e.attention_mask)) for e in mine]
+    for e, lp in zip(mine, lps):
+        e.action_log_probs = lp - 0.1 * e.advantages  # off-policy enough that some ratios clip
+        actor.append(e)
+    status = actor.fit()
+    actor.save_model()
+    torch.save({"lps": lps, "ents": ents, "status": status}, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _reference(cfg, args, model_dir, per_rank, dp, gas):
+    """HF model + HapoPolicyLoss + AdamW on the same rows, window by window."""
+    from transformers import AutoModelForCausalLM
+
+    from hapo_openrlhf.integrations.openrlhf.actor import loss_from_config
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    adam = args.actor.adam
+    opt = torch.optim.AdamW(model.parameters(), lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps,
+                            weight_decay=adam.weight_decay)
+    loss_fn = loss_from_config(args.hapo)
+    T_temp = cfg.rollout.temperature
+    n_mb = len(per_rank[0])
+    norms, losses = [], []
+    for k in range(0, n_mb, gas):
+        window = [per_rank[r][j] for j in range(k, k + gas) for r in range(dp)]
+        rows = [(ids, r, e, i) for e in window for i, (ids, r) in enumerate(_rows(e))]
+        T = sum(r for _, r, _, _ in rows)
+        opt.zero_grad()
+        total = 0.0
+        for ids, r, e, i in rows:
+            logits = model(input_ids=ids[None]).logits[0, :-1].float() / T_temp
+            logp = torch.log_softmax(logits, -1)
+            lp = logp.gather(-1, ids[1:, None]).squeeze(-1)[-r:]
+            if loss_fn.needs_entropy:
+                loss_fn.pending_entropy = (-(logp.exp() * logp).sum(-1))[None]
+            loss, *_ = loss_fn(lp[None], e.action_log_probs[i, :r][None], e.advantages[i, :r][None],
+                               action_mask=torch.ones(1, r, dtype=torch.bool), dp_size=1,
+                               batch_num_tokens=torch.tensor(float(T)), global_batch_size=torch.tensor(float(len(rows))))
+            loss.backward()
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)))
+        losses.append(total)
+        opt.step()
+    return model, norms, losses
+
+
+@pytest.mark.parametrize("name, sets, tied", [
+    ("tp2", ["megatron.tensor_parallel=2"], False),
+    ("pp2_tied_entro_reg", ["megatron.pipeline_parallel=2", "algorithm.loss=entro_reg",
+                            "algorithm.loss_params={beta: 0.05}"], True),
+    ("dp2", [], True),
+])
+def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied):
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    cfg, args = _args(tmp_path, sets)
+    model_dir = _tiny_model_dir(tmp_path / "model", tied)
+    mp_size = cfg.megatron.model_parallel_size
+    dp = 2 // mp_size
+    data = _experiences(4, seed=3)  # 16 rows: 2 optimizer steps of 8 rows
+    # the controller's dispatch: a data-parallel replica's ranks all receive the same micro-batches
+    k = 4 // dp
+    per_rank = [data[(r // mp_size) * k: (r // mp_size + 1) * k] for r in range(2)]
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_worker, args=(2, _free_port(), args, model_dir, per_rank, str(out)), nprocs=2, join=True)
+
+    ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    got = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    # old log-probs (rank 0 of every replica answers the controller) and behaviour entropy
+    with torch.no_grad():
+        for r in range(0, 2, mp_size):
+            for e, lp, ent in zip(per_rank[r], got[r]["lps"], got[r]["ents"]):
+                assert lp.shape == ent.shape == e.action_mask.shape
+                for i, (ids, n) in enumerate(_rows(e)):
+                    want_lp, want_en = _hf_row(ref_model, ids, n, cfg.rollout.temperature)
+                    torch.testing.assert_close(lp[i, :n].double(), want_lp, rtol=0, atol=2e-5)
+                    torch.testing.assert_close(ent[i, :n].double(), want_en, rtol=0, atol=2e-5)
+                    assert (lp[i, n:] == 0).all() and (ent[i, n:] == 0).all()
+    # training: the same two optimizer steps as the reference
+    for r in range(0, 2, mp_size):  # the reference trains on the old log-probs the actor produced
+        for e, lp in zip(per_rank[r], got[r]["lps"]):
+            e.action_log_probs = lp - 0.1 * e.advantages
+    gas = cfg.openrlhf.train_batch_size // (cfg.openrlhf.micro_train_batch_size * dp)
+    ref, norms, losses = _reference(cfg, args, model_dir, [per_rank[r] for r in range(0, 2, mp_size)], dp, gas)
+    assert len(norms) == 2 and norms[-1] > cfg.optim.grad_clip  # clipping was exercised
+    trained = AutoModelForCausalLM.from_pretrained(args.ckpt.output_dir, dtype=torch.float32)
+    want = ref.state_dict()
+    for k, v in trained.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=2e-6, msg=k)
+    assert not torch.equal(trained.state_dict()["model.norm.weight"], ref_model.state_dict()["model.norm.weight"])
+    for g in got:  # every rank returns the same status to the controller
+        assert g["status"] == got[0]["status"]
+    st = got[0]["status"]
+    assert st["actor_grad_norm"] == pytest.approx(norms[-1], rel=1e-4)
+    assert st["policy_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
+    assert 0 < st["ppo_clip_ratio"] < 1
+    assert st["actor_lr"] == cfg.optim.lr and "reward" in st and "response_length" in st
