@@ -34,7 +34,7 @@ def latest(root: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def _sharded(model, optimizer, trainer_state: dict[str, Any] | None):
+def _sharded(model, optimizer, trainer_state: dict[str, Any] | None, model_params=None):
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         optim_state_to_sharding_state,
@@ -44,22 +44,29 @@ def _sharded(model, optimizer, trainer_state: dict[str, Any] | None):
     out: dict[str, Any] = {"model": model_sd, "trainer": trainer_state or {}}
     if optimizer is not None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        mparams = params if model_params is None else list(model_params)
+        masters = any(a is not b for a, b in zip(params, mparams, strict=True))
         osd = optimizer.state_dict()
         # a fresh optimizer has no state yet: give it zero moments to load into
         for i, p in enumerate(params):
             if i not in osd["state"]:
                 osd["state"][i] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
                                    "step": torch.zeros(())}
+            if masters:  # fp32 master weights, sharded like the model parameter they shadow
+                osd["state"][i]["master"] = p.detach()
         steps = {i: float(s.get("step", 0)) for i, s in osd["state"].items()}
-        id_map = get_param_id_to_sharded_param_map(model_sd, params)
+        id_map = get_param_id_to_sharded_param_map(model_sd, mparams)
         optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
         out["optimizer"] = osd
         out["optimizer_step"] = max(steps.values(), default=0.0)
     return out
 
 
-def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict[str, Any] | None = None) -> Path:
-    """Write ``root/step_{step}`` from every rank of the job (a collective call)."""
+def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict[str, Any] | None = None,
+         model_params=None) -> Path:
+    """Write ``root/step_{step}`` from every rank of the job (a collective call). When the
+    optimizer steps fp32 master copies (``optim.MainParams``), pass the model parameters
+    they shadow, in the optimizer's order, as ``model_params``: the masters are saved too."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -69,7 +76,7 @@ def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(model, optimizer, trainer_state), str(tmp))
+    dist_checkpointing.save(_sharded(model, optimizer, trainer_state, model_params), str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():
@@ -79,15 +86,16 @@ def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict
     return final
 
 
-def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
-    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); returns the
-    trainer state. The model and optimizer must be built with the same parallel layout."""
+def load(path: str | Path, model, optimizer=None, model_params=None) -> dict[str, Any]:
+    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``, with its
+    fp32 masters when ``model_params`` is given); returns the trainer state. The tensor
+    parallel size may differ from the one that saved it (Megatron reshards on load)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     if not path.is_dir() or path.name.endswith(".tmp"):
         raise ValueError(f"{str(path)!r} is not a complete checkpoint directory")
-    sharded = _sharded(model, optimizer, {})
+    sharded = _sharded(model, optimizer, {}, model_params)
     state = dist_checkpointing.load(sharded, str(path))
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
@@ -96,8 +104,13 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
     if optimizer is not None:
         osd = state["optimizer"]
         step = torch.tensor(float(state["optimizer_step"]))
-        for s in osd["state"].values():
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for i, s in osd["state"].items():
             s["step"] = step.clone()
+            master = s.pop("master", None)
+            if master is not None:
+                with torch.no_grad():
+                    params[i].copy_(master)
         groups = optimizer.state_dict()["param_groups"]
         optimizer.load_state_dict({"state": osd["state"], "param_groups": groups})
     return state["trainer"]

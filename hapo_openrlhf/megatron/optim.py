@@ -1,22 +1,20 @@
-"""Gradient finalisation and clipping for a Megatron GPTModel trained with a plain
-torch optimizer (no Megatron DDP wrapper; docs/megatron.md says why).
+"""Optimizer step for a Megatron GPTModel trained with a plain torch AdamW (no Megatron
+DDP wrapper or distributed optimizer; docs/megatron.md says why).
 
-After ``schedule.forward_backward`` each rank holds the gradient of its own shard
-for its own data-parallel replica. ``finalize_grads`` does what Megatron's
-``finalize_model_grads`` does for a DDP-wrapped model:
+:class:`MainParams` is the mixed-precision part of Megatron's optimizer, in small:
 
-1. with tied embeddings and PP > 1, sum the first stage's embedding gradient and
-   the last stage's head gradient over the embedding group;
-2. with sequence parallelism, sum the gradients of the parameters every TP rank
-   holds in full (layer norms) over the tensor-parallel group -- each rank only saw
-   its slice of the sequence;
-3. average every gradient over the data-parallel group (hapo's losses divide by
-   ``global count / dp_size``, as OpenRLHF's do, so the average is the gradient of
-   the whole step).
-
-``clip_grad_norm`` computes the global L2 norm counting every weight once (shared
-embedding copies and TP-duplicated parameters are skipped; squares are summed over
-the model-parallel group) and scales the gradients like ``clip_grad_norm_``.
+* the model's parameters may be bf16; the optimizer then holds fp32 **master** copies
+  and steps those, and the model parameters are refreshed from them after each step
+  (fp32 models step their own parameters);
+* gradients are taken out of the model as fp32 **main grads** and reduced in fp32:
+  with tied embeddings and PP > 1 the first stage's embedding gradient and the last
+  stage's head gradient are summed over the embedding group (what Megatron's
+  ``finalize_model_grads`` does); then every gradient is averaged over the
+  data-parallel group (hapo's losses divide by ``global count / dp_size``, as
+  OpenRLHF's do, so the average is the gradient of the whole step);
+* the global L2 norm counts every weight once (shared embedding copies and
+  TP-duplicated parameters are skipped; squares are summed over the model-parallel
+  group) and clipping scales the main grads like ``clip_grad_norm_``.
 """
 
 from __future__ import annotations
@@ -24,28 +22,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .schedule import allreduce_tied_embedding_grads
 
-
-def finalize_grads(model) -> None:
-    """Tied-embedding, sequence-parallel and data-parallel gradient reductions (collective)."""
+def tied_weight(model):
+    """The embedding/head weight this stage shares with another stage (tied embeddings,
+    PP > 1, first or last stage), else None."""
     from megatron.core import parallel_state as ps
 
-    allreduce_tied_embedding_grads(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if model.config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
-        for p in params:
-            if getattr(p, "sequence_parallel", False):
-                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-    dp = ps.get_data_parallel_world_size()
-    if dp > 1:
-        group = ps.get_data_parallel_group()
-        for p in params:
-            dist.all_reduce(p.grad, group=group)
-            p.grad.div_(dp)
+    if not getattr(model, "share_embeddings_and_output_weights", False):
+        return None
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    if not (ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True)):
+        return None
+    return model.shared_embedding_or_output_weight()
 
 
 def _counted_once(p) -> bool:
@@ -55,27 +44,65 @@ def _counted_once(p) -> bool:
     return param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
 
 
-def grad_norm(model) -> float:
-    """Global L2 norm of the model's gradient (every weight once), identical on every rank."""
-    from megatron.core import parallel_state as ps
+class MainParams:
+    """The trainable parameters of one model stage, their fp32 masters (when the model is
+    not fp32) and the step that moves gradients from the model to the optimizer."""
 
-    grads = [p.grad for p in model.parameters() if p.grad is not None and _counted_once(p)]
-    dev = next(model.parameters()).device
-    sq = torch.zeros((), dtype=torch.float32, device=dev)
-    for g in grads:
-        sq += g.detach().float().pow(2).sum()
-    dist.all_reduce(sq, group=ps.get_model_parallel_group())
-    return float(sq.sqrt())
+    def __init__(self, model) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = (None if all(p.dtype == torch.float32 for p in self.params)
+                        else [p.detach().float().clone().requires_grad_() for p in self.params])
 
+    @property
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """What the optimizer steps: the fp32 masters, or the parameters themselves."""
+        return self.masters if self.masters is not None else self.params
 
-def clip_grad_norm(model, max_norm: float) -> float:
-    """Scale the gradients so their global norm is at most ``max_norm`` (``<= 0``: no
-    clipping); returns the norm before clipping."""
-    norm = grad_norm(model)
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-    return norm
+    def main_grads(self) -> list[torch.Tensor]:
+        """fp32 gradients, reduced (tied embeddings, data parallel): a collective call."""
+        from megatron.core import parallel_state as ps
+
+        grads = [torch.zeros_like(p, dtype=torch.float32) if p.grad is None else p.grad.float()
+                 for p in self.params]
+        tied = tied_weight(self.model)
+        if tied is not None:
+            i = next(i for i, p in enumerate(self.params) if p is tied)
+            dist.all_reduce(grads[i], group=ps.get_embedding_group())
+        dp = ps.get_data_parallel_world_size()
+        if dp > 1:
+            group = ps.get_data_parallel_group()
+            for g in grads:
+                dist.all_reduce(g, group=group)
+                g.div_(dp)
+        return grads
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """Global L2 norm (every weight once), identical on every rank: a collective call."""
+        from megatron.core import parallel_state as ps
+
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        for p, g in zip(self.params, grads):
+            if _counted_once(p):
+                sq += g.pow(2).sum()
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        return float(sq.sqrt())
+
+    def step(self, optimizer, max_norm: float) -> float:
+        """Reduce, clip (``max_norm <= 0``: no clipping) and apply the gradients with
+        ``optimizer`` (built over :attr:`optimizer_params`); returns the norm before clipping."""
+        grads = self.main_grads()
+        norm = self.grad_norm(grads)
+        coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
+        for t, g in zip(self.optimizer_params, grads):
+            t.grad = g.mul_(coef) if coef < 1.0 else g
+        optimizer.step()
+        for t in self.optimizer_params:
+            t.grad = None
+        for p in self.params:
+            p.grad = None
+        if self.masters is not None:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
+        return norm

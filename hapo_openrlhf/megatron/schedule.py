@@ -72,17 +72,16 @@ def allreduce_tied_embedding_grads(model) -> None:
     """With tied embeddings and PP > 1 the first stage's embedding and the last stage's
     head are two copies of one weight: sum their gradients over Megatron's embedding group
     (what its DDP wrapper does in ``finalize_model_grads``) so both copies take the same
-    step. A no-op otherwise. Call after ``forward_backward``, before the optimizer step."""
+    step. A no-op otherwise. Call after ``forward_backward``, before the optimizer step
+    (``optim.MainParams.step`` does this on its fp32 main grads)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    if not getattr(model, "share_embeddings_and_output_weights", False):
+    from .optim import tied_weight
+
+    weight = tied_weight(model)
+    if weight is None:
         return
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return
-    if not (ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True)):
-        return
-    weight = model.shared_embedding_or_output_weight()
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())

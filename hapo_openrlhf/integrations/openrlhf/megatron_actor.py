@@ -19,7 +19,8 @@ engines, hapo's experience maker and its loss are unchanged:
                             step, the global token count, ``forward_backward`` with
                             hapo's loss on the last stage, gradient finalisation
                             (tied embeddings, sequence parallel, data parallel),
-                            clipping, AdamW, the scheduler.
+                            clipping, AdamW (over fp32 masters for a bf16
+                            model), the scheduler.
 ``broadcast_to_vllm``       Megatron shards -> Hugging Face tensors on rank 0 ->
                             OpenRLHF's weight-sync group (NCCL or Ray collective).
 ``save_checkpoint`` /       Megatron distributed checkpoints under
@@ -57,6 +58,7 @@ from openrlhf.trainer.ppo_utils.experience import (
 from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
+from ...megatron.optim import MainParams
 from .actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV
 
@@ -167,8 +169,9 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
         adam = args.actor.adam
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=adam.lr,
-                                           betas=tuple(adam.betas), eps=adam.eps, weight_decay=adam.weight_decay)
+        self.main = MainParams(self.model)  # fp32 masters when the model is bf16
+        self.optimizer = torch.optim.AdamW(self.main.optimizer_params, lr=adam.lr, betas=tuple(adam.betas),
+                                           eps=adam.eps, weight_decay=adam.weight_decay)
         name = args.actor.lr_scheduler
         self.scheduler = get_scheduler(
             name, self.optimizer, num_warmup_steps=math.ceil(max_steps * args.actor.lr_warmup_ratio),
@@ -186,7 +189,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         if found is not None:
             if dist.get_rank() == 0:
                 print(f"Loading the checkpoint: {found}", flush=True)
-            state = load(found, self.model, self.optimizer)
+            state = load(found, self.model, self.optimizer, model_params=self.main.params)
             self.scheduler.load_state_dict(state["scheduler"])
             self.checkpoint_states = state["client_states"]
 
@@ -275,7 +278,6 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         return out
 
     def _optimizer_step(self, window: list[Experience]) -> dict[str, float]:
-        from ...megatron.optim import clip_grad_norm, finalize_grads
         from ...megatron.schedule import forward_backward
 
         info = self._loss_norm(window)
@@ -293,13 +295,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                           "tokens": mb["action_mask"].sum().float()}
 
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         out = forward_backward(self.model, self._micro_batches(window), loss_fn, vocab_size=self.vocab_size,
                                temperature=self.temperature, chunk_size=self.entropy_chunk)
-        finalize_grads(self.model)
-        norm = clip_grad_norm(self.model, float(self.args.actor.max_norm))
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        norm = self.main.step(self.optimizer, float(self.args.actor.max_norm))
         self.scheduler.step()
         stats = {"actor_grad_norm": norm, "actor_lr": lr}
         if out:  # last stage: the step's loss and the token-weighted PPO statistics (this replica)
@@ -438,7 +437,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         if not args.ckpt.disable_ds:
             state = {"client_states": dict(client_states or {}), "scheduler": self.scheduler.state_dict(),
                      "tag": tag, "metric_key": metric_key, "metric_value": metric_value}
-            save(root, int(m.group(2)), self.model, self.optimizer, trainer_state=state)
+            save(root, int(m.group(2)), self.model, self.optimizer, trainer_state=state,
+                 model_params=self.main.params)
             if dist.get_rank() == 0:
                 self._prune(root, int(args.ckpt.max_num))
         if args.ckpt.save_hf:
