@@ -283,6 +283,7 @@ class MegatronConfig:
     sequence_parallel: bool = False  # needs the Transformer Engine layer spec (not built yet)
     params_dtype: str = "bf16"  # bf16 | fp32 (weights, activations and the AdamW moments' params)
     vocab_multiple: int = 128  # the vocabulary is padded to a multiple of this x tensor_parallel
+    recompute: bool = False  # full activation recomputation, every layer (the 24k memory lever)
     timeout_minutes: int = 60  # torch.distributed collectives
 
     def __post_init__(self):

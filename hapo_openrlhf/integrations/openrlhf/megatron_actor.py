@@ -158,7 +158,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         self.vocab_size = int(self.hf_config.vocab_size)
         model = build_qwen2_gpt_model(self.hf_config, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank,
                                       params_dtype=self.params_dtype, vocab_multiple=int(m["vocab_multiple"]),
-                                      sequence_parallel=bool(m["sequence_parallel"]))
+                                      **({"recompute_granularity": "full", "recompute_method": "uniform",
+                                          "recompute_num_layers": 1} if m["recompute"] else {}))
         weights = hf_to_megatron(SafetensorsDir(path), self.hf_config, tp=self.tp, tp_rank=self.tp_rank, pp=self.pp,
                                  pp_rank=self.pp_rank, vocab_multiple=int(m["vocab_multiple"]))
         missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -1,7 +1,7 @@
 """The Megatron policy actor behind OpenRLHF's policy-actor interface, on 2 gloo ranks
 (no Ray; the e2e test runs it under OpenRLHF's controller).
 
-Each layout -- TP=2, PP=2 with tied embeddings and EntroReg,
+Each layout -- TP=2 with full activation recomputation, PP=2 with tied embeddings and EntroReg,
 DP=2 -- is checked against an independent single-process Hugging Face reference:
 
 * ``forward`` (the old-log-prob pass) returns the Hugging Face log-probs of the
@@ -166,7 +166,7 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas):
 
 
 @pytest.mark.parametrize("name, sets, tied", [
-    ("tp2", ["megatron.tensor_parallel=2"], False),
+    ("tp2_recompute", ["megatron.tensor_parallel=2", "megatron.recompute=true"], False),
     ("pp2_tied_entro_reg", ["megatron.pipeline_parallel=2", "algorithm.loss=entro_reg",
                             "algorithm.loss_params={beta: 0.05}"], True),
     ("dp2", [], True),
