@@ -26,7 +26,7 @@ QUADRANTS = ("PHR", "PLR", "NHR", "NLR")
 @dataclass(frozen=True)
 class SubmitOptions:
     nodes: int | None = None  # default: openrlhf.actor_num_nodes (openrlhf) or 1
-    gpus_per_node: int | None = None  # default: openrlhf.actor_gpus_per_node (openrlhf) or 0
+    gpus_per_node: int | None = None  # default: the actors' GPUs (+ vLLM's when not colocated), or 0 (local)
     cpus_per_task: int | None = None
     partition: str | None = None
     account: str | None = None
@@ -64,12 +64,34 @@ def array_overrides(spec: str | None) -> list[dict]:
     raise ValueError(f"--array must be 'seeds=1,2,3' or 'quadrants', got {spec!r}")
 
 
+def vllm_gpus_per_node(cfg: RunConfig, nodes: int) -> int:
+    """GPUs per node the vLLM engines need beside the actors (0 when colocated)."""
+    o = cfg.openrlhf
+    if o.colocate_all:
+        return 0
+    return -(-o.vllm_num_engines * o.vllm_tensor_parallel_size // nodes)
+
+
+def default_gpus_per_node(cfg: RunConfig) -> int:
+    if cfg.backend not in ("openrlhf", "megatron"):
+        return 0
+    o = cfg.openrlhf
+    return o.actor_gpus_per_node + vllm_gpus_per_node(cfg, o.actor_num_nodes)
+
+
 def layout_overrides(cfg: RunConfig, nodes: int, gpus: int) -> list[str]:
-    """Overrides that make the training layout match the allocation."""
+    """Overrides that make the training layout match the allocation: colocated, the
+    actors take every GPU and one vLLM engine runs per ``vllm_tensor_parallel_size`` of
+    them; otherwise the engines keep their count and the actors take the rest."""
     if cfg.backend not in ("openrlhf", "megatron"):
         return []
     o = cfg.openrlhf
-    out = [f"openrlhf.actor_num_nodes={nodes}", f"openrlhf.actor_gpus_per_node={gpus}"]
+    actor_gpus = gpus - vllm_gpus_per_node(cfg, nodes)
+    if actor_gpus < 1:
+        raise ValueError(f"{gpus} GPUs per node leave none for the actors: the {o.vllm_num_engines} vLLM engines "
+                         f"x TP {o.vllm_tensor_parallel_size} need {vllm_gpus_per_node(cfg, nodes)} per node "
+                         f"(openrlhf.colocate_all is false)")
+    out = [f"openrlhf.actor_num_nodes={nodes}", f"openrlhf.actor_gpus_per_node={actor_gpus}"]
     if o.colocate_all:  # one vLLM engine per vllm_tensor_parallel_size GPUs of the actor allocation
         out.append(f"openrlhf.vllm_num_engines={max(nodes * gpus // o.vllm_tensor_parallel_size, 1)}")
     return out
@@ -80,7 +102,7 @@ def render(config: str | Path, opts: SubmitOptions, workdir: str | Path | None =
     cfg = load_config(config, list(opts.sets))
     is_orl = cfg.backend in ("openrlhf", "megatron")
     nodes = opts.nodes or (cfg.openrlhf.actor_num_nodes if is_orl else 1)
-    gpus = opts.gpus_per_node if opts.gpus_per_node is not None else (cfg.openrlhf.actor_gpus_per_node if is_orl else 0)
+    gpus = opts.gpus_per_node if opts.gpus_per_node is not None else default_gpus_per_node(cfg)
     if cfg.backend == "local" and nodes > 1 and not opts.ray_check:
         raise ValueError("the local back end runs in one process: --nodes must be 1 (use backend: openrlhf)")
     out = Path(opts.output_dir or cfg.output_dir).resolve()

@@ -97,7 +97,7 @@ def test_ray_bringup_timeout_names_missing_nodes(tmp_path):
     assert all(p.poll() is not None for p in c.procs) or not c.procs  # the head was stopped
 
 
-PAPER = ["qwen25_math_7b_hapo", "deepscaler_1p5b_24k_hapo"]
+PAPER = ["qwen25_math_7b_hapo", "deepscaler_1p5b_24k_hapo", "qwen25_math_7b_hapo_megatron"]
 
 
 @pytest.mark.parametrize("name", PAPER)
