@@ -22,7 +22,8 @@ engines, hapo's experience maker and its loss are unchanged:
                             clipping, AdamW (over fp32 masters for a bf16
                             model), the scheduler.
 ``broadcast_to_vllm``       Megatron shards -> Hugging Face tensors on rank 0 ->
-                            OpenRLHF's weight-sync group (NCCL or Ray collective).
+                            bf16 (the engines' dtype) -> OpenRLHF's weight-sync
+                            group (NCCL or Ray collective).
 ``save_checkpoint`` /       Megatron distributed checkpoints under
 ``get_checkpoint_states``   ``ckpt.path/_actor/step_N`` with OpenRLHF's
                             ``client_states`` (data position, step, best metric).
@@ -65,6 +66,9 @@ from .loss import DUMP_ENV
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# OpenRLHF 0.11.2 builds every vLLM engine with dtype="bfloat16" (create_vllm_engines) and its
+# WorkerWrap.update_weight asserts the incoming dtype equals the engine's: weights go out in bf16
+VLLM_DTYPE = torch.bfloat16
 _TAG = re.compile(r"^(best_)?global_step(\d+)$")
 
 
@@ -163,6 +167,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         weights = hf_to_megatron(SafetensorsDir(path), self.hf_config, tp=self.tp, tp_rank=self.tp_rank, pp=self.pp,
                                  pp_rank=self.pp_rank, vocab_multiple=int(m["vocab_multiple"]))
         missing, unexpected = model.load_state_dict(weights, strict=False)
+        del weights
         bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
         if bad:
             raise ValueError(f"{pretrain}: Hugging Face weights do not fill the Megatron model: {bad[:5]}")
@@ -388,7 +393,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             use_ray = getattr(vargs, "sync_with_ray", False)
             names = list(sd)
             for i, name in enumerate(names):
-                t = sd.pop(name).to(_device())
+                t = sd.pop(name).to(device=_device(), dtype=VLLM_DTYPE)
                 refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=i == len(names) - 1)
                         for e in self.vllm_engines]
                 if use_ray:

@@ -19,8 +19,9 @@ import pytest
 
 SHIM = Path(__file__).resolve().parent / "shim"
 sys.path.insert(0, str(SHIM))  # hapo_cpu_shim (imported by the tests that need it)
-if any(importlib.util.find_spec(m) is None for m in ("vllm", "flash_attn")):
-    sys.path.insert(0, str(SHIM / "stubs"))
+for _m in ("vllm", "flash_attn"):  # stubs/<name>/<name>: only the missing package is stubbed
+    if importlib.util.find_spec(_m) is None:
+        sys.path.insert(0, str(SHIM / "stubs" / _m))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ import re
 from importlib.metadata import version
 
 import pytest
+import torch
 
 # inspect.signature of the pinned version (Ray's `_ray_trace_ctx` keyword is stripped)
 PINNED = {
@@ -167,6 +168,13 @@ def test_megatron_actor_offers_every_controller_call():
     assert called - {"clear_behaviour_entropy", "pop_behaviour_entropy"} <= set(CONTROLLER_CALLS), called
     # ranks of one replica are consecutive actors: the controller's duplicate factor
     assert "duplicate_factor = args.ds.ring_attn_size * args.ds.tensor_parallel_size" in inspect.getsource(experience_maker)
+    # weights go out in the engines' dtype, which WorkerWrap.update_weight asserts
+    from openrlhf.trainer.ray import vllm_engine, vllm_worker_wrap
+
+    from hapo_openrlhf.integrations.openrlhf.megatron_actor import VLLM_DTYPE
+
+    assert VLLM_DTYPE == torch.bfloat16 and '"dtype": "bfloat16"' in inspect.getsource(vllm_engine)
+    assert "assert dtype == self.model_config.dtype" in inspect.getsource(vllm_worker_wrap)
 
 
 def test_megatron_rank_order_is_supported():
