@@ -22,25 +22,21 @@ def _step_data(step):
     return ids, am, mask, -torch.rand(B, S - 1, generator=g) * 3, torch.randn(B, S - 1, generator=g)
 
 
-def _worker(rank, ckpt_root, phase, out, tp=TP, bf16=False):
-    """phase 'full': 4 steps; 'first': 2 steps then save; 'resume': load then steps 3-4.
-    ``bf16``: a bf16 model stepped through fp32 masters (``optim.MainParams``, with clipping)."""
+def _worker(rank, ckpt_root, phase, out, tp=TP):
+    """phase 'full': 4 steps; 'first': 2 steps then save; 'resume': load then steps 3-4."""
     from hapo_openrlhf.megatron import checkpoint
     from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
-    from hapo_openrlhf.megatron.optim import MainParams
     from hapo_openrlhf.megatron.schedule import forward_backward
 
     init_megatron(tp=tp)
     hf = tiny_qwen2(False, layers=2)
-    model = build_qwen2_gpt_model(hf.config, tp=tp, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    model = build_qwen2_gpt_model(hf.config, tp=tp)
     if phase != "resume":  # the resumed run starts from Megatron's random init: everything must come from disk
         load_hf_into(model, hf, tp=tp, tp_rank=rank)
-    main = MainParams(model) if bf16 else None
-    opt = torch.optim.AdamW(main.optimizer_params if bf16 else model.parameters(), lr=1e-3, weight_decay=0.01)
-    mparams = main.params if bf16 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     start, losses = 0, []
     if phase == "resume":
-        state = checkpoint.load(checkpoint.latest(ckpt_root), model, opt, model_params=mparams)
+        state = checkpoint.load(checkpoint.latest(ckpt_root), model, opt)
         start, losses = state["step"], list(state["losses"])
     stop = 2 if phase == "first" else 4
     for step in range(start, stop):
@@ -52,20 +48,14 @@ def _worker(rank, ckpt_root, phase, out, tp=TP, bf16=False):
 
         opt.zero_grad(set_to_none=True)
         stats = forward_backward(model, [{"input_ids": ids, "attention_mask": am}], loss_fn, vocab_size=259)
-        if bf16:
-            main.step(opt, max_norm=0.5)
-        else:
-            opt.step()
+        opt.step()
         losses.append(float(stats[0]["loss"]))
     if phase == "first":
-        checkpoint.save(ckpt_root, 2, model, opt, {"step": 2, "losses": losses}, model_params=mparams)
+        checkpoint.save(ckpt_root, 2, model, opt, {"step": 2, "losses": losses})
     if phase != "first":
-        stepped = main.optimizer_params if bf16 else list(model.parameters())
         torch.save({"losses": losses, "weights": {k: v.clone() for k, v in model.state_dict().items()
                                                   if not k.endswith("_extra_state")},
-                    "exp_avg": [opt.state[p]["exp_avg"].clone() for p in stepped],
-                    "masters": [m.detach().clone() for m in main.masters] if bf16 else None,
-                    "params": [p.detach().clone() for p in model.parameters()]},
+                    "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()]},
                    f"{out}.{rank}")
 
 
@@ -108,23 +98,3 @@ def test_incomplete_checkpoint_is_ignored_and_refused(tmp_path):
     assert checkpoint.latest(tmp_path / "nowhere") is None
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.load(tmp_path / "step_4.tmp", model=None)
-
-
-def test_bf16_model_with_fp32_masters_resumes_exactly(tmp_path):
-    """A bf16 model stepped through fp32 master weights: the masters are checkpointed with the
-    moments (sharded like their parameters), so the resumed run equals the uninterrupted one
-    bitwise; the model always holds its masters rounded to bf16."""
-    ckpt = tmp_path / "ckpt"
-    spawn(_worker, TP, str(ckpt), "full", str(tmp_path / "full"), TP, True)
-    spawn(_worker, TP, str(ckpt), "first", None, TP, True)
-    spawn(_worker, TP, str(ckpt), "resume", str(tmp_path / "resumed"), TP, True)
-    for rank in range(TP):
-        full, resumed = torch.load(tmp_path / f"full.{rank}"), torch.load(tmp_path / f"resumed.{rank}")
-        assert len(full["losses"]) == 4 and full["losses"] == resumed["losses"]
-        for a, b in zip(full["masters"] + full["exp_avg"], resumed["masters"] + resumed["exp_avg"]):
-            assert a.dtype == torch.float32 and torch.equal(a, b)
-        for p, m in zip(full["params"], full["masters"]):  # (megatron-core's torch norms stay fp32)
-            assert torch.equal(p, m.to(p.dtype))
-        assert sum(p.dtype == torch.bfloat16 for p in full["params"]) > len(full["params"]) // 2
-        # the masters moved further than bf16 can resolve: a bf16-only optimizer would lose those steps
-        assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in full["masters"])

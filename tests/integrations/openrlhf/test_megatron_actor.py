@@ -12,6 +12,11 @@ DP=2 -- is checked against an independent single-process Hugging Face reference:
 * ``save_model`` writes them in Hugging Face layout; ``fit``'s status reports the same
   gradient norm and loss.
 
+And a bf16 model (fp32 masters) at TP=2 resumes exactly: ``save_checkpoint`` between two
+``fit`` calls, then fresh processes whose ``init_model_from_pretrained`` loads it -- the
+path OpenRLHF's controller takes on a requeue -- return OpenRLHF's client states and
+train the second batch to the same weights, masters and status, bitwise.
+
 The args are OpenRLHF's own: ``flags.build_argv`` through OpenRLHF's real parser.
 """
 
@@ -218,3 +223,59 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied):
     assert st["policy_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
     assert 0 < st["ppo_clip_ratio"] < 1
     assert st["actor_lr"] == cfg.optim.lr and "reward" in st and "response_length" in st
+
+
+def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
+    from tests.megatron.cuda_shim import install
+
+    install()
+    import torch.distributed as dist
+
+    from hapo_openrlhf.integrations.openrlhf.actor import fingerprint
+    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+
+    actor = MegatronPolicyActorImpl(world, rank, "127.0.0.1", port)
+    actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir),
+                                     max_steps=4, vllm_engines=None)
+
+    def train(exps):
+        for e in exps:
+            lp = actor.forward(e.sequences, e.action_mask, e.attention_mask)
+            actor.pop_behaviour_entropy(fingerprint(e.sequences, e.attention_mask))
+            e.action_log_probs = lp - 0.1 * e.advantages
+            actor.append(e)
+        return actor.fit()
+
+    states = None
+    if phase == "first":
+        train(batches[0])
+        actor.save_checkpoint("global_step1", {"global_step": 1, "data_loader_state_dict": {"consumed": 8}})
+    else:
+        states = actor.get_checkpoint_states()
+    status = train(batches[1])
+    torch.save({"status": status, "states": states, "masters": [m.detach().clone() for m in actor.main.masters],
+                "weights": {k: v.clone() for k, v in actor.model.state_dict().items() if not k.endswith("_extra_state")}},
+               Path(out_dir) / f"{phase}{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_bf16_actor_checkpoint_resumes_exactly(tmp_path):
+    import torch.multiprocessing as mp
+
+    cfg, args = _args(tmp_path, ["megatron.tensor_parallel=2", "megatron.params_dtype=bf16"])
+    model_dir = _tiny_model_dir(tmp_path / "model", False)
+    data = _experiences(4, seed=5)
+    batches = [data[:2], data[2:]]
+    out = tmp_path / "out"
+    out.mkdir()
+    for phase in ("first", "resume"):
+        mp.spawn(_resume_worker, args=(2, _free_port(), args, model_dir, batches, str(out), phase), nprocs=2, join=True)
+    assert sorted(p.name for p in (Path(args.ckpt.path) / "_actor").iterdir()) == ["step_1"]
+    for r in range(2):
+        first, resumed = torch.load(out / f"first{r}.pt"), torch.load(out / f"resume{r}.pt")
+        assert resumed["states"] == {"global_step": 1, "data_loader_state_dict": {"consumed": 8}}
+        assert first["status"] == resumed["status"]  # loss, grad norm, lr (scheduler resumed)
+        assert all(m.dtype == torch.float32 and torch.equal(a, m) for a, m in zip(first["masters"], resumed["masters"]))
+        for k, v in first["weights"].items():
+            assert torch.equal(v, resumed["weights"][k]), k
+        assert any(v.dtype == torch.bfloat16 for v in first["weights"].values())
