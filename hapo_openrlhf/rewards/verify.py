@@ -16,6 +16,7 @@ import logging
 import select
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -61,7 +62,9 @@ class RewardStats:
 
 @dataclass
 class MathVerifier:
-    """``score(response, answer) -> 1.0 | wrong_value``. Reusable, counts outcomes."""
+    """``score(response, answer) -> 1.0 | wrong_value``. Reusable, counts outcomes.
+    Thread-safe: calls are serialised, since one math-verify worker process answers them
+    in order (OpenRLHF's rollout engine grades a prompt's samples from several threads)."""
 
     timeout_s: float = 5.0
     startup_timeout_s: float = 120.0
@@ -69,8 +72,13 @@ class MathVerifier:
     symbolic: bool = True
     stats: RewardStats = field(default_factory=RewardStats)
     _proc: object = field(default=None, repr=False)
+    _lock: object = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def score(self, response: str, answer: Answer) -> float:
+        with self._lock:
+            return self._score(response, answer)
+
+    def _score(self, response: str, answer: Answer) -> float:
         self.stats.total += 1
         golds = answer_strings(answer)
         pred = extract_answer(response or "")

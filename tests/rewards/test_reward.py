@@ -86,6 +86,23 @@ def test_symbolic_works_from_a_thread():
     assert out == [1.0]
 
 
+def test_concurrent_threads_grade_like_one_thread():
+    """OpenRLHF's rollout engine grades samples from several threads at once: one shared
+    verifier (one math-verify worker) must give each caller its own answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [("\\boxed{\\frac{2}{4}x}", "x/2", 1.0), ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+             ("\\boxed{\\sqrt{2}/2}", "1/\\sqrt{2}", 1.0), ("\\boxed{x+2}", "x+1", 0.0)] * 4
+    v = MathVerifier()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda c: v.score(c[0], c[1]), cases))
+    finally:
+        v.close()
+    assert got == [c[2] for c in cases]
+    assert v.stats.total == len(cases) and v.stats.errors == 0
+
+
 def test_empty_reference_is_an_error():
     with pytest.raises(ValueError, match="reference answer is empty"):
         MathVerifier().score("\\boxed{1}", "")

@@ -349,7 +349,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         gas = max(int(args.train.batch_size) // (mb * self.dp_size), 1)
         batches = [make_experience_batch(self.items[i:i + mb]) for i in range(0, len(self.items), mb)]
         sums: dict[str, list[float]] = {}
-        loss_sum = tokens = 0.0
+        loss_sum = 0.0
         last: dict[str, float] = {}
         for _ in range(int(args.train.max_epochs)):
             for k in range(0, len(batches), gas):
@@ -357,7 +357,6 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 st = self._optimizer_step(window)
                 last = {"actor_grad_norm": st["actor_grad_norm"], "actor_lr": st["actor_lr"]}
                 loss_sum += st.get("_loss_sum", 0.0)
-                tokens += st.get("_tokens", 0.0)
                 for key in ("ppo_clip_ratio", "ppo_kl"):
                     s = sums.setdefault(key, [0.0, 0.0])
                     s[0] += st.get("_w_" + key, 0.0)
@@ -370,13 +369,13 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         # sum to dp_size x its share (normaliser count / dp_size), and the weights sum dp_size times
         sums["policy_loss"] = [loss_sum, float(n_steps)]
         keys = sorted(sums)
-        vec = torch.tensor([x for k in keys for x in sums[k]], dtype=torch.float64)
+        vec = torch.tensor([x for k in keys for x in sums[k]], dtype=torch.float64, device=_device())  # NCCL: on GPU
         if self.pp > 1:  # loss statistics live on the last stage
             dist.broadcast(vec, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
         if self.dp_size > 1:
             dist.all_reduce(vec, group=ps.get_data_parallel_group())
-        vec = vec.view(-1, 2)
+        vec = vec.cpu().view(-1, 2)
         status = {k: float(v[0] / v[1]) if float(v[1]) > 0 else 0.0 for k, v in zip(keys, vec)}
         status.update(last)
         return status

@@ -17,19 +17,25 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import torch
 
 _SPECIAL = ("<|im_end|>", "<|endoftext|>", "<｜end▁of▁sentence｜>", "</s>")
 _VERIFIER = None
+_VERIFIER_LOCK = threading.Lock()
 
 
 def _verifier():
+    """One verifier per engine process; OpenRLHF calls ``reward_func`` from several threads
+    at once (``asyncio.to_thread`` per sample), so creation is locked and ``score`` is
+    thread-safe."""
     global _VERIFIER
-    if _VERIFIER is None:
-        from hapo_openrlhf.rewards import MathVerifier
+    with _VERIFIER_LOCK:
+        if _VERIFIER is None:
+            from hapo_openrlhf.rewards import MathVerifier
 
-        _VERIFIER = MathVerifier(timeout_s=float(os.environ.get("HAPO_REWARD_TIMEOUT_S", "5")))
+            _VERIFIER = MathVerifier(timeout_s=float(os.environ.get("HAPO_REWARD_TIMEOUT_S", "5")))
     return _VERIFIER
 
 

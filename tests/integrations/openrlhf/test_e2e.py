@@ -3,40 +3,24 @@ maker, policy actor and loss -- a real Ray local cluster, DeepSpeed ZeRO-2 on gl
 Qwen2, the CPU rollout engine of the test shim -- then OpenRLHF's own resume path."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from hapo_openrlhf import algos
 from hapo_openrlhf.algos.entropy import entropy_from_logits
-from tests.conftest import REPO
-
-HERE = Path(__file__).resolve().parent
-RUN = HERE / "shim" / "run_e2e.py"
-CFG = HERE / "e2e_tiny.yaml"
+from tests.integrations.openrlhf.e2e_util import jsonl, run_e2e
 
 pytestmark = pytest.mark.slow
 
 
 def _run(out, dump, *sets):
-    # DeepSpeed JIT-builds its CPU Adam / shm ops once into TORCH_EXTENSIONS_DIR (~/.cache by default)
-    env = {**os.environ, "HAPO_OPENRLHF_DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, str(RUN), str(CFG), str(out)]
-    for s in sets:
-        args += ["--set", s]
-    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    return run_e2e(out, dump, sets)
 
 
 def _steps(out):
-    return [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in jsonl(out / "metrics.jsonl")]
 
-
-def _jsonl(path):
-    return [json.loads(ln) for ln in path.read_text().splitlines()]
 
 
 def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
@@ -50,11 +34,11 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
     tags = {d.name for d in (out / "ckpt" / "_actor").iterdir()}
     assert "global_step2" in tags and "global_step1" not in tags  # save_every 2
     assert (out / "final" / "config.json").exists() and json.loads((out / "final" / "hapo.json").read_text())
-    m = _jsonl(out / "metrics.jsonl")
+    m = jsonl(out / "metrics.jsonl")
     assert all("quadrant/threshold" in r and "policy_loss" in r for r in m)  # hapo metrics via experience.info
 
     # the advantages are the registry's for the batch, and exactly those reached the loss
-    loss_rows = _jsonl(dump / "loss_rank0.jsonl")
+    loss_rows = jsonl(dump / "loss_rank0.jsonl")
     assert len(loss_rows) == 2 * 16  # 4 prompts x 4 samples per step, one PPO epoch
     nonzero = 0
     for step in (1, 2):
@@ -63,7 +47,7 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
                                        group_index=d["group_index"])
         want = algos.run_estimator("hapo", inputs, alpha=0.2, phi=2.0, normalize="zscore").advantages
         torch.testing.assert_close(d["advantages"], want)
-        exp_rows = _jsonl(dump / f"experiences_step{step}.jsonl")
+        exp_rows = jsonl(dump / f"experiences_step{step}.jsonl")
         by_tokens = {tuple(r["tokens"]): r["advantages"] for r in exp_rows}
         got = loss_rows[(step - 1) * 16: step * 16]
         assert sorted(tuple(r["tokens"]) for r in got) == sorted(tuple(r["tokens"]) for r in exp_rows)

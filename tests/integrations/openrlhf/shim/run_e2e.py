@@ -37,12 +37,8 @@ def main() -> int:
     pythonpath = os.pathsep.join([str(HERE), str(HERE.parents[3]), *hapo_cpu_shim.stub_path(),
                                   os.environ.get("PYTHONPATH", "")])
     env = {k: os.environ[k] for k in ("HAPO_OPENRLHF_DUMP_DIR", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
-                                      "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "HAPO_SHIM_MEGATRON",
-                                      "HAPO_SHIM_VLLM") if k in os.environ}
-    if os.environ.get("HAPO_SHIM_VLLM") == "1":
-        # real vLLM: engine core in the rollout actor's process (so the worker shim reaches it),
-        # a small KV cache, OpenMP threads not pinned to cores other processes use
-        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+                                      "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "HAPO_SHIM_MEGATRON")
+           if k in os.environ}
     env.update(PYTHONPATH=pythonpath, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false",
                RAY_ENABLE_ZERO_COPY_TORCH_TENSORS="1")
     ray.init(address="local", num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,
