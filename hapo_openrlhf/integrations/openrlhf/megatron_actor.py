@@ -37,7 +37,6 @@ config loader rejects those settings for ``backend: megatron``.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -62,8 +61,6 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from ...megatron.optim import MainParams
 from .actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV
-
-logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # OpenRLHF 0.11.2 builds every vLLM engine with dtype="bfloat16" (create_vllm_engines) and its
@@ -115,8 +112,9 @@ def resolve_pretrained(pretrain: str) -> Path:
     return Path(snapshot_download(pretrain, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
 
 
-def left_pad(t: torch.Tensor, width: int, value: int | float = 0) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad ``t`` [B, S] on the left to ``width`` columns (masked out by the attention mask)."""
+    return torch.nn.functional.pad(t, (width - t.shape[1], 0))
 
 
 class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):

@@ -25,3 +25,27 @@ def run_e2e(out, dump, sets, **env):
 
 def jsonl(path):
     return [json.loads(ln) for ln in Path(path).read_text().splitlines()]
+
+
+def check_registry_advantages_reached_loss(dump, step, loss_rows, rows_per_step=16):
+    """For one global step of the e2e config (HAPO alpha 0.2, phi 2, z-score): the dumped
+    advantages are the registry's for the dumped batch, and the rows that reached the loss
+    carry exactly the advantages of their experience rows (identical samples share them).
+    Returns the dumped batch and the experience rows."""
+    import pytest
+    import torch
+
+    from hapo_openrlhf import algos
+
+    d = torch.load(Path(dump) / f"advantages_step{step}.pt")
+    inputs = algos.AdvantageInputs(rewards=d["rewards"], response_mask=d["response_mask"], entropy=d["entropy"],
+                                   group_index=d["group_index"])
+    want = algos.run_estimator("hapo", inputs, alpha=0.2, phi=2.0, normalize="zscore").advantages
+    torch.testing.assert_close(d["advantages"], want)
+    exp_rows = jsonl(Path(dump) / f"experiences_step{step}.jsonl")
+    by_tokens = {tuple(r["tokens"]): r["advantages"] for r in exp_rows}
+    got = loss_rows[(step - 1) * rows_per_step: step * rows_per_step]
+    assert sorted(tuple(r["tokens"]) for r in got) == sorted(tuple(r["tokens"]) for r in exp_rows)
+    for r in got:
+        assert r["advantages"] == pytest.approx(by_tokens[tuple(r["tokens"])], abs=1e-6)
+    return d, exp_rows

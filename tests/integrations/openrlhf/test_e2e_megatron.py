@@ -12,8 +12,7 @@ import os
 import pytest
 import torch
 
-from hapo_openrlhf import algos
-from tests.integrations.openrlhf.e2e_util import jsonl, run_e2e
+from tests.integrations.openrlhf.e2e_util import check_registry_advantages_reached_loss, jsonl, run_e2e
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     if os.environ.get("HAPO_REQUIRE_MEGATRON") == "1":
@@ -50,20 +49,10 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
     loss_rows = jsonl(dump / "loss_rank0.jsonl")
     assert len(loss_rows) == 2 * 16
     for step in (1, 2):
-        d = torch.load(dump / f"advantages_step{step}.pt")
-        inputs = algos.AdvantageInputs(rewards=d["rewards"], response_mask=d["response_mask"], entropy=d["entropy"],
-                                       group_index=d["group_index"])
-        want = algos.run_estimator("hapo", inputs, alpha=0.2, phi=2.0, normalize="zscore").advantages
-        torch.testing.assert_close(d["advantages"], want)
-        exp_rows = jsonl(dump / f"experiences_step{step}.jsonl")
-        by_tokens = {tuple(r["tokens"]): r["advantages"] for r in exp_rows}  # identical samples: same advantages
-        got = loss_rows[(step - 1) * 16: step * 16]
-        assert sorted(tuple(r["tokens"]) for r in got) == sorted(tuple(r["tokens"]) for r in exp_rows)
-        for r in got:
-            assert r["advantages"] == pytest.approx(by_tokens[tuple(r["tokens"])], abs=1e-6)
+        d, exp_rows = check_registry_advantages_reached_loss(dump, step, loss_rows)
         if step == 1:  # behaviour entropy from the vocab-parallel shards = the initial weights' (fp32)
             model = AutoModelForCausalLM.from_pretrained(warm_model, dtype=torch.float32).eval()
-            for i, r in enumerate(jsonl(dump / "experiences_step1.jsonl")[:6]):
+            for i, r in enumerate(exp_rows[:6]):
                 ids = torch.tensor([r["tokens"]])
                 with torch.no_grad():
                     logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
