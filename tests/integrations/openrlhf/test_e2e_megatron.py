@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from tests.integrations.openrlhf.e2e_util import check_registry_advantages_reached_loss, jsonl, run_e2e
+from tests.integrations.openrlhf.e2e_util import (check_engine_holds_final, check_registry_advantages_reached_loss,
+                                                  jsonl, run_e2e)
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     if os.environ.get("HAPO_REQUIRE_MEGATRON") == "1":
@@ -61,15 +62,6 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
                 ent = -(logp.exp() * logp).sum(-1)
                 torch.testing.assert_close(ent[mask].float(), d["entropy"][i][:n][mask], rtol=0, atol=1e-4)
 
-    # weight sync: after each step the engine holds the actor's weights, in Hugging Face layout and
-    # in the engines' bf16 (OpenRLHF's vLLM dtype); after the last one: the saved final model, rounded
-    final = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).state_dict()
-    syncs = sorted(dump.glob("engine*_sync*.pt"))
-    assert [s.name for s in syncs] == ["engine7_sync1.pt", "engine7_sync2.pt"]
-    first, last = (torch.load(s) for s in syncs)
-    hf_names = {k for k in final if k != "lm_head.weight"} | ({"lm_head.weight"} if "lm_head.weight" in
-                                                                 first["updated"] else set())
-    assert set(last["updated"]) == hf_names
-    for k, v in final.items():
-        assert torch.equal(last["weights"][k], v.to(torch.bfloat16).float()), k
-    assert not torch.equal(first["weights"]["model.norm.weight"], last["weights"]["model.norm.weight"])
+    # weight sync: after each step the engine holds the actor's weights (merged from the TP shards,
+    # in the engines' bf16); after the last one: the saved final model, rounded
+    check_engine_holds_final(dump, out / "final", n_syncs=2)

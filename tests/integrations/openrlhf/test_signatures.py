@@ -29,6 +29,10 @@ PINNED = {
     "RolloutRayActor.generate_responses": "(self, prompt: str, label: str, sampling_params, max_length: int, hf_tokenizer, num_samples: int = 1, images=None)",
     "RolloutRayActor.init_process_group": "(self, master_address, master_port, rank_offset, world_size, group_name, backend, use_ray)",
     "RolloutRayActor.update_weight": "(self, name, dtype, shape, empty_cache=False)",
+    # patched inside vLLM's worker by the test shim's vLLM plugin (real vLLM rollouts on CPU)
+    "WorkerWrap.init_process_group": "(self, master_address, master_port, rank_offset, world_size, group_name, backend='nccl', use_ray=False)",
+    "WorkerWrap.update_weight": "(self, name, dtype, shape, empty_cache=False)",
+    "stateless_init_process_group": "(master_address, master_port, rank, world_size, device)",
     "hierarchize": "(args)",
     # the Megatron policy actor implements the policy-actor interface the controller calls
     "BaseDistributedActor.__init__": "(self, world_size, rank, master_addr, master_port)",
@@ -65,7 +69,9 @@ def _upstream():
     from openrlhf.trainer.ray.launcher import BaseDistributedActor, BaseModelActor, RayActorGroup
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer, PolicyModelActor
     from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, create_vllm_engines
+    from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
     from openrlhf.utils.config import hierarchize
+    from openrlhf.utils.distributed_util import stateless_init_process_group
 
     P, T, R = PolicyModelActor.__ray_actor_class__, PPOTrainer.__ray_actor_class__, RolloutRayActor.__ray_actor_class__
     return {
@@ -84,6 +90,8 @@ def _upstream():
         "RolloutRayActor.generate": R.generate, "RolloutRayActor.generate_responses": R.generate_responses,
         "RolloutRayActor.init_process_group": R.init_process_group, "RolloutRayActor.update_weight": R.update_weight,
         "hierarchize": hierarchize,
+        "WorkerWrap.init_process_group": WorkerWrap.init_process_group, "WorkerWrap.update_weight": WorkerWrap.update_weight,
+        "stateless_init_process_group": stateless_init_process_group,
         "BaseDistributedActor.__init__": BaseDistributedActor.__init__, "RayActorGroup.__init__": RayActorGroup.__init__,
         "ActorPPOTrainer._init_vllm_sync_group": ActorPPOTrainer._init_vllm_sync_group,
         **{f"PolicyModelActor.{m}": getattr(P, m) for m in ("fit", "append", "save_checkpoint", "save_model",
@@ -148,6 +156,62 @@ def test_cpu_shim_engine_factory_mirrors_upstream():
     import hapo_cpu_shim
 
     assert _params(hapo_cpu_shim.create_cpu_engines) == _params(_upstream()["create_vllm_engines"])
+
+
+def test_vllm_plugin_is_registered_and_matches_workerwrap(tmp_path):
+    """The vLLM plugin is found through its entry point where the shim is on the path, and
+    OpenRLHF's WorkerWrap still has exactly the CUDA calls it maps to the CPU. Then, in a
+    fresh process (the patch is global), the patched update_weight receives a broadcast
+    tensor on the CPU, loads it into the model and records the engine's weights."""
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+
+    from openrlhf.trainer.ray import vllm_worker_wrap
+
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("hapo_vllm_cpu_shim") == "hapo_vllm_cpu_plugin:install"
+    src = inspect.getsource(vllm_worker_wrap.WorkerWrap.update_weight)
+    assert src.count("cuda") == 2 and 'device="cuda"' in src and "torch.cuda.current_stream()" in src
+    assert "from openrlhf.utils.distributed_util import stateless_init_process_group" in \
+        inspect.getsource(vllm_worker_wrap.WorkerWrap.init_process_group)  # imported at call time: patchable
+
+    import hapo_cpu_shim
+
+    code = f"""
+import sys, torch
+from pathlib import Path
+from types import SimpleNamespace
+sys.path[:0] = {[str(hapo_cpu_shim.HERE), *hapo_cpu_shim.stub_path()]!r}
+import hapo_vllm_cpu_plugin, hapo_cpu_shim
+import openrlhf.utils.distributed_util as du
+from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+hapo_vllm_cpu_plugin.install(); hapo_vllm_cpu_plugin.install()  # idempotent (vLLM loads plugins per process)
+assert du.stateless_init_process_group is hapo_cpu_shim.GlooBroadcaster
+class Group:
+    def broadcast(self, t, src, stream):
+        assert t.device.type == "cpu" and stream is None
+        t.fill_(3.0)
+loaded = []
+model = torch.nn.Linear(2, 2, bias=False)
+model.load_weights = lambda weights: loaded.extend(weights)
+w = WorkerWrap()
+w.model_config = SimpleNamespace(dtype=torch.bfloat16, seed=5)
+w.model_runner = SimpleNamespace(model=model)
+w._model_update_with_ray, w._model_update_group = False, Group()
+torch.distributed.get_rank = lambda: 0
+empty, stream = torch.empty, torch.cuda.current_stream
+w.update_weight("a", torch.bfloat16, [2, 2])
+w.update_weight("b", torch.bfloat16, [3], empty_cache=True)
+assert [n for n, _ in loaded] == ["a", "b"] and all((t == 3).all() and t.dtype == torch.bfloat16 for _, t in loaded)
+rec = torch.load(Path({str(tmp_path)!r}) / "vllm_engine5_sync1.pt")
+assert rec["updated"] == ["a", "b"] and set(rec["weights"]) == {{"weight"}}
+assert torch.empty is empty and torch.cuda.current_stream is stream  # restored after each call
+print("ok")
+"""
+    env = {**__import__("os").environ, "HAPO_OPENRLHF_DUMP_DIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
 
 
 def test_megatron_actor_offers_every_controller_call():

@@ -111,12 +111,14 @@ def install() -> None:
     pa.stateless_init_process_group = GlooBroadcaster
 
 
-def install_driver() -> None:
-    """Driver side: :func:`install` plus item 5 (CPU rollout engines)."""
+def install_driver(engine: str = "cpu") -> None:
+    """Driver side: :func:`install`, plus item 5 (CPU rollout engines) unless ``engine`` is
+    ``"vllm"`` (real vLLM engines; their worker processes get ``hapo_vllm_cpu_plugin``)."""
     install()
-    import openrlhf.cli.train_ppo_ray as cli
+    if engine == "cpu":
+        import openrlhf.cli.train_ppo_ray as cli
 
-    cli.create_vllm_engines = create_cpu_engines
+        cli.create_vllm_engines = create_cpu_engines
 
 
 # ------------------------------------------------------------ rollout engine

@@ -27,8 +27,10 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--engine", choices=("cpu", "vllm"), default="cpu",
+                    help="cpu: the shim's Hugging Face rollout engine; vllm: OpenRLHF's real vLLM engines")
     a = ap.parse_args()
-    hapo_cpu_shim.install_driver()
+    hapo_cpu_shim.install_driver(a.engine)
     import ray
 
     from hapo_openrlhf.integrations.openrlhf.train import main as train_main
@@ -39,6 +41,8 @@ def main() -> int:
     env = {k: os.environ[k] for k in ("HAPO_OPENRLHF_DUMP_DIR", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
                                       "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "HAPO_SHIM_MEGATRON")
            if k in os.environ}
+    if a.engine == "vllm":  # vLLM's CPU back end: a 1 GiB KV cache, no thread pinning on a shared machine
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.update(PYTHONPATH=pythonpath, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false",
                RAY_ENABLE_ZERO_COPY_TORCH_TENSORS="1")
     ray.init(address="local", num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,
