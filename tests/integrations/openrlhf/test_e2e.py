@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hapo_openrlhf.algos.entropy import entropy_from_logits
-from tests.integrations.openrlhf.conftest import VLLM_PYTHON
+from tests.conftest import VLLM_PYTHON
 from tests.integrations.openrlhf.e2e_util import (check_engine_holds_final, check_registry_advantages_reached_loss,
                                                   jsonl, run_e2e)
 
