@@ -180,4 +180,21 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
                  "--eval.steps", str(cfg.trainer.eval_every or -1),
                  "--eval.temperature", _f(cfg.eval.temperature),
                  "--eval.n_samples_per_prompt", str(cfg.eval.n_samples)]
+    _check_extra_args(o.extra_args, argv)
     return argv + list(o.extra_args)
+
+
+def _check_extra_args(extra: tuple[str, ...], argv: list[str]) -> None:
+    """``openrlhf.extra_args`` may add OpenRLHF options, not silently change what hapo runs:
+    a flag the config already generates would override it (argparse keeps the last one) while
+    config.json records the config's value; OpenRLHF's vLLM importance-sampling correction
+    would be parsed but not applied by hapo's losses."""
+    generated = {t for t in argv if t.startswith("--")}
+    for tok in extra:
+        flag = tok.split("=", 1)[0]
+        if flag in generated:
+            raise ValueError(f"openrlhf.extra_args: {flag} is generated from the config; set the config key "
+                             f"instead (docs/openrlhf.md lists the mapping)")
+        if flag.startswith("--algo.advantage.is_correction"):
+            raise ValueError(f"openrlhf.extra_args: {flag}: hapo's losses do not apply OpenRLHF's vLLM "
+                             f"importance-sampling correction (docs/openrlhf.md, 'What is not supported')")

@@ -98,6 +98,9 @@ def test_print_command_is_the_argv(tmp_path):
     ("openrlhf.ring_attn_size=3", "must divide the actor world size"),
     ("openrlhf.zero_stage=4", "zero_stage must be 0-3"),
     ("openrlhf.bogus=1", "openrlhf.bogus"),
+    ('openrlhf.extra_args=["--actor.adam.lr", "1e-5"]', "--actor.adam.lr is generated from the config"),
+    ('openrlhf.extra_args=["--train.seed=3"]', "--train.seed is generated from the config"),
+    ('openrlhf.extra_args=["--algo.advantage.is_correction_level", "token"]', "importance-sampling correction"),
 ])
 def test_bad_cluster_settings_are_named(override, msg):
     with pytest.raises(ValueError, match=msg):
