@@ -16,8 +16,9 @@ every Ray worker. Nothing in ``hapo_openrlhf`` depends on it.
    ``generate`` on CPU. Upstream's ``generate_responses`` (and so its
    ``SingleTurnAgentExecutor`` and reward-function call) run unchanged.
 Plus, outside this file: ``stubs/`` (import-only ``vllm`` and ``flash_attn``, put on
-the path when the real packages are absent) and ``ray.init(num_gpus=N)`` so Ray's
-``num_gpus=1`` actors can be scheduled.
+the path when the real packages are absent), ``ray.init(num_gpus=N)`` so Ray's
+``num_gpus=1`` actors can be scheduled, and, for real vLLM engines (item 5 not
+installed), ``hapo_vllm_cpu_plugin`` inside vLLM's own processes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """TEST-ONLY driver: OpenRLHF's PPO loop on CPU with hapo's subclasses (see hapo_cpu_shim).
 
-    python run_e2e.py CONFIG OUT_DIR [--set k=v ...]
+    python run_e2e.py CONFIG OUT_DIR [--engine cpu|vllm] [--set k=v ...]
 
 Starts a real local Ray cluster (4 logical GPUs only, so OpenRLHF's ``num_gpus=1``
 actors schedule), installs the CPU shim in the driver and -- through
