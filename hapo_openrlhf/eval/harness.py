@@ -133,7 +133,7 @@ def run_eval(engine: Engine, model: str, benches: list[Benchmark], s: EvalSettin
         results = [eval_benchmark(engine, b, s, out_dir, verifier, progress) for b in benches]
     finally:
         verifier.close()
-    report = {"model": model, "engine": getattr(engine, "name", type(engine).__name__), "settings": current,
+    report = {"model": model, "engine": engine.name, "settings": current,
               "results": results, "wall_s": time.time() - t0,
               "grader": verifier.stats.metrics("grader/")}
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))

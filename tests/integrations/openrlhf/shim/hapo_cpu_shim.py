@@ -122,6 +122,27 @@ def install_driver(engine: str = "cpu") -> None:
         cli.create_vllm_engines = create_cpu_engines
 
 
+def record_sync(owner, name: str, last: bool, model, stem: str) -> None:
+    """With ``HAPO_OPENRLHF_DUMP_DIR`` set: note ``name`` as updated and, on the last tensor of
+    a sync (OpenRLHF passes ``empty_cache=True`` with it), save what ``model`` now holds and the
+    names updated since the previous record as ``DUMP/{stem}_sync{n}.pt`` (the e2e tests
+    compare them with the trained model). Used by both rollout engines."""
+    import torch
+
+    dump = os.environ.get("HAPO_OPENRLHF_DUMP_DIR")
+    if not dump:
+        return
+    synced = owner.__dict__.setdefault("_hapo_synced", set())
+    synced.add(name)
+    if not last:
+        return
+    owner._hapo_syncs = getattr(owner, "_hapo_syncs", 0) + 1
+    Path(dump).mkdir(parents=True, exist_ok=True)
+    torch.save({"updated": sorted(synced), "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+               Path(dump) / f"{stem}_sync{owner._hapo_syncs}.pt")
+    synced.clear()
+
+
 # ------------------------------------------------------------ rollout engine
 def _rollout_base():
     from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
@@ -180,18 +201,7 @@ class CpuRolloutActorImpl(_rollout_base()):
         self._group.broadcast(w, src=0)
         with torch.no_grad():
             self.params[name].copy_(w)
-        self._synced = getattr(self, "_synced", set()) | {name}
-        dump = os.environ.get("HAPO_OPENRLHF_DUMP_DIR")
-        if empty_cache and dump:  # the last tensor of a sync: record what the engine now holds
-            self.syncs = getattr(self, "syncs", 0) + 1
-            Path(dump).mkdir(parents=True, exist_ok=True)
-            torch.save({"updated": sorted(self._synced), "weights": {k: v.detach().clone() for k, v in
-                                                                      self.model.state_dict().items()}},
-                       Path(dump) / f"engine{self.seed}_sync{self.syncs}.pt")
-            self._synced = set()
-
-    def weight_checksum(self) -> float:
-        return float(sum(p.double().sum() for p in self.params.values()))
+        record_sync(self, name, empty_cache, self.model, f"engine{self.seed}")
 
     async def reset_prefix_cache(self):
         return None

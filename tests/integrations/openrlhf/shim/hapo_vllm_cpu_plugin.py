@@ -13,17 +13,14 @@ In each process it patches two things of OpenRLHF 0.11.2 (listed in docs/openrlh
 2. ``WorkerWrap.update_weight`` runs with ``torch.empty(device="cuda")`` allocating on the
    CPU and ``torch.cuda.current_stream()`` returning ``None``: the two CUDA calls in it.
 
-With ``HAPO_OPENRLHF_DUMP_DIR`` set, the last ``update_weight`` of each sync (OpenRLHF
-passes ``empty_cache=True`` with it) also saves the weights vLLM's model now holds (its
-own layout: fused ``qkv_proj`` / ``gate_up_proj``) as ``vllm_engine{seed}_sync{n}.pt``,
-like the CPU engine's record, so the e2e test can compare them with the trained model.
+With ``HAPO_OPENRLHF_DUMP_DIR`` set, the last ``update_weight`` of each sync also saves the
+weights vLLM's model now holds (its own layout: fused ``qkv_proj`` / ``gate_up_proj``) as
+``vllm_engine{seed}_sync{n}.pt``, through the shim's ``record_sync`` (as the CPU engine does).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -50,7 +47,7 @@ def install() -> None:
         return
     if getattr(WorkerWrap.update_weight, "_hapo_cpu", False):
         return
-    from hapo_cpu_shim import GlooBroadcaster
+    from hapo_cpu_shim import GlooBroadcaster, record_sync
 
     du.stateless_init_process_group = GlooBroadcaster
     orig = WorkerWrap.update_weight
@@ -58,24 +55,8 @@ def install() -> None:
     def update_weight(self, name, dtype, shape, empty_cache=False):
         with _cuda_calls_on_cpu():
             orig(self, name, dtype, shape, empty_cache)
-        _record(self, name, empty_cache)
+        record_sync(self, name, empty_cache, self.model_runner.model, f"vllm_engine{self.model_config.seed}")
 
     update_weight._hapo_cpu = True
     WorkerWrap.update_weight = update_weight
 
-
-def _record(worker, name: str, last: bool) -> None:
-    import torch
-
-    dump = os.environ.get("HAPO_OPENRLHF_DUMP_DIR")
-    if not dump:
-        return
-    worker._hapo_synced = getattr(worker, "_hapo_synced", set()) | {name}
-    if not last:
-        return
-    worker._hapo_syncs = getattr(worker, "_hapo_syncs", 0) + 1
-    state = {k: v.detach().clone() for k, v in worker.model_runner.model.state_dict().items()}
-    path = Path(dump) / f"vllm_engine{worker.model_config.seed}_sync{worker._hapo_syncs}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"updated": sorted(worker._hapo_synced), "weights": state}, path)
-    worker._hapo_synced = set()

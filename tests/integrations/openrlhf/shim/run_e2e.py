@@ -41,8 +41,7 @@ def main() -> int:
     env = {k: os.environ[k] for k in ("HAPO_OPENRLHF_DUMP_DIR", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
                                       "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "HAPO_SHIM_MEGATRON")
            if k in os.environ}
-    if a.engine == "vllm":  # vLLM's CPU back end: a 1 GiB KV cache, no thread pinning on a shared machine
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")})  # vLLM's CPU back end
     env.update(PYTHONPATH=pythonpath, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false",
                RAY_ENABLE_ZERO_COPY_TORCH_TENSORS="1")
     ray.init(address="local", num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,
