@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .algos import ESTIMATORS, LOSSES
+from .algos import ESTIMATORS, LOSSES, check_split
 from .algos.losses import AGGREGATIONS
 
 
@@ -146,8 +146,11 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False
     max_gen_rounds: int = 4
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
-    quadrant_quantile: float = 0.8  # tau for the logged Four Quadrant metrics
-    quadrant_threshold: float | None = None  # fixed tau instead of the quantile
+    # the logged Four Quadrant metrics: high entropy = H >= the group's mean token entropy
+    # (as published); or "quantile" (the batch's quadrant_quantile) or "value" (quadrant_threshold)
+    quadrant_split: str = "group_mean"
+    quadrant_quantile: float = 0.8
+    quadrant_threshold: float | None = None
     entropy_chunk_size: int = 1024
     reward_wrong: float = 0.0
     reward_timeout_s: float = 5.0
@@ -160,6 +163,7 @@ class AlgorithmConfig:
         _require(self.aggregation in AGGREGATIONS, f"algorithm.aggregation must be one of {AGGREGATIONS}")
         _require(self.kl_coef >= 0, "algorithm.kl_coef must be >= 0")
         _require(0 < self.quadrant_quantile < 1, "algorithm.quadrant_quantile must be in (0, 1)")
+        check_split(self.quadrant_split, self.quadrant_quantile, self.quadrant_threshold, "algorithm.quadrant_")
         _require(self.entropy_chunk_size > 0, "algorithm.entropy_chunk_size must be > 0")
         _require(self.max_gen_rounds >= 1, "algorithm.max_gen_rounds must be >= 1")
         _require(self.reward_timeout_s > 0, "algorithm.reward_timeout_s must be > 0")

@@ -6,11 +6,14 @@ from .advantages import (
     AdvantageInputs,
     AdvantageOutput,
     compute_advantages,
-    group_mean_std,
+    hapo_credit,
     hapo_multiplier,
     list_estimators,
+    outcome_polarity,
     run_estimator,
+    split_quadrants,
 )
+from .groups import group_mean_std, group_token_entropy_stats
 from .dapo import DynamicSamplingBuffer, informative_groups, overlong_penalty
 from .entropy import check_finite, entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from .fused import fused_logprobs_entropy, fused_token_loss
@@ -18,6 +21,9 @@ from .vocab_parallel import vocab_parallel_logprobs_entropy
 from .losses import AGGREGATIONS, LOSSES, ROW_LOCAL_LOSSES, aggregate, compute_policy_loss, default_normalizer, k3_kl, list_losses
 from .quadrants import (
     QUADRANTS,
+    SPLITS,
+    check_split,
+    entropy_cut,
     entropy_threshold,
     normalize_quadrants,
     quadrant_entropy_change,
@@ -30,6 +36,8 @@ __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "LOSSES", "ROW_LOCAL_LOSSES", "QUADRANTS", "AdvantageInputs", "AdvantageOutput",
     "DynamicSamplingBuffer", "aggregate", "check_finite", "compute_advantages", "compute_policy_loss",
     "default_normalizer", "entropy_from_logits", "fused_logprobs_entropy", "fused_token_loss", "entropy_threshold", "group_mean_std", "hapo_multiplier",
+    "SPLITS", "check_split", "entropy_cut", "group_token_entropy_stats", "hapo_credit", "outcome_polarity",
+    "split_quadrants",
     "informative_groups", "k3_kl", "list_estimators", "list_losses", "logprobs_and_entropy",
     "logprobs_from_logits", "normalize_quadrants", "overlong_penalty", "quadrant_entropy_change",
     "quadrant_masks", "quadrant_metrics", "run_estimator",

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .quadrants import DEFAULT_QUANTILE, entropy_threshold, normalize_quadrants, quadrant_masks
+from .groups import group_mean_std, group_token_entropy_stats
+from .quadrants import DEFAULT_QUANTILE, check_split, entropy_cut, entropy_threshold, normalize_quadrants, quadrant_masks
 from .registry import Registry
 
 ESTIMATORS = Registry("advantage estimator", fixed=("inputs",))
@@ -23,7 +24,9 @@ ESTIMATORS = Registry("advantage estimator", fixed=("inputs",))
 @dataclass(frozen=True)
 class AdvantageInputs:
     """rewards [B]; response_mask [B,T]; entropy [B,T] (behaviour policy, detached);
-    group_index [B] (same value = same prompt); optional logprobs/old_logprobs [B,T]."""
+    group_index [B] (same value = same prompt); optional logprobs/old_logprobs [B,T];
+    optional correct [B] bool (the verifier's outcome, before any length penalty:
+    the quadrants' polarity)."""
 
     rewards: torch.Tensor
     response_mask: torch.Tensor
@@ -31,14 +34,17 @@ class AdvantageInputs:
     group_index: torch.Tensor
     logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
 
     def __post_init__(self):
         m = self.response_mask
         if m.dim() != 2:
             raise ValueError(f"response_mask must be [B, T], got shape {tuple(m.shape)}")
         B = m.shape[0]
-        for name in ("rewards", "group_index"):
+        for name in ("rewards", "group_index", "correct"):
             t = getattr(self, name)
+            if t is None and name == "correct":
+                continue
             if t.dim() != 1 or t.shape[0] != B:
                 raise ValueError(f"{name} must be [B]=[{B}], got shape {tuple(t.shape)}")
         for name in ("entropy", "logprobs", "old_logprobs"):
@@ -77,23 +83,6 @@ def list_estimators() -> list[str]:
 
 
 # --------------------------------------------------------------------- helpers
-def _group_ids(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
-    _, inv = torch.unique(group_index, return_inverse=True)
-    return inv, int(inv.max()) + 1 if inv.numel() else 0
-
-
-def group_mean_std(values_B: torch.Tensor, group_index: torch.Tensor, unbiased: bool = True):
-    """Per-sequence mean and std of its group's values ([B] each). Singleton groups: std 0."""
-    gid, K = _group_ids(group_index)
-    v = values_B.double()
-    cnt = torch.zeros(K, dtype=torch.float64).index_add_(0, gid, torch.ones_like(v))
-    mean = torch.zeros(K, dtype=torch.float64).index_add_(0, gid, v) / cnt
-    sq = torch.zeros(K, dtype=torch.float64).index_add_(0, gid, (v - mean[gid]) ** 2)
-    denom = (cnt - 1).clamp(min=1) if unbiased else cnt
-    std = torch.where(cnt > 1, (sq / denom).sqrt(), torch.zeros_like(sq))
-    return mean[gid].to(values_B.dtype), std[gid].to(values_B.dtype)
-
-
 def grpo_sequence_advantage(inputs: AdvantageInputs, eps: float = 1e-6, std_normalize: bool = True):
     """A_i = (r_i - mean_G r) / (std_G r + eps), or r_i - mean_G r (Dr. GRPO). Returns [B]."""
     r = inputs.rewards.float()
@@ -109,23 +98,23 @@ def _broadcast(adv_B: torch.Tensor, inputs: AdvantageInputs) -> torch.Tensor:
     return adv_B.unsqueeze(-1) * inputs.mask
 
 
-def group_token_entropy_stats(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """mu_G, sigma_G of H over all valid tokens of each sequence's group, as [B,1]."""
-    gid, K = _group_ids(inputs.group_index)
-    m = inputs.mask.double()
-    H = inputs.entropy.detach().double() * m
-    cnt = torch.zeros(K, dtype=torch.float64).index_add_(0, gid, m.sum(-1))
-    s1 = torch.zeros(K, dtype=torch.float64).index_add_(0, gid, H.sum(-1))
-    mu = s1 / cnt.clamp(min=1)
-    dev = ((inputs.entropy.detach().double() - mu[gid].unsqueeze(-1)) ** 2) * m
-    s2 = torch.zeros(K, dtype=torch.float64).index_add_(0, gid, dev.sum(-1))
-    sigma = (s2 / cnt.clamp(min=1)).sqrt()
-    return mu[gid].unsqueeze(-1).float(), sigma[gid].unsqueeze(-1).float()
+def outcome_polarity(inputs: AdvantageInputs) -> torch.Tensor:
+    """[B]: +1 for a correct response, -1 for an incorrect one (the paper's polarity).
+    Without ``inputs.correct``, the sign of the GRPO advantage stands in for it: the
+    same wherever a group's binary rewards differ, 0 (no quadrant) where they do not."""
+    if inputs.correct is not None:
+        c = inputs.correct.bool()
+        return torch.where(c, torch.ones_like(c, dtype=torch.float32), -torch.ones_like(c, dtype=torch.float32))
+    return torch.sign(grpo_sequence_advantage(inputs))
 
 
-def _quadrant_token_masks(inputs, polarity_B, threshold, quantile):
-    tau = entropy_threshold(inputs.entropy, inputs.response_mask, quantile=quantile, value=threshold)
-    return quadrant_masks(polarity_B, inputs.entropy, inputs.response_mask, tau), tau
+def split_quadrants(
+    inputs: AdvantageInputs, split: str, quantile: float, threshold: float | None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Quadrant masks [B,T] (outcome polarity x entropy split) and the cut tau."""
+    tau = entropy_cut(inputs.entropy, inputs.response_mask, inputs.group_index,
+                      split=split, quantile=quantile, threshold=threshold)
+    return quadrant_masks(outcome_polarity(inputs), inputs.entropy, inputs.response_mask, tau), tau
 
 
 # ------------------------------------------------------------------ estimators
@@ -141,33 +130,64 @@ def dr_grpo(inputs: AdvantageInputs) -> AdvantageOutput:
     return AdvantageOutput(_broadcast(grpo_sequence_advantage(inputs, std_normalize=False), inputs))
 
 
+HAPO_FORMS = ("additive", "multiplicative")
+
+
 def _check_hapo(p: Mapping[str, Any]) -> None:
-    alpha, phi = float(p["alpha"]), float(p["phi"])
-    if alpha < 0:
-        raise ValueError(f"hapo.alpha must be >= 0, got {alpha}")
-    if phi <= 0:
-        raise ValueError(f"hapo.phi must be > 0, got {phi}")
-    if alpha * phi >= 1:
+    alpha, phi, form = float(p["alpha"]), float(p["phi"]), p["form"]
+    if form not in HAPO_FORMS:
+        raise ValueError(f"hapo.form must be one of {list(HAPO_FORMS)}, got {form!r}")
+    if not alpha >= 0 or alpha == float("inf"):
+        raise ValueError(f"hapo.alpha must be a finite number >= 0, got {alpha}")
+    if not phi > 0 or phi == float("inf"):
+        raise ValueError(f"hapo.phi must be a finite number > 0, got {phi}")
+    if form == "additive" and alpha >= phi:
         raise ValueError(
-            f"hapo.alpha * hapo.phi = {alpha * phi:g} >= 1: the multiplier 1 + alpha*c could "
-            f"reach 0 or flip the advantage's sign; choose alpha*phi < 1 (paper: 0.2 * 2)"
+            f"hapo.alpha ({alpha:g}) must be < hapo.phi ({phi:g}): |A^h|/|A| lies in "
+            f"[1 - alpha/phi, 1 + alpha/phi] and alpha >= phi could zero or flip the advantage's "
+            f"sign (paper: alpha 0.2, phi 2; its sweep goes up to alpha 1.0)"
+        )
+    if form == "multiplicative" and alpha * phi >= 1:
+        raise ValueError(
+            f"hapo.alpha * hapo.phi = {alpha * phi:g} >= 1 with hapo.form: multiplicative: the "
+            f"multiplier 1 + alpha*c could reach 0 or flip the advantage's sign; choose alpha*phi < 1"
         )
     if p["normalize"] not in ("zscore", "mean_ratio"):
         raise ValueError(f"hapo.normalize must be 'zscore' or 'mean_ratio', got {p['normalize']!r}")
+    if form == "additive" and p["normalize"] != "zscore":
+        raise ValueError("hapo.normalize: mean_ratio exists only for hapo.form: multiplicative "
+                         "(the published credit is the z-score)")
     if p["base"] not in ("grpo", "dr_grpo"):
         raise ValueError(f"hapo.base must be 'grpo' or 'dr_grpo', got {p['base']!r}")
     normalize_quadrants(p["ablate"])
+    check_split(p["split"], p["quantile"], p["threshold"], "hapo.")
+
+
+def hapo_credit(inputs: AdvantageInputs, base_adv: torch.Tensor, phi: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published entropy credit (arXiv 2604.11056v1, Eq. 6), detached, [B,T]:
+    clip((H - mu_H) / sigma_H, -|A|/phi, +|A|/phi), with mu_H, sigma_H over the valid
+    tokens of the token's group; sigma_H = 0 gives credit 0. Also returns the bool
+    [B,T] mask of tokens whose z-score reached the bound (|z| >= |A|/phi)."""
+    mu, sigma = group_token_entropy_stats(inputs.entropy, inputs.response_mask, inputs.group_index)
+    H = inputs.entropy.detach().float()
+    z = torch.where(sigma > 0, (H - mu) / sigma.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(H))
+    bound = base_adv.abs() / phi
+    credit = torch.maximum(torch.minimum(z, bound), -bound)
+    return credit * inputs.mask, z.abs() >= bound
 
 
 def hapo_multiplier(inputs: AdvantageInputs, alpha: float, phi: float, normalize: str, eps: float):
-    """1 + alpha * c with c the clipped, group-normalised entropy (detached). [B,T]."""
-    mu, sigma = group_token_entropy_stats(inputs)
+    """The pre-publication reconstruction (``form: multiplicative``): 1 + alpha * c with c
+    the group-normalised entropy clipped to [-phi, phi] (``zscore``) or H/mu_H clipped to
+    [0, phi] (``mean_ratio``), detached. Returns the multiplier [B,T] and the bool [B,T]
+    mask of tokens whose c reached a clip bound."""
+    mu, sigma = group_token_entropy_stats(inputs.entropy, inputs.response_mask, inputs.group_index)
     H = inputs.entropy.detach().float()
     if normalize == "zscore":
-        c = ((H - mu) / (sigma + eps)).clamp(-phi, phi)
-        return 1.0 + alpha * c
-    c = (H / (mu + eps)).clamp(0.0, phi)
-    return 1.0 + alpha * (c - 1.0)
+        z = (H - mu) / (sigma + eps)
+        return 1.0 + alpha * z.clamp(-phi, phi), z.abs() >= phi
+    r = H / (mu + eps)
+    return 1.0 + alpha * (r.clamp(0.0, phi) - 1.0), (r <= 0) | (r >= phi)
 
 
 @ESTIMATORS.register("hapo", validate=_check_hapo)
@@ -176,37 +196,49 @@ def hapo(
     *,
     alpha: float = 0.2,
     phi: float = 2.0,
+    form: str = "additive",
     normalize: str = "zscore",
     ablate: tuple[str, ...] = (),
     base: str = "grpo",
-    threshold: float | None = None,
+    split: str = "group_mean",
     quantile: float = DEFAULT_QUANTILE,
+    threshold: float | None = None,
     eps: float = 1e-6,
 ) -> AdvantageOutput:
-    """HAPO: A^h = A * (1 + alpha * clip(z(H), -phi, phi)), sign-preserving (alpha*phi < 1).
+    """HAPO as published (``form: additive``): A^h = A + alpha * sign(A) * credit, with
+    credit = clip((H - mu_H)/sigma_H, -|A|/phi, +|A|/phi) over the token's group, so
+    |A^h|/|A| lies in [1 - alpha/phi, 1 + alpha/phi] (sign kept iff alpha < phi).
+    ``form: multiplicative`` is the earlier reconstruction A * (1 + alpha*clip(z, -phi, phi)).
 
-    ``ablate`` names quadrants whose tokens keep the plain base advantage;
-    ``threshold``/``quantile`` define the high-entropy cut used by ``ablate``.
+    ``ablate`` names quadrants whose tokens keep the plain base advantage; the quadrants
+    split entropy by ``split`` (group mean as published, batch ``quantile``, or ``value``).
     """
     seq_adv = grpo_sequence_advantage(inputs, eps, std_normalize=(base == "grpo"))
     base_adv = _broadcast(seq_adv, inputs)
-    mult = hapo_multiplier(inputs, alpha, phi, normalize, eps)
+    if form == "additive":
+        credit, saturated = hapo_credit(inputs, base_adv, phi)
+        adv = base_adv + alpha * torch.sign(base_adv) * credit
+    else:
+        mult, saturated = hapo_multiplier(inputs, alpha, phi, normalize, eps)
+        adv = base_adv * mult
     ablated = normalize_quadrants(ablate)
     if ablated:
-        masks, _ = _quadrant_token_masks(inputs, torch.sign(seq_adv), threshold, quantile)
+        masks, _ = split_quadrants(inputs, split, quantile, threshold)
         keep_base = torch.zeros_like(inputs.response_mask, dtype=torch.bool)
         for q in ablated:
             keep_base |= masks[q]
-        mult = torch.where(keep_base, torch.ones_like(mult), mult)
-    adv = base_adv * mult
+        adv = torch.where(keep_base, base_adv, adv)
+        saturated = saturated & ~keep_base
     valid = inputs.response_mask.bool() & (base_adv != 0)
-    m = mult[valid]
+    scale = (adv[valid] / base_adv[valid]).abs()
+    n = scale.numel()
     metrics = {
-        "hapo/adv_scale_mean": float(m.mean()) if m.numel() else 1.0,
-        "hapo/adv_scale_min": float(m.min()) if m.numel() else 1.0,
-        "hapo/adv_scale_max": float(m.max()) if m.numel() else 1.0,
+        "hapo/adv_scale_mean": float(scale.mean()) if n else 1.0,
+        "hapo/adv_scale_min": float(scale.min()) if n else 1.0,
+        "hapo/adv_scale_max": float(scale.max()) if n else 1.0,
+        "hapo/credit_saturated_frac": float(saturated[valid].float().mean()) if n else 0.0,
     }
-    return AdvantageOutput(adv, metrics=metrics)
+    return AdvantageOutput(adv * inputs.mask, metrics=metrics)
 
 
 def _check_quadrant(p: Mapping[str, Any]) -> None:
@@ -214,6 +246,7 @@ def _check_quadrant(p: Mapping[str, Any]) -> None:
         raise ValueError("quadrant.quadrants must name at least one of PHR, PLR, NHR, NLR")
     if p["base"] not in ("grpo", "dr_grpo"):
         raise ValueError(f"quadrant.base must be 'grpo' or 'dr_grpo', got {p['base']!r}")
+    check_split(p["split"], p["quantile"], p["threshold"], "quadrant.")
 
 
 @ESTIMATORS.register("quadrant", validate=_check_quadrant)
@@ -222,20 +255,24 @@ def quadrant(
     *,
     quadrants: tuple[str, ...] = ("PHR",),
     base: str = "grpo",
-    threshold: float | None = None,
+    split: str = "group_mean",
     quantile: float = DEFAULT_QUANTILE,
+    threshold: float | None = None,
     eps: float = 1e-6,
 ) -> AdvantageOutput:
     """Hard quadrant mask: only tokens of the named quadrants carry gradient and count
-    in the loss normaliser; the rest are removed from the loss mask."""
+    in the loss normaliser; the rest (and every token of a zero-advantage group) are
+    removed from the loss mask. Polarity is the outcome; the entropy split is ``split``."""
     seq_adv = grpo_sequence_advantage(inputs, eps, std_normalize=(base == "grpo"))
-    masks, tau = _quadrant_token_masks(inputs, torch.sign(seq_adv), threshold, quantile)
+    masks, tau = split_quadrants(inputs, split, quantile, threshold)
     keep = torch.zeros_like(inputs.response_mask, dtype=torch.bool)
     for q in normalize_quadrants(quadrants):
         keep |= masks[q]
+    keep &= (seq_adv != 0).unsqueeze(-1)
     adv = _broadcast(seq_adv, inputs) * keep
     n = max(int(inputs.response_mask.bool().sum()), 1)
-    metrics = {"quadrant/train_token_frac": int(keep.sum()) / n, "quadrant/train_threshold": float(tau)}
+    metrics = {"quadrant/train_token_frac": int(keep.sum()) / n,
+               "quadrant/train_threshold": float(tau.float().mean())}
     return AdvantageOutput(adv, loss_mask=keep.to(inputs.response_mask.dtype), metrics=metrics)
 
 
@@ -245,7 +282,8 @@ def w_reinf(
 ) -> AdvantageOutput:
     """Weighted REINFORCE (Zhu et al. 2025): +lam for correct, -1 for incorrect, no baseline."""
     correct = inputs.rewards >= correct_threshold
-    seq = torch.where(correct, torch.full_like(inputs.rewards, lam, dtype=torch.float32), -1.0)
+    r = inputs.rewards.float()
+    seq = torch.where(correct, torch.full_like(r, lam), torch.full_like(r, -1.0))
     return AdvantageOutput(_broadcast(seq.float(), inputs))
 
 

@@ -208,7 +208,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     lines += ["", "Definitions: *early gain* = mean Avg@k over the evaluations in the first half of RL minus the "
               "warm start's; *late gain* = mean over the second half's evaluations minus the first half's; "
               "*entropy ratio* = mean behaviour entropy of the last 10 steps / first 10 steps; *share* = mean "
-              "token share of each quadrant over the run (tau = the 80th percentile of the batch's entropy)."]
+              "token share of each quadrant over the run (high entropy = at or above the group's mean token entropy, as published)."]
     md = out / "experiment.md"
     md.write_text("\n".join(lines) + "\n")
     return md

@@ -201,15 +201,14 @@ class LocalTrainer:
         old_logp, ent = self._behaviour(ro)
         inputs = algos.AdvantageInputs(
             rewards=batch.rewards, response_mask=mask, entropy=ent, group_index=batch.group_index,
-            old_logprobs=old_logp,
+            old_logprobs=old_logp, correct=batch.correct,
         )
         adv_out = algos.run_estimator(a.estimator, inputs, **a.estimator_params)
         loss_mask = adv_out.loss_mask if adv_out.loss_mask is not None else mask
         seq_adv = grpo_sequence_advantage(inputs)
-        polarity = torch.sign(seq_adv)
-        tau = algos.entropy_threshold(ent, mask, quantile=a.quadrant_quantile, value=a.quadrant_threshold)
-        qmasks = algos.quadrant_masks(polarity, ent, mask, tau)
-        metrics.update(algos.quadrant_metrics(adv_out.advantages, ent, mask, tau, polarity=polarity))
+        qmasks, tau = algos.split_quadrants(inputs, a.quadrant_split, a.quadrant_quantile, a.quadrant_threshold)
+        metrics.update(algos.quadrant_metrics(adv_out.advantages, ent, mask, tau,
+                                              polarity=algos.outcome_polarity(inputs)))
         metrics.update(adv_out.metrics)
         metrics.update(self._update(ro, old_logp, adv_out.advantages, loss_mask))
         _, ent_after = self._behaviour(ro)

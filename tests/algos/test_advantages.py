@@ -11,7 +11,7 @@ from hapo_openrlhf.algos import (
     list_estimators,
     run_estimator,
 )
-from hapo_openrlhf.algos.advantages import group_token_entropy_stats
+from hapo_openrlhf.algos import group_token_entropy_stats, split_quadrants
 
 
 def inputs(rewards, mask, entropy, groups):
@@ -71,6 +71,144 @@ def test_forking_keeps_top_rho_tokens_and_shrinks_loss_mask():
     assert out.metrics["forking/token_frac"] == pytest.approx(0.2)
 
 
+# A batch with padding and two groups, used by the hand-computed HAPO and quadrant tests.
+# Group 0 (rows 0-2, rewards 1, 0, 0): GRPO A = (2/3) / (sqrt(1/3) + eps) on the correct row,
+# (-1/3) / (sqrt(1/3) + eps) on the two wrong ones. Valid entropies 2, 2.4, 4 | 2, 1.6 | 0, 2, 2, 2:
+# mu_H = 18 / 9 = 2, sigma_H = sqrt((0.16 + 4 + 0.16 + 4) / 9) (population std).
+# Group 1 (rows 3-4, rewards 1, 1): zero variance, A = 0; valid entropies 5, 1 | 3, 3, 3: mu_H = 3.
+# 9.9 / 7.7 / 8.8 sit on padding and must never count.
+PAD_BATCH = dict(
+    rewards=[1, 0, 0, 1, 1],
+    mask=[[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]],
+    entropy=[[2.0, 2.4, 4.0, 9.9], [2.0, 1.6, 7.7, 7.7], [0.0, 2.0, 2.0, 2.0], [5.0, 1.0, 8.8, 8.8],
+             [3.0, 3.0, 3.0, 8.8]],
+    groups=[0, 0, 0, 7, 7],
+)
+A_POS = (2 / 3) / (math.sqrt(1 / 3) + 1e-6)
+A_NEG = (-1 / 3) / (math.sqrt(1 / 3) + 1e-6)
+SIGMA0 = math.sqrt(8.32 / 9)
+
+
+def pad_batch(correct=None):
+    x = inputs(PAD_BATCH["rewards"], PAD_BATCH["mask"], PAD_BATCH["entropy"], PAD_BATCH["groups"])
+    if correct is None:
+        return x
+    return AdvantageInputs(rewards=x.rewards, response_mask=x.response_mask, entropy=x.entropy,
+                           group_index=x.group_index, correct=torch.tensor(correct))
+
+
+def test_group_entropy_stats_exclude_padding():
+    x = pad_batch()
+    mu, sigma = group_token_entropy_stats(x.entropy, x.response_mask, x.group_index)
+    assert mu.squeeze(-1).tolist() == pytest.approx([2, 2, 2, 3, 3])
+    assert sigma[0].item() == pytest.approx(SIGMA0, rel=1e-6)
+    assert sigma[3].item() == pytest.approx(math.sqrt((4 + 4 + 0 + 0 + 0) / 5), rel=1e-6)
+
+
+def test_hapo_published_every_token_hand_computed():
+    """A^h = A + alpha * sign(A) * clip((H - mu)/sigma, -|A|/phi, +|A|/phi), alpha 0.2, phi 2."""
+    out = run_estimator("hapo", pad_batch(), alpha=0.2, phi=2.0)
+    z_small, z_big = 0.4 / SIGMA0, 2.0 / SIGMA0  # 0.416, 2.080
+    b_pos, b_neg = abs(A_POS) / 2, abs(A_NEG) / 2  # the clip bounds 0.577 and 0.289
+    assert z_small < b_pos and z_small > b_neg and z_big > b_pos
+    expected = [
+        # correct row: z = 0, 0.416 (inside the bound), 2.08 (clipped to +0.577); padding 0
+        [A_POS, A_POS + 0.2 * z_small, A_POS + 0.2 * b_pos, 0.0],
+        # wrong row: z = 0, -0.416 (clipped to -0.289: low entropy shrinks |A|)
+        [A_NEG, A_NEG + 0.2 * b_neg, 0.0, 0.0],
+        # wrong row: z = -2.08 (clipped to -0.289), then 0, 0, 0
+        [A_NEG + 0.2 * b_neg, A_NEG, A_NEG, A_NEG],
+        # zero-variance group: unchanged (0), whatever its entropies
+        [0.0] * 4, [0.0] * 4,
+    ]
+    for row, exp in zip(out.advantages.tolist(), expected):
+        assert row == pytest.approx(exp, rel=1e-5, abs=1e-7)
+    # the bounds |A^h|/|A| = 1 + alpha/phi and 1 - alpha/phi are reached, not passed
+    assert out.metrics["hapo/adv_scale_max"] == pytest.approx(1.1, rel=1e-5)
+    assert out.metrics["hapo/adv_scale_min"] == pytest.approx(0.9, rel=1e-5)
+    # 3 of the 9 tokens with A != 0 sit at the +-|A|/phi bound
+    assert out.metrics["hapo/credit_saturated_frac"] == pytest.approx(3 / 9)
+
+
+def test_hapo_credit_zero_when_group_entropy_is_constant():
+    x = inputs([1, 0], [[1, 1], [1, 0]], [[0.7, 0.7], [0.7, 5.0]], [0, 0])
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    adv = compute_advantages("hapo", x, alpha=1.0, phi=2.0)
+    assert adv.flatten().tolist() == pytest.approx([a, a, -a, 0.0], rel=1e-6)
+
+
+def test_hapo_alpha_one_accepted_and_alpha_at_least_phi_rejected():
+    x = pad_batch()
+    adv = compute_advantages("hapo", x, alpha=1.0, phi=2.0)  # the paper's sweep goes to 1.0
+    # |A^h|/|A| in [1 - 1/2, 1 + 1/2]; e.g. the clipped correct token gets A_POS * 1.5
+    assert adv[0, 2].item() == pytest.approx(A_POS * 1.5, rel=1e-5)
+    assert adv[1, 1].item() == pytest.approx(A_NEG * 0.5, rel=1e-5)
+    for alpha, phi in [(2.0, 2.0), (3.0, 2.0), (0.5, 0.5)]:
+        with pytest.raises(ValueError, match=r"hapo.alpha .* must be < hapo.phi"):
+            compute_advantages("hapo", x, alpha=alpha, phi=phi)
+    for bad, match in [({"alpha": -0.1}, "hapo.alpha must be"), ({"phi": 0.0}, "hapo.phi must be"),
+                       ({"form": "mult"}, "hapo.form must be"),
+                       ({"normalize": "mean_ratio"}, "only for hapo.form: multiplicative")]:
+        with pytest.raises(ValueError, match=match):
+            compute_advantages("hapo", x, **bad)
+
+
+def test_hapo_multiplicative_form_is_the_old_reconstruction():
+    # one group, 2 responses x 2 tokens, H = 1, 3 | 1, 3 -> mu 2, sigma 1 (population)
+    x = inputs([1, 0], [[1, 1], [1, 1]], [[1.0, 3.0], [1.0, 3.0]], [0, 0])
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)  # (1 - 0.5) / unbiased std of (1, 0)
+    adv = compute_advantages("hapo", x, alpha=0.2, phi=2.0, form="multiplicative")
+    # z = -1, +1 -> multipliers 0.8, 1.2 (the published rule would give 1 -+ 0.2 * min(1, a/2) / a)
+    assert adv[0].tolist() == pytest.approx([a * 0.8, a * 1.2], rel=1e-4)
+    assert adv[1].tolist() == pytest.approx([-a * 0.8, -a * 1.2], rel=1e-4)
+    adv = compute_advantages("hapo", x, alpha=0.2, phi=2.0, form="multiplicative", normalize="mean_ratio")
+    # c = H / mu = 0.5, 1.5 -> 1 + 0.2 (c - 1) = 0.9, 1.1
+    assert adv[0].tolist() == pytest.approx([a * 0.9, a * 1.1], rel=1e-4)
+    published = compute_advantages("hapo", x, alpha=0.2, phi=2.0)
+    assert published[0].tolist() == pytest.approx([a - 0.2 * a / 2, a + 0.2 * a / 2], rel=1e-4)
+    # its own limits: alpha * phi < 1, clip at phi
+    with pytest.raises(ValueError, match="alpha \\* hapo.phi"):
+        compute_advantages("hapo", x, alpha=0.5, phi=2.0, form="multiplicative")
+    y = inputs([1, 0], [[1] * 5] * 2, [[0, 0, 0, 0, 100]] * 2, [0, 0])
+    out = run_estimator("hapo", y, alpha=0.2, phi=1.5, form="multiplicative")
+    assert out.metrics["hapo/adv_scale_max"] == pytest.approx(1.3, abs=1e-6)
+
+
+def test_quadrant_masks_group_mean_hand_computed():
+    x = pad_batch(correct=[True, False, False, True, True])
+    masks, tau = split_quadrants(x, "group_mean", 0.8, None)
+    assert tau.squeeze(-1).tolist() == pytest.approx([2, 2, 2, 3, 3])
+    # high iff H >= its group's mean: group 0 mu 2, group 1 mu 3; polarity = outcome
+    assert masks["PHR"].int().tolist() == [[1, 1, 1, 0], [0] * 4, [0] * 4, [1, 0, 0, 0], [1, 1, 1, 0]]
+    assert masks["PLR"].int().tolist() == [[0] * 4, [0] * 4, [0] * 4, [0, 1, 0, 0], [0] * 4]
+    assert masks["NHR"].int().tolist() == [[0] * 4, [1, 0, 0, 0], [0, 1, 1, 1], [0] * 4, [0] * 4]
+    assert masks["NLR"].int().tolist() == [[0] * 4, [0, 1, 0, 0], [1, 0, 0, 0], [0] * 4, [0] * 4]
+    # the batch-quantile option is a different split: top 20% of the 14 valid tokens
+    qm, qtau = split_quadrants(x, "quantile", 0.8, None)
+    assert qtau.item() == 3.0 and int(sum(m.sum() for m in qm.values())) == 14
+    assert qm["PHR"].int().tolist()[0] == [0, 0, 1, 0]
+
+
+def test_quadrant_estimator_group_mean_and_zero_advantage_groups():
+    x = pad_batch(correct=[True, False, False, True, True])
+    for qs, keep in [
+        (["PHR"], [[1, 1, 1, 0], [0] * 4, [0] * 4]),
+        (["PLR"], [[0] * 4] * 3),
+        (["NHR"], [[0] * 4, [1, 0, 0, 0], [0, 1, 1, 1]]),
+        (["NLR"], [[0] * 4, [0, 1, 0, 0], [1, 0, 0, 0]]),
+    ]:
+        out = run_estimator("quadrant", x, quadrants=qs)
+        # rows 3-4 (zero-variance group) carry no gradient and leave the normaliser
+        assert out.loss_mask.int().tolist() == keep + [[0] * 4, [0] * 4]
+        assert ((out.advantages != 0).int() == out.loss_mask.int()).all()
+    fixed = run_estimator("quadrant", x, quadrants=["PHR"], split="value", threshold=2.2)
+    assert fixed.loss_mask.int().tolist()[0] == [0, 1, 1, 0]
+    with pytest.raises(ValueError, match="split 'value' needs quadrant.threshold"):
+        run_estimator("quadrant", x, split="value")
+    with pytest.raises(ValueError, match="quadrant.threshold is only used with"):
+        run_estimator("quadrant", x, threshold=0.5)
+
+
 def test_quadrant_masks_hand_computed():
     ent = [[0.1, 0.9], [0.1, 0.9]]
     x = inputs([1, 0], [[1, 1], [1, 1]], ent, [0, 0])
@@ -79,38 +217,9 @@ def test_quadrant_masks_hand_computed():
         (["PHR"], [[0, 1], [0, 0]]), (["PLR"], [[1, 0], [0, 0]]), (["NHR"], [[0, 0], [0, 1]]),
         (["NLR"], [[0, 0], [1, 0]]), (["PHR", "NLR"], [[0, 1], [1, 0]]),
     ]:
-        out = run_estimator("quadrant", x, quadrants=qs, threshold=0.5)
+        out = run_estimator("quadrant", x, quadrants=qs, split="value", threshold=0.5)
         assert out.loss_mask.tolist() == keep
         assert ((out.advantages != 0).float() == torch.tensor(keep, dtype=torch.float32)).all()
-
-
-# ------------------------------------------------------------------- HAPO
-def test_hapo_hand_computed_zscore_and_mean_ratio():
-    # one group, 2 responses x 2 tokens, H = 1, 3 | 1, 3 -> mu 2, sigma 1 (population)
-    x = inputs([1, 0], [[1, 1], [1, 1]], [[1.0, 3.0], [1.0, 3.0]], [0, 0])
-    mu, sigma = group_token_entropy_stats(x)
-    assert mu[0].item() == pytest.approx(2.0) and sigma[0].item() == pytest.approx(1.0)
-    a = 0.5 / (math.sqrt(0.5) + 1e-6)  # (1 - 0.5) / unbiased std of (1, 0)
-    adv = compute_advantages("hapo", x, alpha=0.2, phi=2.0)
-    # z = -1, +1 -> multipliers 0.8, 1.2
-    assert adv[0].tolist() == pytest.approx([a * 0.8, a * 1.2], rel=1e-4)
-    assert adv[1].tolist() == pytest.approx([-a * 0.8, -a * 1.2], rel=1e-4)
-    adv = compute_advantages("hapo", x, alpha=0.2, phi=2.0, normalize="mean_ratio")
-    # c = H / mu = 0.5, 1.5 -> 1 + 0.2 (c - 1) = 0.9, 1.1
-    assert adv[0].tolist() == pytest.approx([a * 0.9, a * 1.1], rel=1e-4)
-
-
-def test_hapo_clips_at_phi():
-    x = inputs([1, 0], [[1] * 5] * 2, [[0, 0, 0, 0, 100]] * 2, [0, 0])
-    out = run_estimator("hapo", x, alpha=0.2, phi=1.5)
-    assert out.metrics["hapo/adv_scale_max"] == pytest.approx(1.3, abs=1e-6)
-
-
-@pytest.mark.parametrize("alpha,phi", [(0.5, 2.0), (1.0, 1.0), (0.25, 4.0)])
-def test_hapo_rejects_alpha_phi_at_least_one(alpha, phi):
-    x = inputs([1, 0], [[1]] * 2, [[0.1]] * 2, [0, 0])
-    with pytest.raises(ValueError, match="alpha \\* hapo.phi"):
-        compute_advantages("hapo", x, alpha=alpha, phi=phi)
 
 
 def test_unknown_estimator_param_and_shape_errors():
@@ -144,24 +253,40 @@ def _random_batch(g):
     )
 
 
+FORMS = st.sampled_from([("additive", "zscore"), ("multiplicative", "zscore"), ("multiplicative", "mean_ratio")])
+
+
 @settings(max_examples=60, deadline=None)
-@given(x=batches)
-def test_hapo_alpha_zero_is_grpo(x):
-    assert torch.allclose(compute_advantages("hapo", x, alpha=0.0), compute_advantages("grpo", x))
+@given(x=batches, form=FORMS)
+def test_hapo_alpha_zero_is_grpo(x, form):
+    adv = compute_advantages("hapo", x, alpha=0.0, form=form[0], normalize=form[1])
+    assert torch.allclose(adv, compute_advantages("grpo", x))
+
+
+@settings(max_examples=80, deadline=None)
+@given(x=batches, alpha=st.floats(0.0, 1.99), phi=st.floats(0.05, 5.0))
+def test_hapo_preserves_sign_and_bounds_the_ratio(x, alpha, phi):
+    alpha = min(alpha, 0.999 * phi)
+    adv = compute_advantages("hapo", x, alpha=alpha, phi=phi)
+    base = compute_advantages("grpo", x)
+    assert torch.equal(torch.sign(adv), torch.sign(base))
+    nz = base != 0
+    ratio = (adv[nz] / base[nz]).abs()
+    assert (ratio >= 1 - alpha / phi - 1e-5).all() and (ratio <= 1 + alpha / phi + 1e-5).all()
 
 
 @settings(max_examples=60, deadline=None)
 @given(x=batches, alpha=st.floats(0.0, 0.49), normalize=st.sampled_from(["zscore", "mean_ratio"]))
-def test_hapo_preserves_sign(x, alpha, normalize):
-    adv = compute_advantages("hapo", x, alpha=alpha, phi=2.0, normalize=normalize)
+def test_hapo_multiplicative_preserves_sign(x, alpha, normalize):
+    adv = compute_advantages("hapo", x, alpha=alpha, phi=2.0, form="multiplicative", normalize=normalize)
     base = compute_advantages("grpo", x)
     assert torch.equal(torch.sign(adv), torch.sign(base))
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=batches, normalize=st.sampled_from(["zscore", "mean_ratio"]))
-def test_hapo_monotone_in_entropy_within_a_response(x, normalize):
-    adv = compute_advantages("hapo", x, normalize=normalize).abs()
+@given(x=batches, form=FORMS)
+def test_hapo_monotone_in_entropy_within_a_response(x, form):
+    adv = compute_advantages("hapo", x, form=form[0], normalize=form[1]).abs()
     m = x.response_mask.bool()
     for i in range(adv.shape[0]):
         h, a = x.entropy[i][m[i]], adv[i][m[i]]
@@ -170,33 +295,35 @@ def test_hapo_monotone_in_entropy_within_a_response(x, normalize):
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=batches, junk=st.floats(-50, 50))
-def test_hapo_masked_tokens_are_zero_and_do_not_move_stats(x, junk):
-    adv = compute_advantages("hapo", x)
+@given(x=batches, junk=st.floats(-50, 50), form=FORMS)
+def test_hapo_masked_tokens_are_zero_and_do_not_move_stats(x, junk, form):
+    kw = dict(form=form[0], normalize=form[1])
+    adv = compute_advantages("hapo", x, **kw)
     assert (adv[x.response_mask == 0] == 0).all()
     ent2 = torch.where(x.response_mask.bool(), x.entropy, torch.full_like(x.entropy, junk))
     x2 = AdvantageInputs(rewards=x.rewards, response_mask=x.response_mask, entropy=ent2, group_index=x.group_index)
-    assert torch.allclose(compute_advantages("hapo", x2), adv)
+    assert torch.allclose(compute_advantages("hapo", x2, **kw), adv)
 
 
-def test_hapo_no_gradient_through_entropy():
+@pytest.mark.parametrize("form", ["additive", "multiplicative"])
+def test_hapo_no_gradient_through_entropy(form):
     x0 = _random_batch(torch.Generator().manual_seed(3))
     ent = x0.entropy.clone().requires_grad_(True)
     x = AdvantageInputs(rewards=x0.rewards, response_mask=x0.response_mask, entropy=ent, group_index=x0.group_index)
-    adv = compute_advantages("hapo", x)
+    adv = compute_advantages("hapo", x, form=form)
     assert not adv.requires_grad
+    # and an advantage used as a loss weight sends nothing back to H
+    logits = torch.zeros_like(ent, requires_grad=True)
+    (adv * logits).sum().backward()
+    assert ent.grad is None
 
 
 @settings(max_examples=40, deadline=None)
-@given(x=batches, q=st.sampled_from(["PHR", "PLR", "NHR", "NLR"]))
-def test_hapo_ablated_quadrant_equals_grpo_on_its_tokens(x, q):
-    from hapo_openrlhf.algos import entropy_threshold, quadrant_masks
-    from hapo_openrlhf.algos.advantages import grpo_sequence_advantage
-
-    adv = compute_advantages("hapo", x, ablate=[q])
+@given(x=batches, q=st.sampled_from(["PHR", "PLR", "NHR", "NLR"]), split=st.sampled_from(["group_mean", "quantile"]))
+def test_hapo_ablated_quadrant_equals_grpo_on_its_tokens(x, q, split):
+    adv = compute_advantages("hapo", x, ablate=[q], split=split)
     base = compute_advantages("grpo", x)
-    tau = entropy_threshold(x.entropy, x.response_mask, quantile=0.8)
-    masks = quadrant_masks(torch.sign(grpo_sequence_advantage(x)), x.entropy, x.response_mask, tau)
+    masks, _ = split_quadrants(x, split, 0.8, None)
     assert torch.allclose(adv[masks[q]], base[masks[q]])
     full = compute_advantages("hapo", x)
     others = x.response_mask.bool() & ~masks[q]

@@ -3,6 +3,7 @@ import torch
 
 from hapo_openrlhf.algos import (
     DynamicSamplingBuffer,
+    entropy_cut,
     entropy_threshold,
     informative_groups,
     normalize_quadrants,
@@ -26,6 +27,25 @@ def test_quadrant_metrics_hand_computed():
     assert m["quadrant/PLR/entropy_mean"] == pytest.approx(0.15)
     assert m["quadrant/NHR/adv_abs_sum"] == pytest.approx(2.0)
     assert m["quadrant/PLR/adv_abs_mean"] == pytest.approx(1.0)
+
+
+def test_quadrant_metrics_group_mean_cut_and_outcome_polarity():
+    # two groups; cut = each group's mean token entropy ([B,1]); polarity = outcome, so the
+    # all-correct group 1 (A = 0) still has quadrants but no |A|
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0]])
+    ent = torch.tensor([[0.2, 1.0, 9.0], [0.6, 0.2, 0.0], [2.0, 4.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]])
+    m = quadrant_metrics(adv, ent, mask, entropy_cut(ent, mask, torch.tensor([0, 0, 1])),
+                         polarity=torch.tensor([1.0, -1.0, 1.0]))
+    # group 0 valid H: 0.2 1.0 0.6 0.2 0.0 -> mu 0.4; group 1: 2, 4 -> mu 3
+    assert m["quadrant/PHR/token_frac"] == pytest.approx(2 / 7)  # 1.0 (row 0) and 4.0 (row 2)
+    assert m["quadrant/PLR/token_frac"] == pytest.approx(2 / 7)  # 0.2 (row 0) and 2.0 (row 2)
+    assert m["quadrant/NHR/token_frac"] == pytest.approx(1 / 7)  # 0.6
+    assert m["quadrant/NLR/token_frac"] == pytest.approx(2 / 7)  # 0.2, 0.0
+    assert m["quadrant/high_frac"] == pytest.approx(3 / 7)
+    assert m["quadrant/zero_adv_frac"] == pytest.approx(2 / 7)
+    assert m["quadrant/PHR/adv_abs_sum"] == pytest.approx(1.0)  # row 2's token has |A| = 0
+    assert m["quadrant/threshold"] == pytest.approx((0.4 + 0.4 + 3) / 3)
 
 
 def test_threshold_quantile_selects_top_share():

@@ -36,10 +36,11 @@ def test_shipped_experiment_resolves_every_variant():
     exp = load_experiment(TOY)
     assert exp.seeds == (1, 2, 3) and exp.workers == 2 and exp.threads_per_worker == 1
     assert exp.suites["quadrants"] == ("quadrant_phr", "quadrant_plr", "quadrant_nhr", "quadrant_nlr")
-    assert len(exp.variants_of(list(exp.suites))) == 15 and len(exp.runs) == 45
+    assert len(exp.variants_of(list(exp.suites))) == 17 and len(exp.runs) == 51
     algo = {v: exp.runs[(v, 1)].config["algorithm"] for v in exp.variants_of(list(exp.suites))}
-    assert algo["hapo"]["estimator_params"] == {"alpha": 0.2, "phi": 2.0, "normalize": "zscore"}
-    assert algo["hapo_alpha0.4"]["estimator_params"]["alpha"] == 0.4
+    assert algo["hapo"]["estimator_params"] == {"alpha": 0.2, "phi": 2.0}  # the published rule's defaults
+    assert algo["hapo_multiplicative"]["estimator_params"]["form"] == "multiplicative"
+    assert [algo[f"hapo_alpha{a}"]["estimator_params"]["alpha"] for a in ("0.1", "0.4", "1.0")] == [0.1, 0.4, 1.0]
     assert algo["hapo_ablate_nhr"]["estimator_params"]["ablate"] == ["NHR"]
     assert algo["quadrant_plr"]["estimator_params"]["quadrants"] == ["PLR"]
     assert not algo["grpo"]["dynamic_sampling"] and algo["dapo"]["dynamic_sampling"]
@@ -88,7 +89,7 @@ def test_experiment_cli_smoke(tmp_path):
     assert last["failed"] == [] and last["skipped"] == []
     manifest = json.loads((out / "experiment.json").read_text())
     assert manifest["suites_run"] == ["alpha", "compare", "quadrants"]
-    assert len(manifest["jobs"]) == 2 + 15 * 2 and all(j["status"] == "done" for j in manifest["jobs"].values())
+    assert len(manifest["jobs"]) == 2 + 17 * 2 and all(j["status"] == "done" for j in manifest["jobs"].values())
 
     # report: Markdown, PNGs, every finding evaluated with two seeds
     report = Path(last["report"])
@@ -100,6 +101,7 @@ def test_experiment_cli_smoke(tmp_path):
     findings = json.loads((report.parent / "findings.json").read_text())
     assert [f["id"] for f in findings] == ["plr_entropy_collapse", "plr_early_saturation", "nhr_faster_than_nlr",
                                            "phr_nhr_sustained", "hapo_entropy_stable", "alpha_robust",
+                                           "hapo_ablation_hurts", "phr_beats_plr", "published_vs_multiplicative",
                                            "hapo_beats_baselines"]
     assert all(t["n"] == 2 for f in findings for t in f["tests"])
 
@@ -131,7 +133,7 @@ def test_experiment_cli_smoke(tmp_path):
     res = run_cli(["experiment", "compare", "--config", str(TOY), "--seeds", "1,2", "--output-dir", str(out),
                    *_sets(SMOKE)], timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "20 jobs (19 already finished)" in " ".join(res.stderr.split())
+    assert "22 jobs (21 already finished)" in " ".join(res.stderr.split())
     assert (out / "runs" / "forking" / "seed_1" / "summary.json").exists()
     rerun = json.loads((out / "experiment.json").read_text())["jobs"]
     assert rerun["hapo/seed_1"]["reused"] and rerun["hapo/seed_1"]["wall_s"] == manifest["jobs"]["hapo/seed_1"]["wall_s"]

@@ -53,8 +53,11 @@ def test_cli_run_writes_metrics_tensorboard_plots_and_model(tmp_path):
     for key in ("reward/mean", "hapo/adv_scale_mean", "quadrant/PHR/token_frac", "quadrant/NLR/entropy_delta",
                 "actor/entropy", "actor/clip_frac", "actor/grad_norm", "response/length_mean"):
         assert key in steps[0], key
-    fracs = [steps[0][f"quadrant/{q}/token_frac"] for q in ("PHR", "PLR", "NHR", "NLR")]
-    assert sum(fracs) + steps[0]["quadrant/zero_adv_frac"] == pytest.approx(1.0)
+    # polarity is the outcome, so every response token is in exactly one quadrant
+    assert all(sum(r[f"quadrant/{q}/token_frac"] for q in ("PHR", "PLR", "NHR", "NLR")) == pytest.approx(1.0)
+               for r in steps)
+    assert all(0 < r["quadrant/high_frac"] < 1 and 0 <= r["hapo/credit_saturated_frac"] <= 1 for r in steps)
+    assert all(0.9 - 1e-6 <= r["hapo/adv_scale_min"] <= r["hapo/adv_scale_max"] <= 1.1 + 1e-6 for r in steps)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     pngs = {p.name for p in (out / "report").glob("*.png")}
     assert {"reward.png", "entropy.png", "clip_frac.png", "quadrant_share.png", "accuracy_vs_tokens.png"} <= pngs

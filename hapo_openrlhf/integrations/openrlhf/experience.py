@@ -27,7 +27,6 @@ import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from ... import algos
-from ...algos.advantages import grpo_sequence_advantage
 from ...algos.dapo import overlong_penalty
 from .actor import fingerprint
 from .loss import DUMP_ENV
@@ -65,6 +64,8 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     rewards = torch.cat([e.rewards.float().reshape(-1) for e in experiences])
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("non-finite reward in the rollout batch (reward function error?)")
+    # the outcome (the quadrants' polarity) is the verifier's, before the overlong penalty
+    correct = rewards > 0.5
     lengths = torch.cat([e.response_length.reshape(-1) for e in experiences])
     ov = a["overlong"]
     if ov["enable"]:
@@ -74,13 +75,13 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     if int(index.max()) + 1 != len(index) or len(index) % n_samples:
         raise ValueError(f"rollout batch of {len(index)} rows is not whole groups of {n_samples}")
     inputs = algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=entropy,
-                                   group_index=torch.div(index, n_samples, rounding_mode="floor"))
+                                   group_index=torch.div(index, n_samples, rounding_mode="floor"),
+                                   correct=correct)
     out = algos.run_estimator(a["estimator"], inputs, **dict(a["estimator_params"]))
     loss_mask = out.loss_mask if out.loss_mask is not None else mask
 
-    polarity = torch.sign(grpo_sequence_advantage(inputs))
-    tau = algos.entropy_threshold(entropy, mask, quantile=a["quadrant_quantile"], value=a["quadrant_threshold"])
-    metrics = algos.quadrant_metrics(out.advantages, entropy, mask, tau, polarity=polarity)
+    _, tau = algos.split_quadrants(inputs, a["quadrant_split"], a["quadrant_quantile"], a["quadrant_threshold"])
+    metrics = algos.quadrant_metrics(out.advantages, entropy, mask, tau, polarity=algos.outcome_polarity(inputs))
     metrics.update(out.metrics)
     metrics["entropy/behaviour_mean"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
 

@@ -20,6 +20,30 @@ from ...preemption import Preempted, request_flag
 from .experience import HapoExperienceMaker
 
 
+class StepLimit:
+    """``trainer.steps`` for OpenRLHF's loop, which has no max-steps flag: once ``step``
+    (the global step, one per rollout batch) reaches ``limit``, the wrapped
+    ``generate_samples`` reports an exhausted loader without generating, so every
+    remaining episode ends at once and OpenRLHF's ``train`` saves the final model."""
+
+    def __init__(self, limit: int):
+        if limit < 0:
+            raise ValueError(f"trainer.steps must be >= 0, got {limit}")
+        self.limit, self.step = limit, 0
+
+    @property
+    def reached(self) -> bool:
+        return self.step >= self.limit
+
+    def wrap(self, generate_samples):
+        def generate(**kwargs):
+            if self.reached:
+                return [], None, 0, True  # (samples, filter pass rate, prompts consumed, exhausted)
+            return generate_samples(**kwargs)
+
+        return generate
+
+
 class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
     def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                  reference_model_group, vllm_engines, **generate_kwargs) -> None:
@@ -36,18 +60,27 @@ class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
         )
         self._metrics_path = Path(self.args.hapo["output_dir"]) / "metrics.jsonl"
         self._metrics_started = False
+        self.step_limit = StepLimit(int(self.args.hapo["trainer"]["steps"]))
+        self.samples_generator.generate_samples = self.step_limit.wrap(self.samples_generator.generate_samples)
+
+    def init_checkpoint_states(self):
+        states = super().init_checkpoint_states()
+        self.step_limit.step = int(states["global_step"])  # a resumed run counts from its checkpoint
+        return states
 
     def train_step(self, rollout_samples, global_step: int):
         status, step = super().train_step(rollout_samples, global_step)
+        self.step_limit.step = step
         self._log_metrics(step, status)
         return status, step
 
     def save_logs_and_checkpoints(self, global_step: int, logs_dict=None, client_states=None) -> None:
         """Upstream's, plus preemption: when the Slurm job has written the stop flag, this
-        step's checkpoint is forced (save_steps=1 for this call) and the fit loop stops."""
+        step's checkpoint is forced (save_steps=1 for this call) and the fit loop stops.
+        The step limit's last step is checkpointed too (a requeue after it trains no more)."""
         stop = request_flag(self.args.hapo["output_dir"]).exists()
         every = self.args.ckpt.save_steps
-        if stop:
+        if stop or self.step_limit.reached:
             self.args.ckpt.save_steps = 1
         try:
             super().save_logs_and_checkpoints(global_step, logs_dict, client_states)

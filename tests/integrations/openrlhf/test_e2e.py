@@ -83,11 +83,15 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
     assert "Global step 4:" not in log and _steps(out) == [1, 2, 3]
     assert "global_step3" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}  # forced: 3 % 2 != 0
 
-    # OpenRLHF's own resume path: the requeued launch continues from global_step3
+    # OpenRLHF's own resume path: the requeued launch continues from global_step3; three
+    # episodes would give 6 steps, the step limit (trainer.steps, the paper configs' step
+    # count) ends the run after global step 4 and OpenRLHF still saves the final model
     request_flag(out).unlink()
-    p = _run(out, tmp_path / "dump3", f"model.path={warm_model}", "openrlhf.num_episodes=2")
+    (out / "final" / "config.json").unlink()
+    p = _run(out, tmp_path / "dump3", f"model.path={warm_model}", "openrlhf.num_episodes=3", "trainer.steps=4")
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-6000:]
     assert "Loading the checkpoint" in log and "Global step 3:" not in log and "Global step 4:" in log
-    assert _steps(out) == [1, 2, 3, 4]
+    assert "Global step 5:" not in log and _steps(out) == [1, 2, 3, 4]
+    assert (out / "final" / "config.json").exists()
     assert "global_step4" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}

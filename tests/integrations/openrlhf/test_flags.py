@@ -15,8 +15,8 @@ E2E = Path(__file__).with_name("e2e_tiny.yaml")
 
 def test_paper_configs_are_shipped():
     names = {p.stem for p in CONFIGS}
-    assert {"qwen25_math_7b_hapo", "deepscaler_1p5b_8k_hapo", "deepscaler_1p5b_16k_hapo",
-            "deepscaler_1p5b_24k_hapo"} <= names
+    assert {"qwen25_math_7b_hapo", "deepscaler_1p5b_24k_hapo", "deepscaler_1p5b_preview_8k_hapo",
+            "deepscaler_1p5b_preview_16k_hapo", "deepscaler_1p5b_preview_24k_hapo"} <= names
     for q in ("phr", "plr", "nhr", "nlr"):
         assert f"qwen25_math_7b_quadrant_{q}" in names
     for b in ("grpo", "dr_grpo", "dapo", "w_reinf", "entro_reg", "entro_adv", "forking", "kl_cov", "clip_cov"):
@@ -55,6 +55,55 @@ def test_every_config_passes_openrlhf_parser(path, tmp_path):
     assert args.ds.tensor_parallel_size == (cfg.megatron.model_parallel_size if cfg.backend == "megatron" else 1)
 
 
+# arXiv 2604.11056v1 Appendix B, Tables 5-6 (shared/SPEC.md section 3), in OpenRLHF's units:
+# rollout.batch_size counts prompts, train.batch_size counts samples (32 prompts x n).
+TABLE_7B = dict(model="Qwen/Qwen2.5-Math-7B", prompts=512, n=8, train_batch=256, lr=1e-6, response=3072,
+                max_len=1024 + 3072, clip=(0.2, 0.28), temperature=1.0, steps=220, template="qwen25_math")
+TABLE_7B_QUADRANT = {**TABLE_7B, "prompts": 256, "steps": 120}
+TABLE_1P5B = dict(model="cmu-deepscaler-colab/DeepScaleR-8K", prompts=64, n=16, train_batch=512, lr=1e-6,
+                  response=24576, max_len=2048 + 24576, clip=(0.2, 0.28), temperature=1.0, steps=900,
+                  template="deepscaler")
+BASELINES_7B = ["dapo", "dr_grpo", "w_reinf", "entro_reg", "entro_adv", "forking", "kl_cov", "clip_cov"]
+PAPER_TABLE = {
+    "qwen25_math_7b_hapo": TABLE_7B, "qwen25_math_7b_hapo_megatron": TABLE_7B,
+    "qwen25_math_7b_grpo": {**TABLE_7B, "clip": (0.2, 0.2)},  # vanilla GRPO: symmetric clip
+    "qwen25_math_7b_dr_grpo": {**TABLE_7B, "clip": (0.2, 0.2)},
+    **{f"qwen25_math_7b_{b}": TABLE_7B for b in BASELINES_7B if b not in ("dr_grpo", "kl_cov")},
+    "qwen25_math_7b_kl_cov": {**TABLE_7B, "clip": None},  # KL-Cov is PPO without the clip
+    **{f"qwen25_math_7b_quadrant_{q}": TABLE_7B_QUADRANT for q in ("phr", "plr", "nhr", "nlr")},
+    "deepscaler_1p5b_24k_hapo": TABLE_1P5B, "deepscaler_1p5b_24k_hapo_megatron": TABLE_1P5B,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_TABLE))
+def test_paper_configs_carry_tables_5_and_6(name, tmp_path, capsys):
+    """The argv `hapo train --print-command` prints, read back through OpenRLHF's parser."""
+    from hapo_openrlhf.cli import main
+    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+
+    t = PAPER_TABLE[name]
+    path = REPO / "configs" / f"{name}.yaml"
+    assert main(["train", "--config", str(path), "--print-command", "--output-dir", str(tmp_path)]) == 0
+    args = parse_with_upstream(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert args.actor.model_name_or_path == t["model"]
+    assert (args.rollout.batch_size, args.rollout.n_samples_per_prompt) == (t["prompts"], t["n"])
+    assert args.train.batch_size == t["train_batch"] == 32 * t["n"]  # mini-batch of 32 prompts
+    assert args.actor.adam.lr == t["lr"]
+    assert (args.rollout.max_new_tokens, args.data.max_len) == (t["response"], t["max_len"])
+    if t["clip"]:
+        assert tuple(args.actor.eps_clip_low_high) == t["clip"]
+    assert args.rollout.temperature == t["temperature"]
+    assert args.algo.kl.init_coef == 0.0 and not args.algo.kl.use_loss
+    assert args.train.max_epochs == 1
+    # the step count is the project's limit (OpenRLHF has no max-steps flag): trainer.steps
+    # travels in args.hapo to the controller's StepLimit; the episodes must not end the run first
+    cfg = load_config(path)
+    assert cfg.trainer.steps == t["steps"] and cfg.data.template == t["template"]
+    assert t["steps"] * t["prompts"] <= 40_315 * cfg.openrlhf.num_episodes  # DeepScaleR has 40,315 problems
+    if cfg.algorithm.estimator == "hapo":
+        assert dict(cfg.algorithm.estimator_params) == {"alpha": 0.2, "phi": 2.0}  # the published rule's defaults
+
+
 def test_megatron_configs_are_shipped_and_checked():
     names = {p.stem for p in CONFIGS if load_config(p).backend == "megatron"}
     assert {"qwen25_math_7b_hapo_megatron", "deepscaler_1p5b_24k_hapo_megatron"} <= names
@@ -75,7 +124,7 @@ def test_24k_config_long_context_flags(tmp_path):
 
     args = parse_with_upstream(build_argv(load_config(REPO / "configs/deepscaler_1p5b_24k_hapo.yaml"), tmp_path))
     assert args.ds.ring_attn_size == 2 and args.ds.packing_samples and args.train.dynamic_batch_enable
-    assert args.data.max_len == 25600 and args.rollout.max_new_tokens == 24576
+    assert args.data.max_len == 26624 and args.rollout.max_new_tokens == 24576
     assert args.ds.attn_implementation == "flash_attention_2"
 
 
