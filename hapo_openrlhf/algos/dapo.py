@@ -16,7 +16,7 @@ def informative_groups(rewards_B: torch.Tensor, group_index_B: torch.Tensor, tol
     _, gid = torch.unique(group_index_B, return_inverse=True)
     K = int(gid.max()) + 1 if gid.numel() else 0
     r = rewards_B.double()
-    big = torch.full((K,), float("inf"), dtype=torch.float64)
+    big = torch.full((K,), float("inf"), dtype=torch.float64, device=r.device)
     lo = big.scatter_reduce(0, gid, r, reduce="amin")
     hi = (-big).scatter_reduce(0, gid, r, reduce="amax")
     return (hi - lo)[gid] > tol

@@ -74,11 +74,26 @@ def _chunk_grad(logp, p, ent, labels, g_logp, g_ent, temperature):
     return gz
 
 
+def weight_grad_gemm(gz_CV: torch.Tensor, h_CH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gz^T h, [V,H] fp32: the LM-head weight gradient of one chunk.
+
+    On CUDA with bf16/fp16 weights the GEMM runs in the weight's dtype with fp32
+    accumulation *and* fp32 output (``torch.mm(..., out_dtype=float32)``, cuBLAS):
+    the tensor-core rate instead of an fp32 GEMM over a [V,H] product, which is
+    about a sixth of a 7B actor's arithmetic. On CPU (and for fp32 weights) it
+    stays fp32: there is no fast low-precision GEMM to gain, and the CPU tests
+    compare against an fp32 reference.
+    """
+    if gz_CV.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(gz_CV.t().to(dtype), h_CH.to(dtype), out_dtype=torch.float32)
+    return gz_CV.t() @ h_CH.float()
+
+
 def _accumulate(gz, h, weight, g_hidden, g_weight, s):
     if g_hidden is not None:
         g_hidden[s : s + gz.shape[0]] = (gz.to(weight.dtype) @ weight).float()
     if g_weight is not None:
-        g_weight.addmm_(gz.t(), h.float())
+        g_weight.add_(weight_grad_gemm(gz, h, weight.dtype))
 
 
 class _FusedLogpEntropy(torch.autograd.Function):

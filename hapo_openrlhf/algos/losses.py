@@ -214,7 +214,7 @@ def kl_cov(
     lp = logprobs.detach().flatten()[flat_idx]
     cov = (a - a.mean()) * (lp - lp.mean())
     k = int(k_ratio * flat_idx.numel())
-    chosen = torch.zeros(valid.numel(), dtype=torch.bool)
+    chosen = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
     if k > 0:
         chosen[flat_idx[torch.topk(cov, k).indices]] = True
     chosen = chosen.view_as(valid)
@@ -241,10 +241,13 @@ def clip_cov(
     eligible = m & ~clipped & (cov > cov_lb) & (cov < cov_ub)
     idx = eligible.flatten().nonzero().squeeze(-1)
     n = max(int(clip_ratio * int(m.sum())), 1)
-    drop = torch.zeros(m.numel(), dtype=torch.bool)
+    drop = torch.zeros(m.numel(), dtype=torch.bool, device=m.device)
     if idx.numel():
-        perm = torch.randperm(idx.numel(), generator=generator)[: min(n, idx.numel())]
-        drop[idx[perm]] = True
+        # drawn on the generator's device (a CPU generator, checkpointed by the trainer, also
+        # serves CUDA tensors: the same draws on any device), then moved to the tokens'
+        rng_device = generator.device if generator is not None else torch.device("cpu")
+        perm = torch.randperm(idx.numel(), generator=generator, device=rng_device)[: min(n, idx.numel())]
+        drop[idx[perm.to(idx.device)]] = True
     drop = drop.view_as(m)
     pg = torch.where(drop, torch.zeros_like(pg), pg)
     loss = aggregate(pg, response_mask, aggregation, normalizer, norm_constant)

@@ -127,3 +127,21 @@ def test_bf16_weights_match_the_models_own_bf16_head():
     torch.testing.assert_close(ent, -(logp_all.exp() * logp_all).sum(-1), atol=1e-5, rtol=1e-5)
     lp.sum().backward()
     assert w.grad.dtype == torch.bfloat16 and torch.isfinite(w.grad.float()).all()
+
+
+def test_weight_grad_gemm_fp32_on_cpu_and_bf16_error_bound():
+    """The LM-head weight gradient: fp32 on CPU (the reference path); on CUDA with bf16
+    weights a bf16 GEMM with fp32 accumulation and output. Its error is that of rounding
+    gz and h to bf16 before an exact fp32-accumulated product, emulated here, and bounded
+    over a 16-chunk accumulation like the head's backward (the GPU smoke runs the real one)."""
+    from hapo_openrlhf.algos.fused import weight_grad_gemm
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [(torch.randn(256, 512, generator=g) * 1e-3, torch.randn(256, 64, generator=g)) for _ in range(16)]
+    ref = sum(gz.double().t() @ h.double() for gz, h in chunks)
+    cpu = sum(weight_grad_gemm(gz, h, torch.bfloat16) for gz, h in chunks)
+    assert cpu.dtype == torch.float32
+    assert float((cpu.double() - ref).norm() / ref.norm()) < 1e-6  # CPU: fp32, whatever the weight dtype
+    bf16 = sum(gz.bfloat16().float().t() @ h.bfloat16().float() for gz, h in chunks)  # = cuBLAS bf16 in, fp32 acc/out
+    rel = float((bf16.double() - ref).norm() / ref.norm())
+    assert 1e-5 < rel < 1e-2, rel  # bf16 inputs: ~2^-9 per element, averaged down over the sums
