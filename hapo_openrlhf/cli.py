@@ -8,6 +8,7 @@
     hapo scale CONFIG --nodes 1,2,4,8 | hapo scale --collect BASE_DIR
     hapo experiment quadrants|compare|alpha|all [--config configs/experiments/toy_repro.yaml] [--seeds 1,2,3]
     hapo report RUN_DIR [RUN_DIR ...] | hapo report EXPERIMENT_DIR
+    hapo doctor --config CONFIG [--json] [--static] | hapo doctor --gpu-smoke [--json]
     hapo list
 """
 
@@ -101,15 +102,25 @@ def _submit_options(args):
         partition=args.partition, account=args.account, time=args.time, signal_seconds=args.signal_seconds,
         max_requeues=args.max_requeues, ray_port=args.ray_port, array=getattr(args, "array", None),
         output_dir=args.output_dir, sets=tuple(args.set), extra_sbatch=tuple(args.sbatch),
-        ray_check=getattr(args, "ray_check", False),
+        ray_check=getattr(args, "ray_check", False), ray_num_gpus=args.ray_num_gpus, ray_interface=args.ray_interface,
     )
 
 
 def _submit(args) -> int:
     from .cluster.sbatch import output_dir_of, render, submit
+    from .config import load_config
+    from .doctor import FAIL, report, run_checks
 
     opts = _submit_options(args)
     script = render(args.config, opts)
+    if not args.skip_doctor:  # the checks a login node can answer (no CUDA here)
+        checks = run_checks(load_config(args.config, list(opts.sets)), static=True, output_dir=args.output_dir,
+                            interface=opts.ray_interface)
+        problems = [c for c in checks if c.status != "ok"]
+        if problems:
+            print("hapo doctor (static):\n" + report(problems), file=sys.stderr)
+        if any(c.status == FAIL for c in checks) and not args.dry_run:
+            raise ValueError("the config has blocking problems (above); fix them, or pass --skip-doctor")
     if args.dry_run:
         print(script, end="")
         return 0
@@ -145,9 +156,15 @@ def _add_slurm_args(p) -> None:
     p.add_argument("--partition", default=None)
     p.add_argument("--account", default=None)
     p.add_argument("--time", default="24:00:00")
-    p.add_argument("--signal-seconds", type=int, default=300, help="USR1 this long before the time limit")
+    p.add_argument("--signal-seconds", type=int, default=None,
+                   help="USR1 this long before the time limit (default: slurm.signal_lead_s, or derived from the "
+                        "config's response length and model size: >= 30 min at 24k tokens)")
     p.add_argument("--max-requeues", type=int, default=20)
     p.add_argument("--ray-port", type=int, default=6379)
+    p.add_argument("--ray-interface", default=None,
+                   help="network interface the Ray head binds to, e.g. ib0 (default: the default route's)")
+    p.add_argument("--ray-num-gpus", type=int, default=None,
+                   help="GPUs each Ray node advertises and must register (default: --gpus-per-node)")
     p.add_argument("--output-dir", default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
@@ -209,6 +226,23 @@ def _report(args) -> int:
     return 0
 
 
+def _doctor(args) -> int:
+    from .doctor import FAIL, gpu_smoke, report, run_checks, smoke_table
+
+    if args.gpu_smoke:
+        summary = gpu_smoke(args.output_dir)
+        print(json.dumps(summary, indent=1) if args.json else smoke_table(summary))
+        return 0 if summary["ok"] else 1
+    if not args.config:
+        raise ValueError("hapo doctor needs --config CONFIG (or --gpu-smoke)")
+    from .config import load_config
+
+    checks = run_checks(load_config(args.config, args.set), static=args.static, output_dir=args.output_dir,
+                        interface=args.ray_interface)
+    print(report(checks, as_json=args.json))
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
 def _list(args) -> int:
     from .algos import list_estimators, list_losses
 
@@ -249,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--array", default=None, help="'seeds=1,2,3' or 'quadrants': one array task each")
     s.add_argument("--test-only", action="store_true", help="sbatch --test-only: validate, do not queue")
     s.add_argument("--ray-check", action="store_true", help="only bring Ray up on every node and report (no training)")
+    s.add_argument("--skip-doctor", action="store_true", help="submit even if `hapo doctor --static` finds problems")
     _add_slurm_args(s)
     s.set_defaults(fn=_submit)
     sc = sub.add_parser("scale", help="submit a run at several node counts; --collect tabulates tokens/s")
@@ -270,6 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dirs", nargs="+", help="run directories, or one experiment directory")
     r.add_argument("--output-dir", default=None, help="default: RUN_DIR/report (one run) or ./hapo_report")
     r.set_defaults(fn=_report)
+    d = sub.add_parser("doctor", help="preflight a run config here (packages, CUDA, paths, disk, Slurm lead), "
+                                      "or --gpu-smoke: the one-GPU acceptance run")
+    d.add_argument("--config", default=None)
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument("--output-dir", default=None, help="the run's output directory (default: the config's)")
+    d.add_argument("--static", action="store_true", help="only what a login node can answer (no CUDA/NCCL)")
+    d.add_argument("--ray-interface", default=None, help="check this network interface for the Ray head")
+    d.add_argument("--gpu-smoke", action="store_true", help="fused head, bf16 GEMM, flash-attn varlen, algos on CUDA")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=_doctor)
     sub.add_parser("list", help="registered estimators and losses").set_defaults(fn=_list)
     return ap
 

@@ -225,7 +225,9 @@ class OpenRLHFConfig:
     actor_gpus_per_node: int = 8
     vllm_num_engines: int = 8
     vllm_tensor_parallel_size: int = 1
-    vllm_gpu_memory_utilization: float = 0.6
+    # share of each engine GPU vLLM may take; none: 0.6 when colocated with the actors
+    # (they need the rest), 0.9 when the engines have their own GPUs
+    vllm_gpu_memory_utilization: float | None = None
     vllm_enforce_eager: bool = False
     vllm_enable_sleep: bool = True
     vllm_sync_backend: str = "nccl"
@@ -255,6 +257,10 @@ class OpenRLHFConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        if self.vllm_gpu_memory_utilization is None:
+            object.__setattr__(self, "vllm_gpu_memory_utilization", 0.6 if self.colocate_all else 0.9)
+        _require(0 < self.vllm_gpu_memory_utilization <= 1,
+                 f"openrlhf.vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
         _require(self.actor_num_nodes >= 1 and self.actor_gpus_per_node >= 1, "openrlhf: actor nodes and GPUs must be >= 1")
         _require(self.vllm_num_engines >= 1 and self.vllm_tensor_parallel_size >= 1,
                  "openrlhf.vllm_num_engines and vllm_tensor_parallel_size must be >= 1 (HAPO rollouts need an engine)")
@@ -308,6 +314,23 @@ class MegatronConfig:
 
 
 @dataclass(frozen=True)
+class SlurmConfig:
+    """How ``hapo submit`` asks Slurm to warn the job before its time limit (docs/cluster.md).
+
+    The warning (``--signal=B:USR1@<lead>``) must come early enough for the step in flight
+    to finish and checkpoint: a 24k-token step takes tens of minutes. ``signal_lead_s``
+    sets it; otherwise it is 1.5 x ``expected_step_s`` + 300 s when that is given, else a
+    heuristic from the response length and model size (``cluster.sbatch.signal_lead_seconds``)."""
+
+    signal_lead_s: int | None = None
+    expected_step_s: float | None = None
+
+    def __post_init__(self):
+        _require(self.signal_lead_s is None or self.signal_lead_s >= 30, "slurm.signal_lead_s must be >= 30 (seconds)")
+        _require(self.expected_step_s is None or self.expected_step_s > 0, "slurm.expected_step_s must be > 0")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run_name: str = "run"
     seed: int = 1234
@@ -323,6 +346,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     openrlhf: OpenRLHFConfig = field(default_factory=OpenRLHFConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self):
         _require(self.backend in ("local", "openrlhf", "megatron"), f"backend must be local, openrlhf or megatron, got {self.backend!r}")

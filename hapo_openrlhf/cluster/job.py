@@ -57,7 +57,8 @@ def _train_command(backend: str, config: str, out: Path, sets: list[str]) -> lis
 
 
 RAY_PROBE = ("import json, ray; ray.init(); "
-             "print(json.dumps({'ray_nodes': sum(n['Alive'] for n in ray.nodes())}))")
+             "print(json.dumps({'ray_nodes': sum(n['Alive'] for n in ray.nodes()), "
+             "'ray_gpus': ray.cluster_resources().get('GPU', 0)}))")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray-port", type=int, default=6379)
     ap.add_argument("--ray-timeout", type=float, default=300)
     ap.add_argument("--ray-check", action="store_true", help="bring Ray up on every node, report, exit (no training)")
+    ap.add_argument("--ray-num-gpus", type=int, default=None,
+                    help="GPUs every Ray node advertises and must register (default: SLURM_GPUS_PER_NODE)")
+    ap.add_argument("--ray-interface", default=None, help="network interface the Ray head binds to (e.g. ib0)")
     a = ap.parse_args(argv)
 
     out, sets = Path(a.output_dir), list(a.set)
@@ -96,20 +100,37 @@ def main(argv: list[str] | None = None) -> int:
             child.send_signal(signal.SIGUSR1)
 
     on_stop_signal(on_signal)
+    if cfg.backend in ("openrlhf", "megatron") and not a.ray_check:
+        # the full preflight on the node that trains, before Ray: CUDA, NCCL, packages, paths, disk
+        from ..doctor import FAIL, report, run_checks
+
+        checks = run_checks(cfg, output_dir=str(out), interface=a.ray_interface)
+        print("hapo doctor:\n" + report(checks), flush=True)
+        failed = [c.name for c in checks if c.status == FAIL]
+        if failed:
+            events.log("doctor_failed", checks=failed)
+            return 1
     ray = None
     env = dict(os.environ)
     if cfg.backend in ("openrlhf", "megatron") or a.ray_check:
         from .ray_cluster import RayCluster, allocation_hosts
 
+        from .ray_cluster import gpus_per_node_from_slurm
+
         hosts = allocation_hosts()
-        ray = RayCluster(hosts, a.ray_port, a.ray_timeout, log_dir=out)  # GPUs: Ray detects them
+        gpus = a.ray_num_gpus if a.ray_num_gpus is not None else gpus_per_node_from_slurm(
+            os.environ.get("SLURM_GPUS_PER_NODE"))
+        cpus = int(os.environ["SLURM_CPUS_PER_TASK"]) if os.environ.get("SLURM_CPUS_PER_TASK") else None
+        ray = RayCluster(hosts, a.ray_port, a.ray_timeout, log_dir=out, num_gpus=gpus, num_cpus=cpus,
+                         interface=a.ray_interface)
         try:
             nodes = ray.start().nodes
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, ValueError) as e:
             events.log("ray_failed", error=str(e))
             print(f"hapo job: error: {e}", file=sys.stderr)
             return 1
-        events.log("ray_up", address=ray.address, nodes=len(nodes))
+        events.log("ray_up", address=ray.address, nodes=len(nodes), gpus=sum(n.get("gpus", 0) for n in nodes),
+                   cpus=sum(n.get("cpus", 0) for n in nodes))
         env["RAY_ADDRESS"] = ray.address
     cmd = [sys.executable, "-c", RAY_PROBE] if a.ray_check else _train_command(cfg.backend, a.config, out, sets)
     try:

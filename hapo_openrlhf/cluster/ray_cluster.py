@@ -32,10 +32,56 @@ def allocation_hosts() -> list[str]:
     return [h for h in p.stdout.split() if h]
 
 
-def head_ip() -> str:
+def head_ip(interface: str | None = None) -> str:
+    """The address the head binds to: ``interface``'s IPv4 address when given (e.g. ``ib0``,
+    so Ray traffic uses InfiniBand rather than the default route's management Ethernet),
+    else Ray's own choice (the default-route interface)."""
+    if interface:
+        return interface_ip(interface)
     from ray._private.services import get_node_ip_address
 
     return get_node_ip_address()
+
+
+def interface_ip(name: str) -> str:
+    """IPv4 address of network interface ``name`` (Linux SIOCGIFADDR)."""
+    import fcntl
+    import struct
+
+    if not name or len(name) > 15 or not name.replace("-", "").replace(".", "").replace("_", "").isalnum():
+        raise ValueError(f"--ray-interface {name!r} is not a network interface name")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()))  # SIOCGIFADDR
+        except OSError as e:
+            have = ", ".join(n for _, n in socket.if_nameindex())
+            raise ValueError(f"network interface {name!r} has no IPv4 address here ({e.strerror}); "
+                             f"interfaces: {have}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def gpus_per_node_from_slurm(value: str | None) -> int | None:
+    """``SLURM_GPUS_PER_NODE`` ("8", "a100:8", "gpu:a100:4") -> 8 / 4; None when unset."""
+    if not value:
+        return None
+    try:
+        return int(value.split(",")[0].rsplit(":", 1)[-1])
+    except ValueError:
+        return None
+
+
+def check_gpus(nodes: list[dict], gpus_per_node: int | None) -> None:
+    """Every node must have registered ``gpus_per_node`` GPUs with Ray; OpenRLHF's placement
+    groups would otherwise wait forever for the missing ones."""
+    if not gpus_per_node:
+        return
+    short = [f"{n['host']} ({n.get('gpus', 0):g} of {gpus_per_node})" for n in nodes
+             if n.get("gpus", 0) < gpus_per_node]
+    if short:
+        total = sum(n.get("gpus", 0) for n in nodes)
+        raise RuntimeError(f"Ray registered {total:g} GPUs, the allocation has {len(nodes)} x {gpus_per_node}; "
+                           f"nodes missing GPUs: {', '.join(short)} (CUDA_VISIBLE_DEVICES, driver, or Ray's "
+                           f"--num-gpus on those nodes)")
 
 
 def _ray_exe() -> str:
@@ -44,12 +90,15 @@ def _ray_exe() -> str:
 
 class RayCluster:
     def __init__(self, hosts: list[str], port: int = 6379, timeout_s: float = 300.0, num_gpus: int | None = None,
-                 log_dir: Path | None = None, start_workers: bool = True):
+                 log_dir: Path | None = None, start_workers: bool = True, num_cpus: int | None = None,
+                 interface: str | None = None):
         self.start_workers = start_workers
         self.hosts = hosts
         self.port = port
         self.timeout_s = timeout_s
-        self.num_gpus = num_gpus
+        self.num_gpus = num_gpus  # per node; also what every node must register
+        self.num_cpus = num_cpus  # per node (the task's --cpus-per-task)
+        self.interface = interface
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
         self.address = ""
@@ -62,23 +111,35 @@ class RayCluster:
         return p
 
     def start(self) -> "RayCluster":
-        ip = head_ip()
+        ip = head_ip(self.interface)
         self.address = f"{ip}:{self.port}"
-        gpus = [] if self.num_gpus is None else ["--num-gpus", str(self.num_gpus)]
+        # explicit resources: since Slurm 22.05 srun no longer inherits --cpus-per-task from
+        # sbatch, and Ray would otherwise advertise every core of the node while the task's
+        # processes share the CPUs Slurm bound them to
+        res = [] if self.num_gpus is None else ["--num-gpus", str(self.num_gpus)]
+        res += [] if self.num_cpus is None else ["--num-cpus", str(self.num_cpus)]
+        head_addr = ["--node-ip-address", ip] if self.interface else []
         self._popen([_ray_exe(), "start", "--head", "--port", str(self.port), "--block", "--include-dashboard=false",
-                     "--disable-usage-stats", *gpus], "head")
+                     "--disable-usage-stats", *head_addr, *res], "head")
         if len(self.hosts) > 1 and self.start_workers:
             n = len(self.hosts) - 1
+            cpus = [] if self.num_cpus is None else [f"--cpus-per-task={self.num_cpus}"]
             self._popen(["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--exclude={self.hosts[0]}",
-                         "--kill-on-bad-exit=1", _ray_exe(), "start", "--address", self.address, "--block",
-                         "--disable-usage-stats", *_WORKER_PORTS, *gpus], "workers")
+                         *cpus, "--kill-on-bad-exit=1", _ray_exe(), "start", "--address", self.address, "--block",
+                         "--disable-usage-stats", *_WORKER_PORTS, *res], "workers")
         self.nodes = self.wait_for_nodes()
+        try:
+            check_gpus(self.nodes, self.num_gpus)
+        except RuntimeError:
+            self.stop()
+            raise
         return self
 
     def alive_nodes(self) -> list[dict]:
         """Alive Ray nodes, asked from a short-lived driver (this process stays Ray-free)."""
         code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
-                "print(json.dumps([{'host': n['NodeManagerHostname'], 'ip': n['NodeManagerAddress']} "
+                "print(json.dumps([{'host': n['NodeManagerHostname'], 'ip': n['NodeManagerAddress'], "
+                "'gpus': n['Resources'].get('GPU', 0), 'cpus': n['Resources'].get('CPU', 0)} "
                 "for n in ray.nodes() if n['Alive']])); ray.shutdown()") % self.address
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         if p.returncode:

@@ -31,21 +31,27 @@ class SubmitOptions:
     partition: str | None = None
     account: str | None = None
     time: str = "24:00:00"
-    signal_seconds: int = 300  # USR1 this long before the time limit: time to finish a step and save
+    signal_seconds: int | None = None  # USR1 this long before the time limit; None: the config's (signal_lead_seconds)
     max_requeues: int = 20
     ray_port: int = 6379
     ray_timeout_s: int = 300
     array: str | None = None  # "seeds=1,2,3" or "quadrants"
     output_dir: str | None = None
     ray_check: bool = False  # bring Ray up on every node and report, no training
+    ray_num_gpus: int | None = None  # GPUs each Ray node advertises and must register (default: the allocation's)
+    ray_interface: str | None = None  # network interface the Ray head binds to (e.g. ib0)
     sets: tuple[str, ...] = ()
     extra_sbatch: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
         if self.nodes is not None and self.nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
-        if self.signal_seconds < 1:
+        if self.signal_seconds is not None and self.signal_seconds < 1:
             raise ValueError("--signal-seconds must be >= 1")
+        if self.ray_num_gpus is not None and self.ray_num_gpus < 0:
+            raise ValueError(f"--ray-num-gpus must be >= 0, got {self.ray_num_gpus}")
+        if self.ray_interface is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", self.ray_interface):
+            raise ValueError(f"--ray-interface {self.ray_interface!r} is not a network interface name")
         if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d\d){0,2}|\d+", self.time):
             raise ValueError(f"--time {self.time!r} is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
 
@@ -62,6 +68,29 @@ def array_overrides(spec: str | None) -> list[dict]:
     if m:
         return [{"suffix": f"seed{s}", "sets": [f"seed={s}"]} for s in m.group(1).split(",")]
     raise ValueError(f"--array must be 'seeds=1,2,3' or 'quadrants', got {spec!r}")
+
+
+def model_size_billions(path: str | None) -> float | None:
+    """Parameters in billions from a model name ("Qwen2.5-Math-7B" -> 7.0), if it says."""
+    m = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)[Bb](?![a-zA-Z])", Path(path or "").name)
+    return float(m.group(1)) if m else None
+
+
+def signal_lead_seconds(cfg: RunConfig) -> int:
+    """How long before the time limit Slurm sends USR1: the step in flight must finish and
+    checkpoint in that time. ``slurm.signal_lead_s`` if set; else 1.5 x ``slurm.expected_step_s``
+    + 300 s; else 300 s for the embedded trainer and, for the cluster back ends, 300 s plus
+    0.075 s per response token, scaled by the model size over 7B (at least 1): 530 s for
+    Qwen2.5-Math-7B at 3k, 2,143 s (> 30 min) at 24k."""
+    s = cfg.slurm
+    if s.signal_lead_s is not None:
+        return int(s.signal_lead_s)
+    if s.expected_step_s is not None:
+        return int(1.5 * s.expected_step_s + 300)
+    if cfg.backend == "local":
+        return 300
+    size = max(1.0, (model_size_billions(cfg.model.path) or 7.0) / 7.0)
+    return int(300 + 0.075 * cfg.rollout.max_new_tokens * size)
 
 
 def vllm_gpus_per_node(cfg: RunConfig, nodes: int) -> int:
@@ -128,11 +157,17 @@ def render(config: str | Path, opts: SubmitOptions, workdir: str | Path | None =
         job_args += ["--array-sets", json.dumps(arr)]
     if opts.ray_check:
         job_args += ["--ray-check"]
+    ray_gpus = opts.ray_num_gpus if opts.ray_num_gpus is not None else (gpus or None)
+    if ray_gpus is not None and (is_orl or opts.ray_check):
+        job_args += ["--ray-num-gpus", str(ray_gpus)]
+    if opts.ray_interface:
+        job_args += ["--ray-interface", opts.ray_interface]
     log_path = out / ("slurm-%A_%a.out" if arr else "slurm-%j.out")
     values = {
         "config": str(config), "job_name": cfg.run_name, "nodes": nodes,
         "cpus_per_task": opts.cpus_per_task or (8 * max(gpus, 1) if gpus else 2),
-        "time": opts.time, "log_path": str(log_path), "signal_seconds": opts.signal_seconds,
+        "time": opts.time, "log_path": str(log_path),
+        "signal_seconds": opts.signal_seconds if opts.signal_seconds is not None else signal_lead_seconds(cfg),
         "optional_directives": "\n".join(directives), "workdir": shlex.quote(str(Path(workdir or Path.cwd()).resolve())),
         "python": shlex.quote(sys.executable), "job_args": " ".join(shlex.quote(a) for a in job_args),
     }

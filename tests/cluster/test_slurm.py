@@ -77,14 +77,40 @@ def test_preempt_checkpoint_requeue_resume_equals_uninterrupted(slurm, tmp_path)
 
 def test_two_node_ray_bringup(slurm, tmp_path):
     out = tmp_path / "ray"
+    # GPUs faked through Ray's resources (--num-gpus on every node): the job checks that
+    # every node registered its share
     job = _submit(["configs/cpu_tiny.yaml", "--nodes", "2", "--ray-check", "--ray-port", "6391",
-                   "--output-dir", str(out), "--time", "0:10:00"])
+                   "--ray-num-gpus", "2", "--cpus-per-task", "2", "--output-dir", str(out), "--time", "0:10:00"])
     st = slurm.wait_for(job, timeout=300)
     log = next(out.glob("slurm-*.out")).read_text()
     assert st["JobState"] == "COMPLETED", log[-3000:]
     assert st["NodeList"] == "n[1-2]"
-    assert '{"ray_nodes": 2}' in log
-    assert [e for e in _events(out) if e["event"] == "ray_up"][0]["nodes"] == 2
+    assert '{"ray_nodes": 2, "ray_gpus": 4.0}' in log
+    up = [e for e in _events(out) if e["event"] == "ray_up"][0]
+    assert up["nodes"] == 2 and up["gpus"] == 4 and up["cpus"] == 4  # --num-cpus = the task's 2 CPUs per node
+    script = (out / "job.sbatch").read_text()
+    assert "--ray-num-gpus 2" in script
+
+
+def test_ray_gpu_check_names_nodes_missing_gpus():
+    from hapo_openrlhf.cluster.ray_cluster import check_gpus, gpus_per_node_from_slurm
+
+    nodes = [{"host": "n1", "gpus": 8}, {"host": "n2", "gpus": 6}, {"host": "n3", "gpus": 0}]
+    with pytest.raises(RuntimeError, match=r"registered 14 GPUs, the allocation has 3 x 8.*n2 \(6 of 8\), n3 \(0 of 8\)"):
+        check_gpus(nodes, 8)
+    check_gpus(nodes[:1], 8)
+    check_gpus(nodes, None)
+    assert [gpus_per_node_from_slurm(v) for v in ("8", "a100:4", "gpu:h100:2", "", None)] == [8, 4, 2, None, None]
+
+
+def test_ray_interface_resolves_or_names_the_interfaces():
+    from hapo_openrlhf.cluster.ray_cluster import interface_ip
+
+    assert interface_ip("lo") == "127.0.0.1"
+    with pytest.raises(ValueError, match="has no IPv4 address here.*interfaces: .*lo"):
+        interface_ip("nosuch0")
+    with pytest.raises(ValueError, match="not a network interface name"):
+        interface_ip("eth0; rm -rf /")
 
 
 def test_ray_bringup_timeout_names_missing_nodes(tmp_path):

@@ -61,12 +61,43 @@ class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
         self._metrics_path = Path(self.args.hapo["output_dir"]) / "metrics.jsonl"
         self._metrics_started = False
         self.step_limit = StepLimit(int(self.args.hapo["trainer"]["steps"]))
-        self.samples_generator.generate_samples = self.step_limit.wrap(self.samples_generator.generate_samples)
+        self._last_client_states: dict | None = None  # what the last step passed to save_logs_and_checkpoints
+        self._last_saved_step = 0
+        self.samples_generator.generate_samples = self._stop_after_generation(
+            self.step_limit.wrap(self.samples_generator.generate_samples))
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
         self.step_limit.step = int(states["global_step"])  # a resumed run counts from its checkpoint
+        self._last_saved_step = self.step_limit.step  # that state is on disk already
         return states
+
+    def _stop_after_generation(self, generate):
+        """A step at 24k tokens is generation (most of it) then training. A stop flag that
+        appears during generation is honoured before the update: the state the step started
+        from -- the previous step's weights, and the data loader *before* this generation --
+        is checkpointed (unless it already is) and the loop stops; the requeued job
+        regenerates this step's prompts. On the first step after a (re)start nothing of this
+        process's is unsaved, and the stop is honoured after the step as usual."""
+        def generate_then_check(**kwargs):
+            out = generate(**kwargs)
+            if out[0] and self._last_client_states is not None and request_flag(self.args.hapo["output_dir"]).exists():
+                step = self.step_limit.step
+                if step != self._last_saved_step:
+                    self._save_forced(step, {}, dict(self._last_client_states))
+                raise Preempted(step)
+            return out
+
+        return generate_then_check
+
+    def _save_forced(self, global_step: int, logs_dict, client_states) -> None:
+        every = self.args.ckpt.save_steps
+        self.args.ckpt.save_steps = 1
+        try:
+            super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        finally:
+            self.args.ckpt.save_steps = every
+        self._last_saved_step = global_step
 
     def train_step(self, rollout_samples, global_step: int):
         status, step = super().train_step(rollout_samples, global_step)
@@ -79,13 +110,14 @@ class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
         step's checkpoint is forced (save_steps=1 for this call) and the fit loop stops.
         The step limit's last step is checkpointed too (a requeue after it trains no more)."""
         stop = request_flag(self.args.hapo["output_dir"]).exists()
-        every = self.args.ckpt.save_steps
+        if client_states is not None:  # upstream adds its eval keys to the dict it is given
+            self._last_client_states = dict(client_states)
         if stop or self.step_limit.reached:
-            self.args.ckpt.save_steps = 1
-        try:
+            self._save_forced(global_step, logs_dict, client_states)
+        else:
             super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
-        finally:
-            self.args.ckpt.save_steps = every
+            if global_step % self.args.ckpt.save_steps == 0:
+                self._last_saved_step = global_step
         if stop:
             raise Preempted(global_step)
 

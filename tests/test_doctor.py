@@ -1,0 +1,68 @@
+"""`hapo doctor` through the real CLI: the embedded config passes here, a GPU config is
+refused naming what is missing, the GPU smoke reports the missing GPU cleanly, and
+`hapo submit` runs the static checks."""
+
+import json
+
+import pytest
+
+from hapo_openrlhf.config import load_config
+from hapo_openrlhf.doctor import FAIL, OK, WARN, check_output_dir, check_slurm_lead, check_vllm_memory, run_checks
+from tests.conftest import REPO, run_cli
+
+
+def test_embedded_config_passes_here(tmp_path):
+    p = run_cli(["doctor", "--config", "configs/cpu_tiny.yaml", "--output-dir", str(tmp_path / "o")])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "all checks passed" in p.stdout and "[  ok] cuda: not needed" in p.stdout
+
+
+def test_gpu_config_is_refused_naming_cuda_and_ring_flash_attn(tmp_path):
+    p = run_cli(["doctor", "--config", "configs/deepscaler_1p5b_24k_hapo.yaml", "--json",
+                 "--output-dir", str(tmp_path / "o")])
+    assert p.returncode == 1, p.stdout + p.stderr
+    res = json.loads(p.stdout)
+    failed = {c["name"]: c for c in res["checks"] if c["status"] == FAIL}
+    assert not res["ok"] and "cuda" in failed and "no CUDA device" in failed["cuda"]["message"]
+    assert "package ring-flash-attn" in failed and "ring_attn_size 2" in failed["package ring-flash-attn"]["message"]
+    assert "--no-build-isolation" in failed["package flash-attn"]["fix"]
+    lead = next(c for c in res["checks"] if c["name"] == "slurm signal lead")
+    assert lead["status"] == OK and "2143 s" in lead["message"]
+
+
+def test_gpu_smoke_reports_no_gpu():
+    p = run_cli(["doctor", "--gpu-smoke", "--json"])
+    assert p.returncode == 1
+    res = json.loads(p.stdout)
+    assert res["cuda"] is False and "no CUDA GPU visible" in res["error"] and "Traceback" not in p.stderr
+
+
+def test_checks_by_hand(tmp_path):
+    cfg = load_config(REPO / "configs/qwen25_math_7b_hapo_megatron.yaml")
+    assert check_vllm_memory(cfg).status == OK  # dedicated engine GPUs default to 0.9
+    low = load_config(REPO / "configs/qwen25_math_7b_hapo_megatron.yaml", ["openrlhf.vllm_gpu_memory_utilization=0.5"])
+    assert check_vllm_memory(low).status == WARN
+    short = load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", ["slurm.expected_step_s=900", "slurm.signal_lead_s=600"])
+    assert check_slurm_lead(short).status == FAIL and "slurm.signal_lead_s >= 1650" in check_slurm_lead(short).fix
+    derived = load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", ["slurm.expected_step_s=900"])
+    assert check_slurm_lead(derived).status == OK and "1650 s" in check_slurm_lead(derived).message
+    # a 7B model: (3 kept + 1 in flight) checkpoints x 7e9 params x 14 B = 365 GiB
+    c = check_output_dir(cfg, str(tmp_path / "run"))[0]
+    assert "~7.00B params need ~365" in c.message
+    names = [c.name for c in run_checks(cfg, static=True, output_dir=str(tmp_path))]
+    assert "cuda" not in names and "nccl" not in names and "package megatron-core" in names
+
+
+@pytest.mark.parametrize("config", ["configs/deepscaler_1p5b_24k_hapo.yaml"])
+def test_submit_dry_run_shows_the_lead_and_ray_resources(config):
+    p = run_cli(["submit", config, "--nodes", "2", "--dry-run"])
+    assert p.returncode == 0, p.stderr
+    assert "#SBATCH --signal=B:USR1@2143" in p.stdout  # >= 30 min for 24k-token steps
+    assert "--ray-num-gpus 8" in p.stdout and "#SBATCH --cpus-per-task=64" in p.stdout
+    assert "hapo doctor (static)" in p.stderr and "ring-flash-attn" in p.stderr  # reported, not blocking a dry run
+
+
+def test_submit_refuses_a_config_with_blocking_problems(tmp_path):
+    p = run_cli(["submit", "configs/deepscaler_1p5b_24k_hapo.yaml", "--output-dir", str(tmp_path)])
+    assert p.returncode == 2 and "blocking problems" in p.stderr and "--skip-doctor" in p.stderr
+    assert not (tmp_path / "job.sbatch").exists()
