@@ -49,6 +49,8 @@ def _train(args) -> int:
         raise ValueError("--print-command is for --backend openrlhf or megatron (the local back end runs in this process)")
     console = Console()
     trainer = LocalTrainer(cfg, args.output_dir, resume=args.resume)
+    if trainer.resumed_from:
+        print(f"hapo: resumed from {trainer.resumed_from} (step {trainer.state.step})", file=sys.stderr, flush=True)
     console.print(f"[bold]hapo[/] {cfg.run_name}: estimator={cfg.algorithm.estimator} loss={cfg.algorithm.loss} "
                   f"-> {trainer.out}")
 
@@ -312,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--output-dir", default=None, help="the run's output directory (default: the config's)")
     d.add_argument("--static", action="store_true", help="only what a login node can answer (no CUDA/NCCL)")
     d.add_argument("--ray-interface", default=None, help="check this network interface for the Ray head")
-    d.add_argument("--gpu-smoke", action="store_true", help="fused head, bf16 GEMM, flash-attn varlen, algos on CUDA")
+    d.add_argument("--gpu-smoke", action="store_true",
+                   help="one GPU: fused head, bf16 GEMM, flash-attn varlen, algos on CUDA, OpenRLHF loop with a CUDA "
+                        "vLLM engine + stop/resume, Megatron TP=1 (2 GPUs); --output-dir keeps its work")
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=_doctor)
     sub.add_parser("list", help="registered estimators and losses").set_defaults(fn=_list)

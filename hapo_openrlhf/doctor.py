@@ -311,16 +311,117 @@ def report(checks: list[Check], as_json: bool = False) -> str:
 
 
 # --------------------------------------------------------------------- GPU smoke
+def smoke_run_config(model_dir: str | Path, backend: str = "openrlhf", gpus: int = 1,
+                     flash_attn: bool = True) -> dict[str, Any]:
+    """The run config of the smoke's OpenRLHF loop: a tiny warmed-up Qwen2 (head dim 64),
+    2 global steps of 4 prompts x 4 samples, HAPO, a CUDA vLLM engine colocated with the
+    actor in sleep mode (weights synced over CUDA IPC), or, for ``megatron``, the Megatron
+    actor at TP=1 with the engine on a second GPU."""
+    megatron = backend == "megatron"
+    return {
+        "run_name": f"gpu_smoke_{backend}", "seed": 7, "backend": backend, "model": {"path": str(model_dir)},
+        "data": {"train": "synthetic", "template": "tiny",
+                 "synthetic": {"n_terms": 3, "digits": 1, "ops": "+-", "train_size": 16, "eval_size": 8}},
+        "warmup": {"steps": 0},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "temperature": 1.0, "top_p": 1.0,
+                    "max_new_tokens": 24},
+        "algorithm": {"estimator": "hapo", "estimator_params": {"alpha": 0.2, "phi": 2.0}, "loss": "ppo",
+                      "loss_params": {"eps_low": 0.2, "eps_high": 0.28}, "overlong": {"enable": True, "cache_len": 4}},
+        "optim": {"lr": 1.0e-4},
+        "trainer": {"steps": 2, "save_every": 1, "keep_last": 4},
+        "openrlhf": {
+            "actor_num_nodes": 1, "actor_gpus_per_node": 1, "vllm_num_engines": 1,
+            "colocate_all": not megatron, "vllm_enable_sleep": not megatron,
+            "vllm_gpu_memory_utilization": 0.5 if megatron else 0.3, "vllm_enforce_eager": True,
+            "zero_stage": 2, "param_dtype": "bf16",
+            "attn_implementation": "flash_attention_2" if flash_attn and not megatron else "sdpa",
+            "packing_samples": flash_attn and not megatron, "gradient_checkpointing": False, "max_len": 96,
+            "train_batch_size": 16, "micro_train_batch_size": 4, "micro_rollout_batch_size": 4, "num_episodes": 4,
+            "lr_scheduler": "constant"},
+        **({"megatron": {"tensor_parallel": 1, "pipeline_parallel": 1, "params_dtype": "bf16"}} if megatron else {}),
+    }
+
+
+def _run(cmd: list[str], log: Path, timeout: int = 900, env: dict | None = None) -> int:
+    import subprocess
+
+    with open(log, "ab") as f:
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                              env={**os.environ, **(env or {})}).returncode
+
+
+def _smoke_warm_model(work: Path) -> Path:
+    out = work / "warm"
+    if not (out / "final_model" / "config.json").exists():
+        rc = _run([sys.executable, "-m", "hapo_openrlhf", "train", "--config", str(_repo_config("cpu_tiny.yaml")),
+                   "--output-dir", str(out), "--set", "warmup.steps=150", "--set", "trainer.steps=0",
+                   "--set", "data.synthetic.eval_size=16", "--set", "model.hidden_size=128",
+                   "--set", "model.num_heads=2", "--set", "model.num_kv_heads=2"], work / "warm.log")
+        if rc:
+            raise RuntimeError(f"the warm-up of the smoke model failed (rc {rc}, {work / 'warm.log'})")
+    return out / "final_model"
+
+
+def _repo_config(name: str) -> Path:
+    p = Path(__file__).resolve().parent.parent / "configs" / name
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: the GPU smoke runs from a checkout of the repository")
+    return p
+
+
+def _smoke_openrlhf_loop(work: Path, backend: str = "openrlhf") -> dict:
+    """OpenRLHF's loop for 2 steps, then a stop (exit 85) after step 3 and a resume to step 4."""
+    import torch
+    import yaml
+
+    from .preemption import EXIT_PREEMPTED, request_flag
+
+    if backend == "megatron" and torch.cuda.device_count() < 2:
+        return {"ok": True, "skipped": "the Megatron actor needs a second GPU for the vLLM engine until colocation "
+                                       "without sleep mode is served by CUDA IPC (issue 18)"}
+    model = _smoke_warm_model(work)
+    try:
+        import flash_attn  # noqa: F401
+        fa = True
+    except ImportError:
+        fa = False
+    cfg_path = work / f"smoke_{backend}.yaml"
+    cfg_path.write_text(yaml.safe_dump(smoke_run_config(model, backend, flash_attn=fa)))
+    out, log = work / f"run_{backend}", work / f"run_{backend}.log"
+    train = [sys.executable, "-m", "hapo_openrlhf.integrations.openrlhf.train", "--config", str(cfg_path),
+             "--output-dir", str(out)]
+    t0 = time.perf_counter()
+    rc1 = _run(train, log)
+    t_two = time.perf_counter() - t0
+    request_flag(out).touch()
+    rc2 = _run([*train, "--set", "trainer.steps=4"], log)
+    request_flag(out).unlink(missing_ok=True)
+    rc3 = _run([*train, "--set", "trainer.steps=4"], log)
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    text = log.read_text(errors="replace")
+    return {"returncodes": [rc1, rc2, rc3], "steps": steps, "two_steps_s": round(t_two, 1), "flash_attn": fa,
+            "ok": rc1 == 0 and rc2 == EXIT_PREEMPTED and rc3 == 0 and steps == [1, 2, 3, 4]
+            and "Loading the checkpoint" in text and (out / "final" / "config.json").exists(),
+            "log": str(log)}
+
+
 def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
     """The one-GPU acceptance run (docs/status.md). Without CUDA it reports that and stops."""
+    import tempfile
+
     import torch
 
     if not torch.cuda.is_available():
         return {"ok": False, "cuda": False, "error": "no CUDA GPU visible: the GPU smoke needs one "
                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})", "results": []}
+    work = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="hapo_gpu_smoke_"))
+    work.mkdir(parents=True, exist_ok=True)
     results = []
     for name, fn in (("fused_head_bf16_vs_naive", _smoke_fused_head), ("weight_grad_bf16_gemm", _smoke_weight_gemm),
-                     ("flash_attn_varlen_vs_padded", _smoke_flash_varlen), ("algos_on_cuda", _smoke_algos)):
+                     ("flash_attn_varlen_vs_padded", _smoke_flash_varlen), ("algos_on_cuda", _smoke_algos),
+                     ("openrlhf_loop_vllm_sleep_stop_resume", lambda: _smoke_openrlhf_loop(work)),
+                     ("megatron_tp1_loop", lambda: _smoke_openrlhf_loop(work, "megatron"))):
         t0 = time.perf_counter()
         try:
             r = fn()
@@ -330,10 +431,8 @@ def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
         r.update(name=name, wall_s=round(time.perf_counter() - t0, 2))
         results.append(r)
     summary = {"ok": all(r["ok"] for r in results), "cuda": True, "device": torch.cuda.get_device_name(0),
-               "torch": torch.__version__, "results": results}
-    if output_dir:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(output_dir) / "gpu_smoke.json").write_text(json.dumps(summary, indent=1))
+               "torch": torch.__version__, "results": results, "work_dir": str(work)}
+    (work / "gpu_smoke.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 

@@ -71,7 +71,7 @@ class LocalTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lambda s: min(1.0, (s + 1) / warm))
         self.verifier = MathVerifier(timeout_s=cfg.algorithm.reward_timeout_s, wrong_value=cfg.algorithm.reward_wrong)
         self.loss_rng = torch.Generator().manual_seed(cfg.seed + 7)
-        resumed_from = self._maybe_resume() if resume else None
+        self.resumed_from = resumed_from = self._maybe_resume() if resume else None
         if not resume and latest_checkpoint(self.ckpt_root) is not None:
             raise ValueError(
                 f"{str(self.ckpt_root)!r} already holds checkpoints; pass --resume to continue "

@@ -236,3 +236,43 @@ def test_sigterm_checkpoints_but_does_not_requeue(tmp_path, monkeypatch):
     assert [e["event"] for e in _events(out)] == ["start", "stop_signal", "stopped"]
     assert _events(out)[-1]["signal"] == "SIGTERM"
     assert (out / "checkpoints" / "latest").exists()
+
+
+def test_timeout_then_resubmit_resumes_from_the_newest_complete_checkpoint(slurm, tmp_path):
+    """A step that outlives the signal lead: the job reaches its time limit mid-step, is
+    killed (TIMEOUT, which --requeue does not requeue) and writes nothing more. The next
+    submission of the same command resumes from the newest complete checkpoint.
+
+    The long step is simulated by stopping the trainer process (SIGSTOP) after its step-2
+    checkpoint: it then cannot finish its step after USR1 (lead 10 s) nor after SIGTERM at
+    the limit, exactly like a 24k-token step that is still generating."""
+    import signal
+    import subprocess
+
+    out = tmp_path / "to"
+    args = ["configs/cpu_tiny.yaml", "--output-dir", str(out), "--signal-seconds", "10",
+            *_sets(["trainer.save_every=2"])]
+    job = _submit([*args, "--time", "0:03:00"])
+    t0 = time.time()
+    while not (out / "checkpoints" / "step_00000002").exists():  # the first regular RL checkpoint
+        assert time.time() - t0 < 160, "job made no progress before its limit"
+        assert slurm.job_state(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING")
+        time.sleep(0.2)
+    pid = int(subprocess.run(["pgrep", "-f", f"hapo_openrlhf train --config .* --output-dir {out} "],
+                             capture_output=True, text=True).stdout.split()[0])
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = max(json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines())
+    st = slurm.wait_for(job, timeout=300)
+    assert st["JobState"] == "TIMEOUT" and int(st["Restarts"]) == 0, st
+    assert _events(out)[-1]["event"] in ("start", "stop_signal")  # killed: no end, no requeue
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    newest = max(int(n.split("_")[1]) for n in ckpts)
+    assert 2 <= newest <= stopped_at and newest % 2 == 0  # regular checkpoints only
+
+    job2 = _submit([*args, "--time", "0:30:00"])  # the same command again
+    st = slurm.wait_for(job2, timeout=900)
+    log = "".join(p.read_text() for p in out.glob("slurm-*.out"))
+    assert st["JobState"] == "COMPLETED", log[-4000:]
+    assert f"(step {newest})" in log  # "resumed from .../step_0000000N (step N)"
+    steps = [r["step"] for r in _metrics(out) if "reward/mean" in r]
+    assert steps == list(range(1, 9))  # lines past the resumed step were replaced, none is missing

@@ -154,3 +154,24 @@ def test_print_command_is_the_argv(tmp_path):
 def test_bad_cluster_settings_are_named(override, msg):
     with pytest.raises(ValueError, match=msg):
         build_argv(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", [override]))
+
+
+@pytest.mark.parametrize("backend", ["openrlhf", "megatron"])
+@pytest.mark.parametrize("flash", [True, False])
+def test_gpu_smoke_configs_load_and_pass_openrlhf_parser(backend, flash, tmp_path):
+    """`hapo doctor --gpu-smoke` runs OpenRLHF's loop from these configs on a GPU; here, up to
+    where CUDA is needed: the config loads and OpenRLHF's parser accepts its argv."""
+    import yaml
+
+    from hapo_openrlhf.doctor import smoke_run_config
+    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+
+    raw = smoke_run_config(tmp_path / "model", backend, flash_attn=flash)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_config(tmp_path / "c.yaml")
+    args = parse_with_upstream(build_argv(cfg, tmp_path / "run"))
+    assert args.rollout.batch_size == 4 and args.ckpt.save_steps == 1 and cfg.trainer.steps == 2
+    if backend == "openrlhf":  # one GPU: the engine sleeps while the actor trains (CUDA IPC weight sync)
+        assert args.train.colocate_all and args.vllm.enable_sleep and args.ds.packing_samples == flash
+    else:
+        assert not args.train.colocate_all and cfg.megatron.tensor_parallel == 1
