@@ -462,7 +462,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(val)
+        try:
+            node[parts[-1]] = yaml.safe_load(val)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"--set {path.strip()}: {val!r} is not a YAML value ({problem}); quote it, "
+                             f"e.g. --set '{path.strip()}=\"...\"'") from None
     return raw
 
 

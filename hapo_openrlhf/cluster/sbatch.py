@@ -44,16 +44,69 @@ class SubmitOptions:
     extra_sbatch: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        if self.nodes is not None and self.nodes < 1:
-            raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
-        if self.signal_seconds is not None and self.signal_seconds < 1:
-            raise ValueError("--signal-seconds must be >= 1")
-        if self.ray_num_gpus is not None and self.ray_num_gpus < 0:
-            raise ValueError(f"--ray-num-gpus must be >= 0, got {self.ray_num_gpus}")
+        def count(flag, v, lo, hi=None):
+            if v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+                raise ValueError(f"{flag} must be an integer {rng}, got {v!r}")
+
+        count("--nodes", self.nodes, 1)
+        count("--gpus-per-node", self.gpus_per_node, 0)
+        count("--cpus-per-task", self.cpus_per_task, 1)
+        count("--signal-seconds", self.signal_seconds, 1, 65535)  # Slurm's limit for --signal
+        count("--max-requeues", self.max_requeues, 0)
+        count("--ray-port", self.ray_port, 1024, 65535)
+        count("--ray-timeout", self.ray_timeout_s, 1)
+        count("--ray-num-gpus", self.ray_num_gpus, 0)
         if self.ray_interface is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", self.ray_interface):
             raise ValueError(f"--ray-interface {self.ray_interface!r} is not a network interface name")
         if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d\d){0,2}|\d+", self.time):
             raise ValueError(f"--time {self.time!r} is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
+        if self.partition is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*", self.partition):
+            raise ValueError(f"--partition {self.partition!r} is not a Slurm partition name (or a comma-separated "
+                             f"list): letters, digits, '_', '.', '-'")
+        if self.account is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.account):
+            raise ValueError(f"--account {self.account!r} is not a Slurm account name: letters, digits, '_', '.', '-'")
+        if self.output_dir is not None:
+            check_path("--output-dir", self.output_dir)
+        for kv in self.sets:
+            _no_control("--set", kv)
+        for d in self.extra_sbatch:
+            check_extra_sbatch(d)
+
+
+# options the rendered script sets itself: an extra --sbatch may not change them
+_OWN_OPTIONS = {"job-name", "J", "nodes", "N", "ntasks-per-node", "cpus-per-task", "c", "time", "t", "output", "o",
+                "error", "e", "open-mode", "requeue", "no-requeue", "signal", "gpus-per-node", "partition", "p",
+                "account", "A", "array", "a", "wrap", "chdir", "D"}
+
+
+def _no_control(flag: str, value: str) -> None:
+    if re.search(r"[\x00-\x1f\x7f]", value):
+        raise ValueError(f"{flag} {value!r} contains a control character (a newline would start a new line of "
+                         f"the batch script)")
+
+
+def check_path(flag: str, value: str) -> None:
+    """A path that goes into ``#SBATCH`` lines and the command line: one line, no whitespace
+    (sbatch splits directives on it) and no '%' (Slurm's file-name patterns)."""
+    _no_control(flag, value)
+    if re.search(r"\s|%", value):
+        raise ValueError(f"{flag} {value!r} contains whitespace or '%', which #SBATCH --output cannot take; "
+                         f"choose a path without them")
+
+
+def check_extra_sbatch(directive: str) -> None:
+    """One single-line ``--option[=value]`` per ``--sbatch``, not one the script sets itself."""
+    _no_control("--sbatch", directive)
+    m = re.fullmatch(r"--([A-Za-z][A-Za-z0-9-]*)(=\S+)?", directive)
+    if not m:
+        raise ValueError(f"--sbatch {directive!r} must be one option, '--name' or '--name=value' without spaces "
+                         f"(one --sbatch per option)")
+    if m.group(1) in _OWN_OPTIONS:
+        raise ValueError(f"--sbatch {directive!r}: --{m.group(1)} is set by hapo submit itself; use its own flag "
+                         f"(--nodes, --time, --partition, --account, --output-dir, --array, ...)")
 
 
 def array_overrides(spec: str | None) -> list[dict]:
@@ -128,13 +181,20 @@ def layout_overrides(cfg: RunConfig, nodes: int, gpus: int) -> list[str]:
 
 def render(config: str | Path, opts: SubmitOptions, workdir: str | Path | None = None) -> str:
     config = Path(config).resolve()
+    check_path("CONFIG", str(config))
     cfg = load_config(config, list(opts.sets))
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]{1,128}", cfg.run_name):
+        raise ValueError(f"run_name {cfg.run_name!r} cannot be a Slurm job name: use 1-128 letters, digits, "
+                         f"'.', '_', '+', '-'")
     is_orl = cfg.backend in ("openrlhf", "megatron")
     nodes = opts.nodes or (cfg.openrlhf.actor_num_nodes if is_orl else 1)
     gpus = opts.gpus_per_node if opts.gpus_per_node is not None else default_gpus_per_node(cfg)
     if cfg.backend == "local" and nodes > 1 and not opts.ray_check:
         raise ValueError("the local back end runs in one process: --nodes must be 1 (use backend: openrlhf)")
     out = Path(opts.output_dir or cfg.output_dir).resolve()
+    check_path("output_dir" if not opts.output_dir else "--output-dir", str(out))
+    wd = Path(workdir or Path.cwd()).resolve()
+    _no_control("the working directory", str(wd))
     sets = list(opts.sets) + layout_overrides(cfg, nodes, gpus)
     arr = array_overrides(opts.array)
     for task in arr:  # every array task's config must load
@@ -168,7 +228,7 @@ def render(config: str | Path, opts: SubmitOptions, workdir: str | Path | None =
         "cpus_per_task": opts.cpus_per_task or (8 * max(gpus, 1) if gpus else 2),
         "time": opts.time, "log_path": str(log_path),
         "signal_seconds": opts.signal_seconds if opts.signal_seconds is not None else signal_lead_seconds(cfg),
-        "optional_directives": "\n".join(directives), "workdir": shlex.quote(str(Path(workdir or Path.cwd()).resolve())),
+        "optional_directives": "\n".join(directives), "workdir": shlex.quote(str(wd)),
         "python": shlex.quote(sys.executable), "job_args": " ".join(shlex.quote(a) for a in job_args),
     }
     return string.Template(TEMPLATE.read_text()).substitute(values)

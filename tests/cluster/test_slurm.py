@@ -276,3 +276,17 @@ def test_timeout_then_resubmit_resumes_from_the_newest_complete_checkpoint(slurm
     assert f"(step {newest})" in log  # "resumed from .../step_0000000N (step N)"
     steps = [r["step"] for r in _metrics(out) if "reward/mean" in r]
     assert steps == list(range(1, 9))  # lines past the resumed step were replaced, none is missing
+
+
+def test_hostile_values_pass_sbatch_test_only_as_data(slurm, tmp_path):
+    """Accepted metacharacters reach sbatch as data: it validates the script (--test-only)
+    and nothing they spell is executed; refused ones never reach it."""
+    marker = tmp_path / "pwned"
+    p = run_cli(["submit", "configs/cpu_tiny.yaml", "--test-only", "--output-dir", str(tmp_path / "o;x&&y"),
+                 "--set", f"data.train=$(touch {marker})", "--sbatch=--comment=$(touch_{marker.name})",
+                 *_sets()], env={**os.environ, **slurm.env})
+    assert p.returncode == 0, p.stderr
+    assert "to start at" in p.stdout and not marker.exists()
+    p = run_cli(["submit", "configs/cpu_tiny.yaml", "--test-only", "--partition", f"debug --wrap=touch {marker}"],
+                env={**os.environ, **slurm.env})
+    assert p.returncode == 2 and "--partition" in p.stderr and not marker.exists()
