@@ -80,6 +80,9 @@ def _eval(args) -> int:
     from .eval.engines import make_engine
     from .eval.harness import EvalSettings, markdown_table, run_eval
 
+    from .eval.engines import check_local_model
+
+    check_local_model(args.model)  # before the template lookup reads its files
     benches = parse_benchmarks(args.benchmarks)
     settings = EvalSettings(
         template=resolve_template(args.model, args.template), temperature=args.temperature, top_p=args.top_p,
@@ -323,13 +326,35 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def describe_error(e: BaseException) -> str:
+    """One line for a user: what went wrong and where, without a traceback."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"the disk is full{f' writing {e.filename}' if e.filename else ''} ({e.strerror}); free space and rerun"
+    if isinstance(e, RuntimeError) and ("iostream" in str(e).lower() or "No space left" in str(e)):
+        return f"writing a file failed, most likely a full disk: {e}"
+    if isinstance(e, (ValueError, FloatingPointError, OSError)):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except (ValueError, FloatingPointError, OSError) as e:  # OSError: a missing model / file
-        print(f"hapo: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("hapo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place every error becomes one clear line
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        expected = isinstance(e, (ValueError, FloatingPointError, OSError))
+        hint = "" if expected or args.verbose else " (run with -v for the traceback)"
+        print(f"hapo: error: {describe_error(e)}{hint}", file=sys.stderr)
         return 2
 
 

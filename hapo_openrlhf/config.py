@@ -7,8 +7,10 @@ validation: overrides (``--set a.b=1``) are applied to the raw dict first.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -66,9 +68,10 @@ class ModelConfig:
     packing: bool = False
 
     def __post_init__(self):
+        for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings"):
+            _require(getattr(self, k) > 0, f"model.{k} must be > 0, got {getattr(self, k)}")
         _require(self.hidden_size % self.num_heads == 0, "model.hidden_size must be divisible by model.num_heads")
         _require(self.num_heads % self.num_kv_heads == 0, "model.num_heads must be divisible by model.num_kv_heads")
-        _require(min(self.hidden_size, self.num_layers, self.intermediate_size) > 0, "model sizes must be > 0")
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,10 @@ class DataConfig:
 
         _require(self.template in TEMPLATES, f"data.template must be one of {sorted(TEMPLATES)}, got {self.template!r}")
         _require(self.on_bad_row in ("error", "skip"), f"data.on_bad_row must be 'error' or 'skip', got {self.on_bad_row!r}")
+        _require(self.eval_limit is None or self.eval_limit >= 1,
+                 f"data.eval_limit must be >= 1 (or null: every problem), got {self.eval_limit}")
+        for k in ("train", "eval"):
+            _require(bool(str(getattr(self, k)).strip()), f"data.{k} must not be empty")
 
 
 @dataclass(frozen=True)
@@ -180,10 +187,12 @@ class OptimConfig:
     micro_batch_size: int = 32
 
     def __post_init__(self):
-        _require(self.lr > 0, "optim.lr must be > 0")
+        _require(math.isfinite(self.lr) and self.lr > 0, f"optim.lr must be a finite number > 0, got {self.lr}")
+        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optim.weight_decay must be >= 0")
+        _require(self.lr_warmup_steps >= 0, f"optim.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas must be two values in [0, 1)")
         _require(self.ppo_epochs >= 1 and self.micro_batch_size >= 1, "optim.ppo_epochs and optim.micro_batch_size must be >= 1")
-        _require(self.grad_clip > 0, "optim.grad_clip must be > 0")
+        _require(math.isfinite(self.grad_clip) and self.grad_clip > 0, "optim.grad_clip must be a finite number > 0")
 
 
 @dataclass(frozen=True)
@@ -350,6 +359,20 @@ class RunConfig:
 
     def __post_init__(self):
         _require(self.backend in ("local", "openrlhf", "megatron"), f"backend must be local, openrlhf or megatron, got {self.backend!r}")
+        _require(bool(str(self.output_dir).strip()), "output_dir must not be empty (it would write into the current "
+                                                      "directory); name a run directory")
+        _require(bool(str(self.run_name).strip()) and "\n" not in str(self.run_name), "run_name must be one non-empty line")
+        if self.backend == "local" and not self.model.path:
+            from .data.templates import TEMPLATES
+
+            # the tiny model's byte positions must hold a templated prompt + the response (a lower bound
+            # for synthetic prompts; real prompts are checked as they are tokenized)
+            syn = self.data.synthetic
+            prompt = len(TEMPLATES[self.data.template].format(problem="")) + syn.n_terms * (syn.digits + 3)
+            need = max(self.rollout.max_new_tokens, self.eval.max_new_tokens) + prompt
+            _require(self.model.max_position_embeddings >= need,
+                     f"model.max_position_embeddings ({self.model.max_position_embeddings}) is smaller than prompt + "
+                     f"response (>= {need} tokens: max_new_tokens {need - prompt} + a ~{prompt}-token prompt)")
         if self.backend == "megatron":
             self._check_megatron()
 
@@ -403,7 +426,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise ValueError(f"{key}: expected a mapping, got {value!r}")
         return from_dict(tp, value, key)
-    if tp is Any or origin in (Mapping, dict) or tp is Mapping:
+    if origin in (Mapping, dict, collections.abc.Mapping) or tp is Mapping:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key}: expected a mapping (e.g. {{alpha: 0.2}}), got {value!r}")
+        return value
+    if tp is Any:
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
@@ -508,7 +535,11 @@ def read_raw(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Load a run config: ``base:`` chain, then ``--set`` overrides, then validation."""
-    return from_dict(RunConfig, apply_overrides(read_raw(path), list(overrides or [])))
+    raw = read_raw(path)
+    if not raw:
+        raise ValueError(f"config file {str(path)!r} is empty: a run config names at least its run "
+                         f"(start from configs/cpu_tiny.yaml, or use `base: cpu_tiny.yaml`)")
+    return from_dict(RunConfig, apply_overrides(raw, list(overrides or [])))
 
 
 def dump_config(cfg: RunConfig) -> str:

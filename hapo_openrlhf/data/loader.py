@@ -104,9 +104,19 @@ def _iter_rows(path: Path, on_bad_row: str, report: LoadReport) -> Iterator[tupl
         rows = data.get("data", data) if isinstance(data, dict) else data
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of objects (or {{'data': [...]}})")
-        yield from enumerate(rows, 1)
+        for i, row in enumerate(rows, 1):
+            if not isinstance(row, dict):  # like a .jsonl row: an object, or a named error / counted skip
+                if on_bad_row == "skip":
+                    report.skipped_malformed += 1
+                    continue
+                raise ValueError(f"{path}: item {i} is a JSON {type(row).__name__}, not an object with "
+                                 f"problem/answer fields; fix it or set data.on_bad_row: skip")
+            yield i, row
     elif suffix == ".parquet":
-        import pyarrow.parquet as pq  # optional extra: hapo-openrlhf[data]
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"{path}: reading Parquet needs pyarrow: pip install 'hapo-openrlhf[data]'") from None
 
         yield from enumerate(pq.read_table(path).to_pylist(), 1)
     else:
@@ -115,7 +125,10 @@ def _iter_rows(path: Path, on_bad_row: str, report: LoadReport) -> Iterator[tupl
 
 def _iter_hf(name: str, split: str) -> Iterator[tuple[int, dict]]:
     """A hub id, a local dataset repo (data files) or a ``save_to_disk`` directory."""
-    import datasets  # optional extra: hapo-openrlhf[data]
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"hf:{name} needs the datasets package: pip install 'hapo-openrlhf[data]'") from None
 
     if (Path(name) / "dataset_info.json").exists() or (Path(name) / "dataset_dict.json").exists():
         ds = datasets.load_from_disk(name)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from pathlib import Path
+
 import torch
 
 
@@ -75,12 +77,35 @@ class VLLMEngine:
         return [[(c.text, len(c.token_ids)) for c in o.outputs] for o in outs]
 
 
+def looks_local(model_path: str) -> bool:
+    """A path, not a hub id: starts like one, has more than one '/', or its first component
+    is a directory here ("runs/nope" when ./runs exists)."""
+    p = Path(model_path).expanduser()
+    return (model_path.startswith((".", "/", "~")) or model_path.count("/") != 1 or p.exists()
+            or Path(model_path.split("/")[0]).is_dir())
+
+
+def check_local_model(model_path: str) -> None:
+    """Missing local paths are reported before any hub lookup (which would retry for a minute),
+    and a model directory must be loadable: config and tokenizer files."""
+    if not looks_local(model_path):
+        return
+    p = Path(model_path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"model directory {model_path!r} not found")
+    missing = [] if (p / "config.json").exists() else ["config.json"]
+    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        missing.append("tokenizer files (tokenizer.json / tokenizer_config.json)")
+    if missing:
+        raise ValueError(f"model directory {model_path!r} lacks {', '.join(missing)}: not a complete Hugging Face "
+                         f"model (an interrupted save?)")
+
+
 def make_engine(kind: str, model_path: str, **kw) -> Engine:
     """``auto`` picks vLLM when CUDA and vllm are available, else Hugging Face on CPU."""
     from pathlib import Path
 
-    if (model_path.startswith((".", "/", "~")) or model_path.count("/") > 1) and not Path(model_path).expanduser().exists():
-        raise ValueError(f"model directory {model_path!r} not found")
+    check_local_model(model_path)
     if kind == "auto":
         try:
             import vllm  # noqa: F401

@@ -41,6 +41,14 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     """Sample ``n`` responses per prompt; rows are grouped: prompt j -> rows [j*n, (j+1)*n)."""
     from transformers import GenerationConfig
 
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit:  # checked before any [B, T] buffer exists: a 1 MB prompt is an error, not a 1 TB allocation
+        for j, p in enumerate(prompts):
+            n_tok = len(tokenizer(p, add_special_tokens=False).input_ids)
+            if n_tok + max_new_tokens > limit:
+                raise ValueError(f"prompt {j} ({p[:60]!r}...) has {n_tok} tokens; with max_new_tokens "
+                                 f"{max_new_tokens} it exceeds the model's {limit} positions "
+                                 f"(model.max_position_embeddings): shorten or drop it")
     expanded = [p for p in prompts for _ in range(n)]
     enc = tokenizer(expanded, return_tensors="pt", padding=True, add_special_tokens=False)
     gen_cfg = GenerationConfig(
