@@ -11,16 +11,24 @@ Layout::
 A save writes into ``.tmp-step_...`` (fsynced), renames it into place, then
 rewrites ``latest`` via ``os.replace``. A crash at any point leaves the previous
 checkpoint and pointer intact; a directory without ``meta.json`` is ignored.
+
+``meta.json`` records every shard's size and CRC-32; :func:`verify_checkpoint` checks
+them before a resume uses the directory, and :func:`resumable_checkpoints` scans the
+step directories newest first (``latest`` is advisory), skipping -- with a warning --
+any that fails, so a truncated or overwritten newest shard falls back to the newest
+older checkpoint that verifies.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +37,15 @@ import torch
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
+log = logging.getLogger(__name__)
+
+
+def file_crc32(path: Path, chunk: int = 8 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -80,11 +97,18 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    files = {}
     for rank, state in shards.items():
         p = tmp / shard_name(rank)
-        torch.save(state, p)
+        try:
+            torch.save(state, p)
+        except RuntimeError as e:  # torch reports ENOSPC as a bare "iostream error"
+            free = shutil.disk_usage(root).free
+            raise OSError(28, f"could not write the checkpoint shard ({e}); {free / 2**20:.0f} MiB free "
+                              f"on its filesystem -- most likely a full disk", str(p)) from None
         _fsync_file(p)
-    meta = {**meta, "step": step, "world_size": len(shards), "saved_at": time.time()}
+        files[p.name] = {"size": p.stat().st_size, "crc32": file_crc32(p)}
+    meta = {**meta, "step": step, "world_size": len(shards), "saved_at": time.time(), "files": files}
     (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
     _fsync_file(tmp / META)
     _fsync_dir(tmp)
@@ -121,17 +145,51 @@ def list_complete(root: str | Path) -> list[Path]:
     return sorted(dirs, key=lambda d: int(_STEP_RE.match(d.name).group(1)))
 
 
+def verify_checkpoint(d: str | Path) -> str | None:
+    """None when every shard ``meta.json`` lists is there with its recorded size and CRC-32;
+    else the reason. (A checkpoint written before the manifest existed is taken on its meta.)"""
+    d = Path(d)
+    try:
+        meta = json.loads((d / META).read_text())
+    except (OSError, ValueError) as e:
+        return f"{META} unreadable ({e})"
+    for name, want in (meta.get("files") or {}).items():
+        p = d / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != want["size"]:
+            return f"{name} has {size} bytes, {want['size']} were written (truncated or overwritten)"
+        if file_crc32(p) != want["crc32"]:
+            return f"{name} does not match its CRC-32 (corrupted or overwritten)"
+    if not meta.get("files") and not (d / shard_name(0)).is_file():
+        return f"{shard_name(0)} is missing"
+    return None
+
+
+def resumable_checkpoints(root: str | Path) -> tuple[list[Path], list[str]]:
+    """(complete checkpoints that verify, newest first; one line per one that does not).
+    The step directories are scanned: the ``latest`` pointer is advisory (a torn or
+    garbage pointer changes nothing)."""
+    good, bad = [], []
+    for d in reversed(list_complete(root)):
+        why = verify_checkpoint(d)
+        if why is None:
+            good.append(d)
+        else:
+            bad.append(f"{d}: {why}")
+    return good, bad
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest *complete* checkpoint dir: the ``latest`` pointer when it names a
-    complete one, else the highest complete step; None if there is none."""
-    root = Path(root)
-    done = list_complete(root)
-    pointer = root / "latest"
-    if pointer.exists():
-        cand = root / pointer.read_text().strip()
-        if cand in done and cand == done[-1]:
-            return cand
-    return done[-1] if done else None
+    """The newest checkpoint dir that is complete and verifies (warning about newer ones
+    that do not); None if there is none. Raises when checkpoints exist but none verifies."""
+    good, bad = resumable_checkpoints(root)
+    for line in bad:
+        log.warning("skipping checkpoint %s", line)
+    if not good and bad:
+        raise ValueError("no checkpoint verifies; tried, newest first:\n  " + "\n  ".join(bad))
+    return good[0] if good else None
 
 
 def load_checkpoint(ckpt_dir: str | Path, rank: int = 0, world_size: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -82,13 +82,16 @@ def _eval(args) -> int:
 
     from .eval.engines import check_local_model
 
-    check_local_model(args.model)  # before the template lookup reads its files
     benches = parse_benchmarks(args.benchmarks)
-    settings = EvalSettings(
-        template=resolve_template(args.model, args.template), temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, batch_prompts=args.batch_prompts, k=args.k,
-        limit=args.limit,
-    )
+
+    def settings_with(template: str) -> EvalSettings:
+        return EvalSettings(
+            template=template, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+            seed=args.seed, batch_prompts=args.batch_prompts, k=args.k, limit=args.limit)
+
+    settings_with("plain")  # the numbers first, then the model (before its template is looked up)
+    check_local_model(args.model)
+    settings = settings_with(resolve_template(args.model, args.template))
     out = args.output_dir or str(Path(args.model) / "eval")
     console = Console(stderr=True)
     engine = make_engine(args.engine, args.model)

@@ -3,6 +3,7 @@ the real `hapo` command in a subprocess and must end with one `hapo: error:` lin
 the key, file or option, a non-zero exit, and no traceback (reliability issue)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,106 @@ def test_full_disk_is_named(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_list", full)
     assert cli.main(["list"]) == 2
     assert "the disk is full writing /scratch/run/checkpoints/.tmp-step_00000010/shard.pt" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- faults on disk
+SMALL = ["warmup.steps=40", "data.synthetic.eval_size=8", "rollout.prompts_per_step=4", "trainer.save_every=2",
+         "trainer.keep_last=3", "trainer.eval_every=0", "trainer.sample_every=0", "eval.n_samples=1"]
+
+
+def _train(out, *extra, resume=False, wait=True):
+    import subprocess
+    import sys
+
+    args = ["train", "--config", CFG, "--output-dir", str(out), *(["--resume"] if resume else [])]
+    for kv in [*SMALL, *extra]:
+        args += ["--set", kv]
+    if not wait:
+        return subprocess.Popen([sys.executable, "-m", "hapo_openrlhf", *args], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return run_cli(args)
+
+
+def _steps(out):
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+@pytest.mark.slow
+def test_corrupt_newest_checkpoint_garbage_latest_and_torn_metrics_still_resume(tmp_path):
+    ref = tmp_path / "ref"
+    assert _train(ref, "trainer.steps=6").returncode == 0
+    out = tmp_path / "run"
+    assert _train(out, "trainer.steps=4").returncode == 0
+    ck = out / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step_")) == \
+        ["step_00000000", "step_00000002", "step_00000004"]
+    shard = ck / "step_00000004" / "shard_rank00000.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated newest shard
+    (ck / "latest").write_bytes(b"\xff\xfe garbage \x00")  # the pointer is advisory
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "reward/me')  # torn last line (a full disk mid-write)
+    p = _train(out, "trainer.steps=6", resume=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "skipping checkpoint" in p.stderr and "step_00000004" in p.stderr and "truncated" in p.stderr
+    assert "resumed from" in p.stderr and "(step 2)" in p.stderr
+    assert "torn last line" in p.stderr and "Traceback" not in p.stderr
+    assert _steps(out) == _steps(ref)  # == an uninterrupted run: resumed from the newest verified state
+
+    # nothing verifies: an error listing what was tried, nothing overwritten
+    for d in ck.iterdir():
+        if d.name.startswith("step_"):
+            s = d / "shard_rank00000.pt"
+            s.write_bytes(b"x" + s.read_bytes()[1:])
+    p = _train(out, "trainer.steps=8", resume=True)
+    assert p.returncode == 2 and "no checkpoint under" in p.stderr and "CRC-32" in p.stderr, p.stderr[-2000:]
+    assert p.stderr.count("step_0000000") >= 3 and "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+def test_a_second_process_on_a_busy_run_directory_is_refused(tmp_path):
+    import time
+
+    out = tmp_path / "run"
+    first = _train(out, "trainer.steps=30", "warmup.steps=200", wait=False)
+    try:
+        lock = out / ".hapo.lock"
+        t0 = time.time()
+        while not (lock.exists() and lock.read_text().strip()):
+            assert time.time() - t0 < 60 and first.poll() is None, first.stderr.read() if first.poll() else ""
+            time.sleep(0.1)
+        for resume in (False, True):
+            p = _train(out, "trainer.steps=30", resume=resume)
+            assert p.returncode == 2, p.stderr[-2000:]
+            assert f"is in use by PID {first.pid}" in p.stderr and "Traceback" not in p.stderr
+    finally:
+        first.kill()
+        first.wait()
+    # the kernel dropped the killed holder's lock: a resume may take the directory now
+    from hapo_openrlhf import runlock
+
+    runlock.acquire(out)
+    runlock.release(out)
+
+
+def test_final_model_is_written_atomically(tmp_path, monkeypatch):
+    """A kill while the final model is written leaves the old directory (or none), never
+    weights without a tokenizer."""
+    from hapo_openrlhf.local.model import build_tokenizer, save_hf
+
+    class Model:
+        def save_pretrained(self, d):
+            Path(d, "model.safetensors").write_text("w")
+
+    tok = build_tokenizer()
+    save_hf(Model(), tok, tmp_path / "final_model", extra_files={"hapo.json": "{}"})
+    before = sorted(p.name for p in (tmp_path / "final_model").iterdir())
+    assert "model.safetensors" in before and "hapo.json" in before and any("tokenizer" in n for n in before)
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # the process dies while the tokenizer is being written
+
+    monkeypatch.setattr(type(tok), "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_hf(Model(), tok, tmp_path / "final_model")
+    assert sorted(p.name for p in (tmp_path / "final_model").iterdir()) == before

@@ -80,7 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.array_sets:
         task = json.loads(a.array_sets)[int(os.environ["SLURM_ARRAY_TASK_ID"])]
         out, sets = out / task["suffix"], sets + task["sets"]
-    out.mkdir(parents=True, exist_ok=True)
+    from .. import runlock
+
+    try:
+        runlock.acquire(out)  # held for the trainer too (HAPO_RUN_LOCK_HELD): one owner per run directory
+    except runlock.RunDirBusy as e:
+        print(f"hapo job: error: {e}", file=sys.stderr)
+        return 1
     events = Events(out / "slurm_events.jsonl")
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     events.log("start", nodes=os.environ.get("SLURM_JOB_NODELIST"), output_dir=str(out))
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             events.log("doctor_failed", checks=failed)
             return 1
     ray = None
-    env = dict(os.environ)
+    env = runlock.child_env(out)
     if cfg.backend in ("openrlhf", "megatron") or a.ray_check:
         from .ray_cluster import RayCluster, allocation_hosts
 

@@ -1,14 +1,22 @@
 """`hapo eval`: Avg@k / Pass@k / response length on the paper's benchmarks.
 
-Resumable: each benchmark's samples go to ``OUT/<bench>.samples.jsonl``, one
-line per problem, appended and fsynced batch by batch. A rerun skips finished
-problems; batches have fixed boundaries and seeds (``seed + batch start``), so a
-resumed evaluation produces exactly the samples an uninterrupted one would.
+Resumable: each benchmark's samples go to ``OUT/<stem>-<identity>.samples.jsonl``,
+one line per problem, appended and fsynced batch by batch. ``<identity>`` hashes what
+the samples depend on: the benchmark's resolved path (or bundled name), the content of
+all its rows, and the generation settings. So two benchmarks with one basename get two
+files, and an edited benchmark (or other settings) starts a fresh file instead of
+grading stale samples against new answers. A rerun skips finished problems; batches
+have fixed boundaries and seeds (``seed + batch start``), so a resumed evaluation
+produces exactly the samples an uninterrupted one would. A corrupt line (or a record
+whose problem no longer matches) is reported with file and line and its problem is
+generated again; the valid records after it are kept.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -16,9 +24,11 @@ from pathlib import Path
 
 from ..data.templates import apply_template
 from ..rewards import MathVerifier
-from .benchmarks import Benchmark, load_benchmark
+from .benchmarks import BENCHMARKS, Benchmark, load_benchmark
 from .engines import Engine, SamplingSpec
 from .metrics import summarize_samples
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,19 +49,44 @@ class EvalSettings:
             raise ValueError("eval needs temperature > 0, top-p in (0, 1], max-new-tokens > 0, batch-prompts > 0")
 
 
-def _read_done(path: Path) -> dict[int, dict]:
-    """Finished problems; a torn last line (killed mid-write) is dropped and rewritten."""
-    done, good = {}, []
+def _read_done(path: Path, problems: list) -> dict[int, dict]:
+    """Finished problems. A corrupt line or a record that does not belong to the problem at
+    its index is reported (file:line) and dropped, so that problem is generated again; the
+    file is rewritten with the valid records only (nothing valid after a bad line is lost)."""
+    done, dropped = {}, []
     if path.exists():
-        for line in path.read_text().splitlines():
+        for ln, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
             try:
                 rec = json.loads(line)
-            except ValueError:
-                break
-            done[rec["index"]] = rec
-            good.append(line)
-        path.write_text("".join(l + "\n" for l in good))
+                i = rec["index"]
+                if not (0 <= i < len(problems)) or rec.get("id") != problems[i].id \
+                        or rec.get("answer") != list(problems[i].answer):
+                    raise ValueError("it belongs to another problem")
+            except (ValueError, KeyError, TypeError) as e:
+                dropped.append(f"{path}:{ln} ({e})")
+                continue
+            done[i] = rec
+        if dropped:
+            log.warning("dropping %d unusable sample record(s), their problems are generated again: %s",
+                        len(dropped), "; ".join(dropped[:5]))
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(done[i]) + "\n" for i in sorted(done)))
+            os.replace(tmp, path)
     return done
+
+
+def benchmark_identity(bench: Benchmark, s: "EvalSettings") -> str:
+    """A hash of what the samples depend on: the benchmark (resolved path or bundled name
+    and every row), and the generation settings (not ``limit``, which only shortens)."""
+    from ..data.loader import BUNDLED
+
+    where = bench.name if bench.name in BUNDLED else str(Path(bench.name).resolve())
+    rows = [(p.id, p.problem, list(p.answer)) for p in load_benchmark(bench, None)]
+    gen = {k: v for k, v in asdict(s).items() if k != "limit"}
+    blob = json.dumps({"where": where, "rows": rows, "k": s.k or bench.k, "gen": gen}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def _append(path: Path, records: list[dict]) -> None:
@@ -66,8 +101,13 @@ def eval_benchmark(engine: Engine, bench: Benchmark, s: EvalSettings, out_dir: P
                    progress=None) -> dict:
     problems = load_benchmark(bench, s.limit)
     k = s.k or bench.k
-    path = out_dir / f"{Path(bench.name).stem}.samples.jsonl"
-    done = _read_done(path)
+    stem = Path(bench.name).stem
+    path = out_dir / f"{stem}-{benchmark_identity(bench, s)}.samples.jsonl"
+    for other in sorted(out_dir.glob(f"{stem}-*.samples.jsonl")):
+        if other != path:
+            log.warning("%s: samples of another version of %s (rows or settings differ) are not reused",
+                        other, bench.name)
+    done = _read_done(path, problems)
     for start in range(0, len(problems), s.batch_prompts):
         idx = [i for i in range(start, min(start + s.batch_prompts, len(problems))) if i not in done]
         if not idx:
@@ -87,7 +127,8 @@ def eval_benchmark(engine: Engine, bench: Benchmark, s: EvalSettings, out_dir: P
         done.update({r["index"]: r for r in recs})
         if progress:
             progress(bench.name, len(done), len(problems))
-    return summarize(Path(bench.name).stem, [done[i] for i in range(len(problems))], k)
+    label = stem if bench.name in BENCHMARKS or bench.name == stem else bench.name  # two files, one basename
+    return summarize(label, [done[i] for i in range(len(problems))], k)
 
 
 def summarize(name: str, recs: list[dict], k: int) -> dict:

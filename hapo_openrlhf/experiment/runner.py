@@ -50,12 +50,12 @@ def _run_job(job: Job) -> dict[str, Any]:
     t0 = time.perf_counter()
     handler = None
     try:
-        from ..checkpoint import latest_checkpoint
+        from ..checkpoint import list_complete
         from ..config import RunConfig, from_dict
         from ..local.trainer import LocalTrainer
 
         cfg = from_dict(RunConfig, job.config)
-        resume = latest_checkpoint(job.out / "checkpoints") is not None
+        resume = bool(list_complete(job.out / "checkpoints"))
         if job.out.exists() and not resume:  # died before its first checkpoint: start it again
             shutil.rmtree(job.out)
         handler = _quiet_worker(job.out / "run.log")

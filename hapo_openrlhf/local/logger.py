@@ -3,8 +3,33 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def read_jsonl_records(path: Path) -> list[dict]:
+    """The records of a JSONL log. A torn *last* line (a crash or a full disk mid-write) is
+    dropped with a warning; a corrupt line before the end is an error naming file and line."""
+    lines = path.read_text(errors="replace").splitlines()
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    out = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+            if not isinstance(rec, dict):
+                raise ValueError(f"a JSON {type(rec).__name__}, not an object")
+        except ValueError as e:
+            if i == last:
+                log.warning("%s:%d: dropping a torn last line (%s)", path, i + 1, e)
+                continue
+            raise ValueError(f"{path}:{i + 1}: corrupt line ({e}); repair or remove it") from None
+        out.append(rec)
+    return out
 
 
 class MetricsLogger:
@@ -28,11 +53,8 @@ class MetricsLogger:
         uninterrupted run's (the killed run may have logged steps it never saved)."""
         if not self.path.exists():
             return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            if line.strip() and json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        self.path.write_text("".join(l + "\n" for l in keep))
+        keep = [r for r in read_jsonl_records(self.path) if r.get("step", 0) <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         rec = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}}
@@ -53,4 +75,4 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     p = Path(run_dir) / "metrics.jsonl"
     if not p.exists():
         raise ValueError(f"{str(p)!r} not found: is {str(run_dir)!r} a run directory?")
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    return read_jsonl_records(p)

@@ -85,8 +85,34 @@ def load_or_build(cfg, seed: int):
     return build_model(cfg, tok, seed), tok
 
 
-def save_hf(model, tokenizer, path: str | Path) -> None:
+def save_hf(model, tokenizer, path: str | Path, extra_files: dict[str, str] | None = None) -> None:
+    """A Hugging Face model directory, written like a checkpoint: into a temp directory,
+    fsynced, then renamed into place (replacing an older one), so a kill never leaves
+    weights without a tokenizer at ``path``."""
+    import os
+    import shutil
+
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if path.exists():
+        old = path.parent / f".old-{path.name}-{os.getpid()}"
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(path)
+    fd = os.open(str(path.parent), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -20,7 +20,8 @@ import torch
 
 from .. import algos
 from ..algos.advantages import grpo_sequence_advantage
-from ..checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .. import runlock
+from ..checkpoint import list_complete, load_checkpoint, resumable_checkpoints, rng_state, save_checkpoint, set_rng_state
 from ..config import RunConfig, dump_config
 from ..data.templates import apply_template
 from ..preemption import Preempted
@@ -57,6 +58,7 @@ class LocalTrainer:
         self.stop_requested = False  # set by a signal handler (see cli.py); checked at step boundaries
         self.cfg = cfg
         self.out = Path(output_dir or cfg.output_dir)
+        runlock.acquire(self.out)  # one owner per run directory, before anything is written
         self.ckpt_root = self.out / "checkpoints"
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
@@ -72,7 +74,7 @@ class LocalTrainer:
         self.verifier = MathVerifier(timeout_s=cfg.algorithm.reward_timeout_s, wrong_value=cfg.algorithm.reward_wrong)
         self.loss_rng = torch.Generator().manual_seed(cfg.seed + 7)
         self.resumed_from = resumed_from = self._maybe_resume() if resume else None
-        if not resume and latest_checkpoint(self.ckpt_root) is not None:
+        if not resume and list_complete(self.ckpt_root):
             raise ValueError(
                 f"{str(self.ckpt_root)!r} already holds checkpoints; pass --resume to continue "
                 f"or choose another --output-dir"
@@ -89,22 +91,44 @@ class LocalTrainer:
         torch.manual_seed(seed)
 
     def _maybe_resume(self) -> Path | None:
-        ckpt = latest_checkpoint(self.ckpt_root)
-        if ckpt is None:
-            log.warning("--resume: no complete checkpoint under %s; starting fresh", self.ckpt_root)
-            return None
-        shard, meta = load_checkpoint(ckpt)
+        """Load the newest checkpoint that verifies (sizes and CRC-32 of its shards) and loads;
+        newer ones that do not are skipped with a warning naming the reason."""
+        good, bad = resumable_checkpoints(self.ckpt_root)
+        for line in bad:
+            log.warning("skipping checkpoint %s", line)
+        tried = list(bad)
+        for ckpt in good:
+            try:
+                shard, meta = load_checkpoint(ckpt)
+            except Exception as e:  # noqa: BLE001 - an unreadable shard: fall back to an older one
+                log.warning("skipping checkpoint %s: cannot be loaded (%s)", ckpt, e)
+                tried.append(f"{ckpt}: cannot be loaded ({e})")
+                continue
+            self._restore(ckpt, shard, meta)
+            return ckpt
+        if tried:
+            raise ValueError("--resume: no checkpoint under " + str(self.ckpt_root) + " can be used; tried, newest "
+                             "first:\n  " + "\n  ".join(tried))
+        log.warning("--resume: no complete checkpoint under %s; starting fresh", self.ckpt_root)
+        return None
+
+    def _restore(self, ckpt: Path, shard: dict, meta: dict) -> None:
         changed = _config_diff(meta.get("config", {}), self.cfg.to_dict())
         if changed:
             log.warning("resuming %s with a changed config: %s", ckpt, ", ".join(changed))
-        self.model.load_state_dict(shard["model"])
+        try:
+            self.model.load_state_dict(shard["model"])
+        except RuntimeError as e:
+            shape = [c for c in changed if c.startswith("model.")]
+            raise ValueError(f"checkpoint {ckpt} holds a model of another shape ({', '.join(shape) or 'model.*'} "
+                             f"changed); resume with the config it was saved with, or start a new --output-dir"
+                             ) from e
         self.optim.load_state_dict(shard["optimizer"])
         self.sched.load_state_dict(shard["scheduler"])
         self.loss_rng.set_state(shard["loss_rng"])
         self.state = TrainState(**shard["trainer"])
         set_rng_state(shard["rng"])
         log.info("resumed from %s (step %d)", ckpt, self.state.step)
-        return ckpt
 
     def save(self) -> Path:
         shard = {
@@ -315,19 +339,23 @@ class LocalTrainer:
                 if not saved:
                     self.save()
                 log.warning("stop requested: checkpointed step %d, exiting for requeue", s)
-                self.logger.close()
-                self.verifier.close()
+                self.close()
                 raise Preempted(s)
         final = self.evaluate()
         self.logger.log(self.state.step, {**final, "final": 1})
-        save_hf(self.model, self.tok, self.out / "final_model")
-        # lets `hapo eval --template auto` pick the prompt format this model was trained on
-        (self.out / "final_model" / "hapo.json").write_text(json.dumps({"template": cfg.data.template}))
+        # hapo.json lets `hapo eval --template auto` pick the prompt format this model was trained on
+        save_hf(self.model, self.tok, self.out / "final_model",
+                extra_files={"hapo.json": json.dumps({"template": cfg.data.template})})
         summary = {"before": self.state.eval_before, "after": final}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.close()
+        return summary
+
+    def close(self) -> None:
+        """Close the logs and the grader, and give up the run directory's lock."""
         self.logger.close()
         self.verifier.close()
-        return summary
+        runlock.release(self.out)
 
 
 def _merge_groups(kept, pad_id: int) -> Batch:

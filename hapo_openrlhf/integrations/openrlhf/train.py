@@ -115,9 +115,11 @@ def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
     """Write the prompt files and run OpenRLHF with hapo installed; returns the output dir."""
     from .data import write_prompt_files
 
+    from ... import runlock
+
     paths = RunPaths(Path(out or cfg.output_dir))
     argv = build_argv(cfg, paths.out)
-    paths.out.mkdir(parents=True, exist_ok=True)
+    runlock.acquire(paths.out)  # one driver per run directory (the Slurm job may hold it for us)
     (paths.out / "openrlhf_argv.json").write_text(json.dumps(argv))
     (paths.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     write_prompt_files(cfg, paths.train_jsonl, paths.eval_jsonl)

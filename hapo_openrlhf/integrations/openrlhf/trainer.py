@@ -129,8 +129,10 @@ class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
         path = self._metrics_path
         path.parent.mkdir(parents=True, exist_ok=True)
         if not self._metrics_started and path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < step]
-            path.write_text("".join(k + "\n" for k in keep))
+            from ...local.logger import read_jsonl_records
+
+            keep = [r for r in read_jsonl_records(path) if r.get("step", 0) < step]
+            path.write_text("".join(json.dumps(r) + "\n" for r in keep))
         self._metrics_started = True
         row = {"step": step}
         for k, v in status.items():
