@@ -16,6 +16,7 @@ def _files(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     (tmp_path / "list.json").write_text(json.dumps([{"problem": "1+1", "answer": "2"}, [1, 2], "x"]))
     (tmp_path / "data.parquet").write_bytes(b"PAR1")
+    (tmp_path / "huge.jsonl").write_text(json.dumps({"problem": "1+" * 500_000 + "1", "answer": "500001"}) + "\n")
     half = tmp_path / "half_model"
     half.mkdir()
     (half / "config.json").write_text("{}")
@@ -35,6 +36,8 @@ CASES = [
     (["train", "--config", CFG, "--set", "model.max_position_embeddings=32"], "model.max_position_embeddings \\(32\\)"),
     (["train", "--config", CFG, "--set", "data.eval={tmp}/list.json", "--set", "warmup.steps=1",
       "--set", "trainer.steps=0"], "list.json: item 2 is a JSON list"),
+    (["train", "--config", CFG, "--set", "data.train={tmp}/huge.jsonl", "--set", "data.eval={tmp}/huge.jsonl",
+      "--set", "warmup.steps=0", "--set", "eval.n_samples=1"], "prompt 0 .* has 1000\\d+ tokens"),
     (["eval", "--model", "{tmp}/nope/model", "--template", "tiny"], "model directory .*nope/model.* not found"),
     (["eval", "--model", "{tmp}/half_model", "--template", "tiny"], "lacks tokenizer files"),
     (["submit", CFG, "--dry-run", "--cpus-per-task", "0"], "--cpus-per-task must be an integer >= 1"),
