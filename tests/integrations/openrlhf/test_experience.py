@@ -12,8 +12,8 @@ def _cfg(estimator="hapo", params=None, overlong=False, max_new=12):
     return {
         "rollout": {"max_new_tokens": max_new},
         "algorithm": {"estimator": estimator, "estimator_params": {"alpha": 0.2, "phi": 2.0} if params is None else params,
-                      "overlong": {"enable": overlong, "cache_len": 4}, "quadrant_quantile": 0.8,
-                      "quadrant_threshold": None},
+                      "overlong": {"enable": overlong, "cache_len": 4}, "quadrant_split": "group_mean",
+                      "quadrant_quantile": 0.8, "quadrant_threshold": None},
     }
 
 
@@ -59,7 +59,7 @@ def _whole_batch(rows, n):
         ent[j, :L] = h
     rewards = torch.tensor([r for r, _, _ in rows])
     return algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=ent,
-                                 group_index=torch.arange(len(rows)) // n)
+                                 group_index=torch.arange(len(rows)) // n, correct=rewards > 0.5)
 
 
 @pytest.mark.parametrize("estimator, params", [
