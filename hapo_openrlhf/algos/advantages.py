@@ -173,7 +173,8 @@ def hapo_credit(inputs: AdvantageInputs, base_adv: torch.Tensor, phi: float) -> 
     z = torch.where(sigma > 0, (H - mu) / sigma.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(H))
     bound = base_adv.abs() / phi
     credit = torch.maximum(torch.minimum(z, bound), -bound)
-    return credit * inputs.mask, z.abs() >= bound
+    valid = inputs.response_mask.bool()
+    return torch.where(valid, credit, torch.zeros_like(credit)), valid & (z.abs() >= bound)
 
 
 def hapo_multiplier(inputs: AdvantageInputs, alpha: float, phi: float, normalize: str, eps: float):
@@ -238,7 +239,8 @@ def hapo(
         "hapo/adv_scale_max": float(scale.max()) if n else 1.0,
         "hapo/credit_saturated_frac": float(saturated[valid].float().mean()) if n else 0.0,
     }
-    return AdvantageOutput(adv * inputs.mask, metrics=metrics)
+    # padding may hold anything, even NaN entropy: it is 0 here whatever it held
+    return AdvantageOutput(torch.where(inputs.response_mask.bool(), adv, torch.zeros_like(adv)), metrics=metrics)
 
 
 def _check_quadrant(p: Mapping[str, Any]) -> None:
