@@ -21,7 +21,8 @@ def evaluate(model, tokenizer, problems, *, template: str, n: int, temperature: 
         for s in range(0, len(problems), batch_prompts):
             chunk = problems[s : s + batch_prompts]
             r = generate(model, tokenizer, [apply_template(template, p.problem) for p in chunk], n=n,
-                         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+                         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                         check_positions=True)
             lengths += r.response_mask_BR.sum(-1).tolist()
             for j, p in enumerate(chunk):
                 scores.append([verifier.score(x, p.answer) for x in r.responses[j * n : (j + 1) * n]])

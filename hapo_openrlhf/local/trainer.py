@@ -178,7 +178,7 @@ class LocalTrainer:
         r, a = self.cfg.rollout, self.cfg.algorithm
         prompts = [apply_template(self.cfg.data.template, p.problem) for p in problems]
         ro = generate(self.model, self.tok, prompts, n=r.samples_per_prompt, temperature=r.temperature,
-                      top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+                      top_p=r.top_p, max_new_tokens=r.max_new_tokens, check_positions=True)
         answers = [p.answer for p in problems for _ in range(r.samples_per_prompt)]
         scores = torch.tensor(self.verifier.score_batch(ro.responses, answers), dtype=torch.float32)
         rewards = scores.clone()

@@ -8,11 +8,17 @@ are saved as sharded tensors laid out like their parameters
 (step, data position, RNG, ...) are common state written once. A checkpoint is
 written to ``step_N.tmp/`` and renamed to ``step_N/`` by rank 0 after every rank
 has finished, so a directory named ``step_N`` is always complete; a crash mid-save
-leaves only a ``.tmp`` directory, which ``latest`` ignores.
+leaves only a ``.tmp`` directory, which ``latest`` ignores. Before the rename rank 0
+writes ``hapo_manifest.json``: every file's size, and the CRC-32 of each file up to
+64 MiB (Megatron's metadata and common state; the large tensor shards are sized, not
+read back). ``latest`` returns the newest directory that matches its manifest, warning
+about newer ones that do not (a truncated shard, a missing file).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import shutil
@@ -23,15 +29,64 @@ import torch
 import torch.distributed as dist
 
 _STEP = re.compile(r"^step_(\d+)$")
+MANIFEST = "hapo_manifest.json"
+CRC_MAX_BYTES = 64 << 20
+log = logging.getLogger(__name__)
+
+
+def write_manifest(d: Path) -> None:
+    from ..checkpoint import file_crc32
+
+    files = {}
+    for f in sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST):
+        size = f.stat().st_size
+        files[str(f.relative_to(d))] = {"size": size, **({"crc32": file_crc32(f)} if size <= CRC_MAX_BYTES else {})}
+    tmp = d / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": files}))
+    os.replace(tmp, d / MANIFEST)
+
+
+def verify(d: Path) -> str | None:
+    """None when ``d`` matches its manifest (a checkpoint without one is taken as is)."""
+    from ..checkpoint import file_crc32
+
+    m = d / MANIFEST
+    if not m.exists():
+        return None
+    try:
+        files = json.loads(m.read_text())["files"]
+    except (ValueError, KeyError, OSError) as e:
+        return f"{MANIFEST} unreadable ({e})"
+    for name, want in files.items():
+        f = d / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} has {f.stat().st_size} bytes, {want['size']} were written (truncated or overwritten)"
+        if "crc32" in want and file_crc32(f) != want["crc32"]:
+            return f"{name} does not match its CRC-32"
+    return None
 
 
 def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint directory under ``root`` (None if there is none)."""
+    """The newest complete checkpoint directory under ``root`` that matches its manifest
+    (None if there is none); newer ones that do not are skipped with a warning, and when
+    none matches the error lists them."""
     root = Path(root)
     if not root.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()]
-    return max(found)[1] if found else None
+    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()),
+                   reverse=True)
+    bad = []
+    for _, p in found:
+        why = verify(p)
+        if why is None:
+            return p
+        log.warning("skipping Megatron checkpoint %s: %s", p, why)
+        bad.append(f"{p}: {why}")
+    if bad:
+        raise ValueError("no Megatron checkpoint verifies; tried, newest first:\n  " + "\n  ".join(bad))
+    return None
 
 
 def _sharded(model, optimizer, trainer_state: dict[str, Any] | None, model_params=None):
@@ -79,6 +134,7 @@ def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict
     dist_checkpointing.save(_sharded(model, optimizer, trainer_state, model_params), str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
+        write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

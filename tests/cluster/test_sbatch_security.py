@@ -62,8 +62,12 @@ def test_a_set_value_that_is_not_yaml_is_named(tmp_path):
 def test_hostile_run_name_from_a_shared_config_is_refused(tmp_path):
     cfg = tmp_path / "evil.yaml"
     cfg.write_text(f"base: {CFG}\nrun_name: \"x\\ntouch /tmp/pwned\"\n")
-    with pytest.raises(ValueError, match="run_name .* cannot be a Slurm job name"):
+    with pytest.raises(ValueError, match="run_name must be one non-empty line"):
         render(cfg, SubmitOptions(output_dir=str(tmp_path / "o")), workdir=tmp_path)
+    spaced = tmp_path / "spaced.yaml"
+    spaced.write_text(f"base: {CFG}\nrun_name: \"x --wrap=id\"\n")
+    with pytest.raises(ValueError, match="run_name 'x --wrap=id' cannot be a Slurm job name"):
+        render(spaced, SubmitOptions(output_dir=str(tmp_path / "o")), workdir=tmp_path)
     p = run_cli(["submit", str(cfg), "--dry-run", "--output-dir", str(tmp_path / "o")])
     assert p.returncode == 2 and "run_name" in p.stderr and "Traceback" not in p.stderr
 

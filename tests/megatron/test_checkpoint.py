@@ -2,6 +2,8 @@
 processes, train 2 more == 4 uninterrupted steps (losses and every weight, bitwise);
 the same checkpoint also resumes at TP=1 (resharded on load)."""
 
+import json
+
 import pytest
 import torch
 
@@ -64,7 +66,19 @@ def test_tp2_checkpoint_resumes_exactly(tmp_path):
     spawn(_worker, TP, str(ckpt), "full", str(tmp_path / "full"))
     spawn(_worker, TP, str(ckpt), "first", None)
     assert [p.name for p in ckpt.iterdir()] == ["step_2"]  # complete, no .tmp left behind
+    # a newer checkpoint with a truncated shard is skipped for the newest one that verifies
+    import shutil
+
+    from hapo_openrlhf.megatron import checkpoint
+
+    shutil.copytree(ckpt / "step_2", tmp_path / "step_3")
+    manifest = json.loads((tmp_path / "step_3" / checkpoint.MANIFEST).read_text())["files"]
+    big = max(manifest, key=lambda n: manifest[n]["size"])
+    (tmp_path / "step_3" / big).write_bytes((tmp_path / "step_3" / big).read_bytes()[:10])
+    shutil.move(tmp_path / "step_3", ckpt / "step_3")
+    assert checkpoint.latest(ckpt).name == "step_2"
     spawn(_worker, TP, str(ckpt), "resume", str(tmp_path / "resumed"))
+    shutil.rmtree(ckpt / "step_3")
     for rank in range(TP):
         full, resumed = torch.load(tmp_path / f"full.{rank}"), torch.load(tmp_path / f"resumed.{rank}")
         assert len(full["losses"]) == 4 and full["losses"] == resumed["losses"]
@@ -98,3 +112,9 @@ def test_incomplete_checkpoint_is_ignored_and_refused(tmp_path):
     assert checkpoint.latest(tmp_path / "nowhere") is None
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.load(tmp_path / "step_4.tmp", model=None)
+    # a manifest that no longer matches: skipped; none that matches: an error listing them
+    (tmp_path / "step_2" / "common.pt").write_bytes(b"x" * 10)
+    checkpoint.write_manifest(tmp_path / "step_2")
+    (tmp_path / "step_2" / "common.pt").write_bytes(b"y" * 10)  # same size, other content
+    with pytest.raises(ValueError, match="step_2: common.pt does not match its CRC-32"):
+        checkpoint.latest(tmp_path)

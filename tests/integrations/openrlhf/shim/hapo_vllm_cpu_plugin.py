@@ -13,6 +13,14 @@ In each process it patches two things of OpenRLHF 0.11.2 (listed in docs/openrlh
 2. ``WorkerWrap.update_weight`` runs with ``torch.empty(device="cuda")`` allocating on the
    CPU and ``torch.cuda.current_stream()`` returning ``None``: the two CUDA calls in it.
 
+3. vLLM's CPU linear layers keep their weights as ordinary, reloadable parameters
+   (``dispatch_cpu_unquantized_gemm`` -> ``torch.nn.functional.linear``). On CPUs with
+   AVX-512 (oneDNN) or AMX (sgl kernels) vLLM 0.29 packs each linear weight into a
+   kernel handle and replaces the parameter with an empty one without ``weight_loader``,
+   so no weight can be loaded into the model again (``'Parameter' object has no attribute
+   'weight_loader'`` at the first sync). On GPU the parameters stay reloadable; this
+   only changes which CPU GEMM runs.
+
 With ``HAPO_OPENRLHF_DUMP_DIR`` set, the last ``update_weight`` of each sync also saves the
 weights vLLM's model now holds (its own layout: fused ``qkv_proj`` / ``gate_up_proj``) as
 ``vllm_engine{seed}_sync{n}.pt``, through the shim's ``record_sync`` (as the CPU engine does).
@@ -39,7 +47,25 @@ def _cuda_calls_on_cpu():
         torch.empty, torch.cuda.current_stream = empty, stream
 
 
+def _keep_cpu_linear_weights() -> None:
+    try:
+        import vllm.model_executor.layers.utils as lu
+    except ImportError:
+        return
+    if getattr(lu.dispatch_cpu_unquantized_gemm, "_hapo_cpu", False):
+        return
+
+    def dispatch(layer, remove_weight):
+        import torch
+
+        layer.cpu_linear = torch.nn.functional.linear  # reads the live (reloadable) weight
+
+    dispatch._hapo_cpu = True
+    lu.dispatch_cpu_unquantized_gemm = dispatch
+
+
 def install() -> None:
+    _keep_cpu_linear_weights()
     try:
         import openrlhf.utils.distributed_util as du
         from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
