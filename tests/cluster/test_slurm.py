@@ -244,8 +244,9 @@ def test_timeout_then_resubmit_resumes_from_the_newest_complete_checkpoint(slurm
     submission of the same command resumes from the newest complete checkpoint.
 
     The long step is simulated by stopping the trainer process (SIGSTOP) after its step-2
-    checkpoint: it then cannot finish its step after USR1 (lead 10 s) nor after SIGTERM at
-    the limit, exactly like a 24k-token step that is still generating."""
+    checkpoint, and stopping it again every 50 ms (Slurm sends SIGCONT before SIGTERM at
+    the limit, so that stopped jobs can clean up): it cannot finish its step after USR1
+    (lead 10 s) nor after SIGTERM and KillWait, like a 24k-token step still generating."""
     import signal
     import subprocess
 
@@ -260,9 +261,27 @@ def test_timeout_then_resubmit_resumes_from_the_newest_complete_checkpoint(slurm
         time.sleep(0.2)
     pid = int(subprocess.run(["pgrep", "-f", f"hapo_openrlhf train --config .* --output-dir {out} "],
                              capture_output=True, text=True).stdout.split()[0])
+    import threading
+
     os.kill(pid, signal.SIGSTOP)
     stopped_at = max(json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines())
-    st = slurm.wait_for(job, timeout=300)
+    done = threading.Event()
+
+    def keep_stopped():
+        while not done.is_set():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+    keeper = threading.Thread(target=keep_stopped, daemon=True)
+    keeper.start()
+    try:
+        st = slurm.wait_for(job, timeout=300)
+    finally:
+        done.set()
+        keeper.join()
     assert st["JobState"] == "TIMEOUT" and int(st["Restarts"]) == 0, st
     events = [e["event"] for e in _events(out)]
     assert "requeue" not in events and "end" not in events, events  # killed at the limit: no requeue
