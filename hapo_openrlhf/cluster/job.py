@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ray = None
     env = runlock.child_env(out)
     if cfg.backend in ("openrlhf", "megatron") or a.ray_check:
-        from .ray_cluster import RayCluster, allocation_hosts
-
-        from .ray_cluster import gpus_per_node_from_slurm
+        from .ray_cluster import RayCluster, allocation_hosts, gpus_per_node_from_slurm
 
         hosts = allocation_hosts()
         gpus = a.ray_num_gpus if a.ray_num_gpus is not None else gpus_per_node_from_slurm(

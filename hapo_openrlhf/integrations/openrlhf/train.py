@@ -113,9 +113,8 @@ def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None
 
 def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
     """Write the prompt files and run OpenRLHF with hapo installed; returns the output dir."""
-    from .data import write_prompt_files
-
     from ... import runlock
+    from .data import write_prompt_files
 
     paths = RunPaths(Path(out or cfg.output_dir))
     argv = build_argv(cfg, paths.out)
