@@ -41,25 +41,26 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     """Sample ``n`` responses per prompt; rows are grouped: prompt j -> rows [j*n, (j+1)*n)."""
     from transformers import GenerationConfig
 
+    # each prompt is tokenized once; its n rows are copies (the same ids and padding as
+    # tokenizing the expanded list), so the position check costs nothing extra
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     limit = getattr(model.config, "max_position_embeddings", None) if check_positions else None
-    if limit:  # checked before any [B, T] buffer exists: a 1 MB prompt is an error, not a 1 TB allocation
-        for j, p in enumerate(prompts):
-            n_tok = len(tokenizer(p, add_special_tokens=False).input_ids)
+    if limit:  # checked before generation allocates anything: a 1 MB prompt is an error, not a 1 TB buffer
+        for j, n_tok in enumerate(enc.attention_mask.sum(-1).tolist()):
             if n_tok + max_new_tokens > limit:
-                raise ValueError(f"prompt {j} ({p[:60]!r}...) has {n_tok} tokens; with max_new_tokens "
+                raise ValueError(f"prompt {j} ({prompts[j][:60]!r}...) has {n_tok} tokens; with max_new_tokens "
                                  f"{max_new_tokens} it exceeds the model's {limit} positions "
                                  f"(model.max_position_embeddings): shorten or drop it")
-    expanded = [p for p in prompts for _ in range(n)]
-    enc = tokenizer(expanded, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
     gen_cfg = GenerationConfig(
         do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     was_training = model.training
     model.eval()
-    out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, generation_config=gen_cfg)
+    out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], generation_config=gen_cfg)
     model.train(was_training)
-    P = enc.input_ids.shape[1]
+    P = enc["input_ids"].shape[1]
     resp = out[:, P:]
     if resp.shape[1] == 0:
         resp = torch.full((out.shape[0], 1), tokenizer.pad_token_id, dtype=out.dtype)
@@ -74,7 +75,7 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     texts = [
         tokenizer.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(resp, resp_mask)
     ]
-    attn = torch.cat([enc.attention_mask, resp_mask], dim=1)
+    attn = torch.cat([enc["attention_mask"], resp_mask], dim=1)
     return Rollout(out, attn, resp_mask, P, texts, truncated)
 
 
