@@ -44,22 +44,64 @@ def rope_theta(hf_config) -> float:
     return float(rp.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def build_qwen2_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, params_dtype=torch.float32,
-                          vocab_multiple: int = 128, **overrides):
-    """A GPTModel stage (local layer spec) for this rank; load weights with
-    ``model.load_state_dict(hf_to_megatron(...), strict=False)`` (only ``_extra_state``
-    keys may be missing)."""
-    from megatron.core.models.gpt import GPTModel
+ATTENTIONS = ("flash", "local")
+LAYER_SPECS = ("local", "te")
+
+
+def layer_spec(attention: str = "flash", spec: str = "local"):
+    """The transformer-layer spec: megatron-core's local spec with its ``core_attention``
+    replaced by :class:`~hapo_openrlhf.megatron.attention.FlashCoreAttention`
+    (``attention="flash"``) or left as Megatron's ``DotProductAttention``
+    (``"local"``: [S, S] scores, explicit mask; for comparison); or the Transformer Engine
+    spec (``spec="te"``; needs transformer-engine on CUDA, untested here)."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"megatron.attention must be one of {ATTENTIONS}, got {attention!r}")
+    if spec not in LAYER_SPECS:
+        raise ValueError(f"megatron.layer_spec must be one of {LAYER_SPECS}, got {spec!r}")
+    if spec == "te":
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except (ImportError, AssertionError) as e:
+            raise RuntimeError(f"megatron.layer_spec: te needs transformer-engine ({e}); use layer_spec: local") from e
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    s = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "flash":
+        from .attention import FlashCoreAttention
+
+        s.submodules.self_attention.submodules.core_attention = FlashCoreAttention
+    return s
+
+
+def build_qwen2_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, params_dtype=torch.float32,
+                          vocab_multiple: int = 128, attention: str = "flash", spec: str = "local", **overrides):
+    """A GPTModel stage for this rank; load weights with
+    ``model.load_state_dict(hf_to_megatron(...), strict=False)`` (only ``_extra_state``
+    keys may be missing).
+
+    ``attention`` / ``spec``: :func:`layer_spec`. With PP > 1 the config sets
+    ``variable_seq_lengths`` (packed micro-batches differ in length). The norms are cast
+    to ``params_dtype`` (megatron-core's torch norms are built in fp32, which in a bf16
+    model falls back to torch's unfused norm); the optimizer keeps fp32 masters of them."""
+    from megatron.core.models.gpt import GPTModel
+
+    overrides.setdefault("variable_seq_lengths", pp > 1)
+    if overrides["variable_seq_lengths"]:  # a dense model; megatron-core's config check asks for it
+        overrides.setdefault("moe_token_dispatcher_type", "alltoall")
     cfg = qwen2_transformer_config(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, **overrides)
-    return GPTModel(
-        config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=layer_spec(attention, spec),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_multiple),
         max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
     )
+    for m in model.modules():
+        if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            m.to(params_dtype)
+    return model
 
 
 def attention_inputs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,17 +116,32 @@ def attention_inputs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.
     return pos, ~allowed[:, None]
 
 
+def default_layout(model) -> str:
+    """``"thd"`` (packed) for a model built with ``attention="flash"`` (or the TE spec),
+    ``"masked"`` for Megatron's local ``DotProductAttention``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    for m in model.modules():
+        if isinstance(m, DotProductAttention):
+            return "masked"
+    return "thd"
+
+
 def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,
                          temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, tp_group=None,
-                         tp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                         tp_rank: int = 0, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs and entropy [B, S-1] (fp32) of a single-stage (or last-stage
     with ``pp == 1``) GPTModel whose output layer is vocabulary-parallel: each TP rank
     reduces its own vocabulary shard (``vocab_parallel_logprobs_entropy``), the full
-    vocabulary is never gathered."""
-    pos, mask = attention_inputs(attention_mask)
-    logits = model(input_ids=input_ids, position_ids=pos, attention_mask=mask)  # [B, S, V / tp]
-    return shard_logprobs_entropy(logits, input_ids, vocab_size=vocab_size, temperature=temperature,
-                                  chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
+    vocabulary is never gathered. ``layout``: ``schedule.RowLayout`` (default: the
+    model's, :func:`default_layout`)."""
+    from .schedule import RowLayout
+
+    lay = RowLayout.of(attention_mask, layout or default_layout(model))
+    inputs = lay.model_inputs(input_ids)
+    logits = model(**inputs)  # [B or 1, S or T, V / tp]
+    return lay.logprobs_entropy(logits, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,
+                                chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
 
 
 def shard_logprobs_entropy(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float,

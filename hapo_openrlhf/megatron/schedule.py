@@ -7,54 +7,179 @@ is already divided by the **global** normaliser (e.g. the number of valid tokens
 of the whole optimizer step for token-mean), and the model config sets
 ``calculate_per_token_loss=True`` so the schedule does not rescale it: the
 accumulated gradient is exactly the gradient of one big batch.
+
+How a micro-batch's rows reach the model (``layout``):
+
+* ``"thd"`` (packed): the rows' real tokens are concatenated into one [1, T]
+  sequence with ``PackedSeqParams(qkv_format="thd", cu_seqlens)``; attention is
+  varlen (``attention.FlashCoreAttention``), RoPE restarts per sequence, the
+  next-token labels are shifted within each sequence. No padding is computed.
+* ``"padded"``: each row's tokens are moved to start at position 0 (right padding)
+  and the batch runs causal attention without a mask (``FlashCoreAttention``).
+* ``"masked"``: Megatron's own ``DotProductAttention`` with an explicit [B, 1, S, S]
+  mask (``megatron.attention: local``; kept for comparison and benchmarks).
+
+Whatever the layout, ``loss_fn`` receives log-probs and entropy in the caller's
+[B, S-1] layout (position ``p`` predicts token ``p + 1`` of the row as given), zero
+where the row has no next real token. Rows must hold their real tokens contiguously
+(left and/or right padding, as OpenRLHF's experiences do).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ..algos.entropy import DEFAULT_CHUNK
-from .model import attention_inputs, shard_logprobs_entropy
+from .model import attention_inputs, default_layout, shard_logprobs_entropy
 
 # loss_fn(logp [B, S-1], entropy [B, S-1], micro_batch) -> (scalar loss, {metric: float tensor})
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LAYOUTS = ("thd", "padded", "masked")
+
+
+@dataclass
+class RowLayout:
+    """Where each row's real tokens are in the caller's [B, S] batch and in the model's
+    input, and the index maps between the two for the [*, S-1] next-token values."""
+
+    shape: tuple[int, int]
+    starts: torch.Tensor  # [B] first real position of each row
+    lengths: torch.Tensor  # [B] real tokens per row
+    layout: str
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor, layout: str) -> "RowLayout":
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown micro-batch layout {layout!r}; expected one of {LAYOUTS}")
+        am = attention_mask.bool()
+        B, S = am.shape
+        lengths = am.sum(-1)
+        pos = torch.arange(S, device=am.device).expand(B, S)
+        starts = torch.where(am, pos, S).min(-1).values.clamp(max=S)
+        ends = torch.where(am, pos, -1).max(-1).values + 1
+        bad = ((ends - starts) != lengths) & (lengths > 0)
+        if bool(bad.any()):
+            raise ValueError(f"rows {bad.nonzero().flatten().tolist()[:8]} have holes in their attention mask; "
+                             f"packing needs each row's tokens contiguous (left/right padding only)")
+        if bool((lengths == 0).any()):
+            raise ValueError(f"rows {(lengths == 0).nonzero().flatten().tolist()[:8]} have no tokens")
+        return cls((B, S), starts, lengths, layout)
+
+    @property
+    def max_len(self) -> int:
+        return int(self.lengths.max())
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return torch.nn.functional.pad(self.lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+    def _maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source index into the model's flattened next-token values, destination index
+        into the caller's flattened [B, S-1]) for every (row, position) that has a next
+        real token."""
+        B, S = self.shape
+        dev = self.lengths.device
+        n = self.lengths - 1  # next-token positions per row
+        row = torch.repeat_interleave(torch.arange(B, device=dev), n)
+        off = torch.arange(int(n.sum()), device=dev) - torch.repeat_interleave(n.cumsum(0) - n, n)
+        dst = row * (S - 1) + self.starts[row] + off
+        if self.layout == "thd":
+            src = self.cu_seqlens.to(dev).long()[row] + off  # the packed [T] values
+        else:
+            src = row * (self.max_len - 1) + off  # the right-aligned [B, L-1] values
+        return src, dst
+
+    def model_inputs(self, input_ids: torch.Tensor) -> dict[str, Any]:
+        """kwargs for ``GPTModel.forward`` (plus ``labels_ids`` [1 or B, *] for the head)."""
+        B, S = self.shape
+        dev = input_ids.device
+        if self.layout == "masked":
+            pos, mask = attention_inputs((torch.arange(S, device=dev)[None] >= self.starts[:, None])
+                                         & (torch.arange(S, device=dev)[None] < (self.starts + self.lengths)[:, None]))
+            return {"input_ids": input_ids, "position_ids": pos, "attention_mask": mask}
+        L = self.max_len
+        ar = torch.arange(L, device=dev)
+        valid = ar[None] < self.lengths[:, None]  # [B, L]
+        idx = (self.starts[:, None] + ar[None]).clamp(max=S - 1)
+        ids = torch.where(valid, input_ids.gather(1, idx), 0)
+        if self.layout == "padded":
+            return {"input_ids": ids, "position_ids": ar.expand(B, L), "attention_mask": None}
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(dev)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=L, max_seqlen_kv=L)
+        return {"input_ids": ids[valid][None], "position_ids": ar.expand(B, L)[valid][None], "attention_mask": None,
+                "packed_seq_params": packed}
+
+    def logprobs_entropy(self, logits: torch.Tensor, model_ids: torch.Tensor, *, vocab_size: int,
+                         temperature: float, chunk_size: int, tp_group, tp_rank: int):
+        """This rank's output shard -> next-token log-probs and entropy [B, S-1] in the
+        caller's layout (zeros where a row has no next real token)."""
+        B, S = self.shape
+        # thd: [1, T, V/tp], value t predicts packed token t + 1 (unused across a sequence boundary);
+        # padded: [B, L, V/tp]; masked: the caller's own rows
+        lp, en = shard_logprobs_entropy(logits, model_ids, vocab_size=vocab_size, temperature=temperature,
+                                        chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
+        if self.layout == "masked":
+            return lp, en
+        src, dst = self._maps()
+        src, dst = src.to(lp.device), dst.to(lp.device)
+
+        def place(v: torch.Tensor) -> torch.Tensor:
+            out = v.new_zeros(B * (S - 1))
+            return out.index_copy(0, dst, v.reshape(-1).index_select(0, src)).view(B, S - 1)
+
+        return place(lp), place(en)
 
 
 def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn | None, *,
                      vocab_size: int, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
-                     forward_only: bool = False) -> list[Any]:
-    """Run ``micro_batches`` (dicts with ``input_ids`` and ``attention_mask`` [B, S], all of
-    one shape, plus whatever ``loss_fn`` reads) through the schedule on every rank of the
-    model-parallel group. Returns, on the last pipeline stage, one entry per micro-batch:
-    the metrics dict (with ``loss``), or with ``loss_fn=None`` the ``(logp, entropy)`` pair
-    (the old-log-prob pass); other stages get an empty list. Gradients accumulate in
-    ``param.grad`` unless ``forward_only``."""
+                     forward_only: bool = False, layout: str | None = None) -> list[Any]:
+    """Run ``micro_batches`` (dicts with ``input_ids`` and ``attention_mask`` [B, S], plus
+    whatever ``loss_fn`` reads) through the schedule on every rank of the model-parallel
+    group. Returns, on the last pipeline stage, one entry per micro-batch: the metrics
+    dict (with ``loss``), or with ``loss_fn=None`` the ``(logp, entropy)`` pair (the
+    old-log-prob pass); other stages get an empty list. Gradients accumulate into the
+    parameters (``optim.MainParams`` hooks them into fp32) unless ``forward_only``.
+
+    ``layout`` (module docstring; default :func:`~.model.default_layout`): ``thd`` and
+    ``padded`` need the model built with ``attention="flash"``; ``masked`` with Megatron's
+    local attention. With pipeline
+    parallelism and ``masked`` every micro-batch must have one shape; ``thd`` and
+    ``padded`` need ``variable_seq_lengths`` in the model config (``build_qwen2_gpt_model``
+    sets it for PP > 1)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
         raise ValueError("forward_backward: no micro-batches")
-    shape = micro_batches[0]["input_ids"].shape
-    bad = [i for i, mb in enumerate(micro_batches) if mb["input_ids"].shape != shape]
-    if bad:
-        raise ValueError(f"micro-batches {bad} differ in shape from {tuple(shape)}: pipeline stages exchange "
-                         f"fixed [S, B, H] activations, pad every micro-batch to one shape")
     config = model.config
+    pp = ps.get_pipeline_model_parallel_world_size()
+    layout = layout or default_layout(model)
+    layouts = [RowLayout.of(mb["attention_mask"], layout) for mb in micro_batches]
+    if layout == "masked" or (pp > 1 and not config.variable_seq_lengths):
+        shape = micro_batches[0]["input_ids"].shape
+        bad = [i for i, mb in enumerate(micro_batches) if mb["input_ids"].shape != shape]
+        if pp > 1 and bad:
+            raise ValueError(f"micro-batches {bad} differ in shape from {tuple(shape)}: pipeline stages exchange "
+                             f"fixed [S, B, H] activations, pad every micro-batch to one shape")
     if not config.calculate_per_token_loss:
         raise ValueError("the model config needs calculate_per_token_loss=True (hapo divides by the global "
                          "normaliser itself; Megatron would otherwise divide again)")
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    it = iter(zip(micro_batches, layouts))
 
     def forward_step(data_iterator: Iterable, model):
-        mb = next(data_iterator)
-        pos, mask = attention_inputs(mb["attention_mask"])
-        output = model(input_ids=mb["input_ids"], position_ids=pos, attention_mask=mask)
+        mb, lay = next(data_iterator)
+        inputs = lay.model_inputs(mb["input_ids"])
+        output = model(**inputs)
 
         def loss_func(logits: torch.Tensor, non_loss_data: bool = False):
-            lp, en = shard_logprobs_entropy(logits, mb["input_ids"], vocab_size=vocab_size, temperature=temperature,
-                                            chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
+            lp, en = lay.logprobs_entropy(logits, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,
+                                          chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
             if loss_fn is None:  # forward only: hand the values back
                 return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), (lp.detach(), en.detach())
             loss, metrics = loss_fn(lp, en, mb)
@@ -62,10 +187,39 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
 
         return output, loss_func
 
+    # the fixed-shape schedule's tensor shape (ignored with variable_seq_lengths)
+    if layout == "thd":
+        seq_length, mbs = max(int(l.lengths.sum()) for l in layouts), 1
+    elif layout == "padded":
+        seq_length, mbs = max(l.max_len for l in layouts), micro_batches[0]["input_ids"].shape[0]
+    else:
+        seq_length, mbs = micro_batches[0]["input_ids"].shape[1], micro_batches[0]["input_ids"].shape[0]
     fb = get_forward_backward_func()
-    return fb(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
-              num_microbatches=len(micro_batches), seq_length=shape[1], micro_batch_size=shape[0],
-              forward_only=forward_only or loss_fn is None)
+    return fb(forward_step_func=forward_step, data_iterator=it, model=model, num_microbatches=len(micro_batches),
+              seq_length=seq_length, micro_batch_size=mbs, forward_only=forward_only or loss_fn is None)
+
+
+def token_budget_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of rows grouped into micro-batches of at most ``max_tokens`` real tokens
+    each (first fit over the rows sorted longest first, OpenRLHF's
+    ``get_minimum_num_micro_batch_size`` rule; a row longer than the budget gets a
+    micro-batch of its own). Every index appears exactly once; within a micro-batch the
+    rows keep their original order."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = int(lengths[i])
+        for b in range(len(bins)):
+            if n <= room[b]:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - n)
+    return [sorted(b) for b in bins]
 
 
 def allreduce_tied_embedding_grads(model) -> None:

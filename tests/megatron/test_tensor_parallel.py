@@ -35,7 +35,7 @@ def _hf_reference(model, ids, am, w_lp, w_en):
     return lp.detach(), en.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, tied, out):
+def _worker(rank, world, tied, out, layout="thd"):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
@@ -43,11 +43,15 @@ def _worker(rank, world, tied, out):
 
     init_megatron(tp=world)
     hf = tiny_qwen2(tied, layers=2)
-    model = build_qwen2_gpt_model(hf.config, tp=world)
+    model = build_qwen2_gpt_model(hf.config, tp=world, attention="local" if layout == "masked" else "flash")
     load_hf_into(model, hf, tp=world, tp_rank=rank)
     ids, am, w_lp, w_en = _batch()
+    if layout != "masked":
+        am[0, -2:] = 0  # right padding too (a response shorter than the batch's)
     lp, en = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5,
-                                  tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank)
+                                  tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank, layout=layout)
+    if layout != "masked":  # no value where there is no next real token
+        assert bool((lp[~_both_real(am)] == 0).all()) and bool((en[~_both_real(am)] == 0).all())
     m = _both_real(am).float()
     ((lp * w_lp * m).sum() + (en * w_en * m).sum()).backward()
     grads = {n.replace("module.", ""): p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -66,9 +70,12 @@ def _worker(rank, world, tied, out):
         torch.save({"ok": True, "n_grads": len(merged)}, out)
 
 
-@pytest.mark.parametrize("world, tied", [(1, True), (2, True), (2, False)])
-def test_tp_logprobs_entropy_and_grads_equal_hf(tmp_path, world, tied):
+@pytest.mark.parametrize("world, tied, layout", [(1, True, "thd"), (2, True, "thd"), (2, False, "thd"),
+                                                 (2, True, "padded"), (1, False, "masked")])
+def test_tp_logprobs_entropy_and_grads_equal_hf(tmp_path, world, tied, layout):
+    """Packed (THD, flash-style varlen attention), right-aligned padded (causal, no mask)
+    and Megatron's own masked DotProductAttention all equal Hugging Face."""
     out = tmp_path / "ok.pt"
-    spawn(_worker, world, world, tied, str(out))
+    spawn(_worker, world, world, tied, str(out), layout)
     res = torch.load(out)
     assert res["ok"] and res["n_grads"] == 26 + (not tied)  # embed, final norm, 2 x 12 per layer, lm_head

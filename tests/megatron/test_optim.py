@@ -1,0 +1,65 @@
+"""fp32 gradient accumulation for a bf16 Megatron model (``optim.MainParams``): over
+many micro-batches, the accumulated gradient equals the fp32 sum of the micro-batches'
+own gradients; summing them in bf16 ``param.grad`` (the old behaviour, still selectable
+as ``accumulate_fp32=False``) is off by more than a percent."""
+
+import torch
+
+from ._dist import init_megatron, load_hf_into, spawn
+from .test_convert import tiny_qwen2
+
+N_MB, S = 256, 12
+
+
+def _rel_err(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in b)
+    den = sum(float(b[k].pow(2).sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+def _worker(rank, out):
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
+    from hapo_openrlhf.megatron.optim import MainParams
+    from hapo_openrlhf.megatron.schedule import forward_backward
+
+    init_megatron()
+    hf = tiny_qwen2(False, layers=2)
+    model = build_qwen2_gpt_model(hf.config, params_dtype=torch.bfloat16)
+    load_hf_into(model, hf)
+    model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    mbs = [{"input_ids": torch.randint(0, 259, (1, S), generator=g), "attention_mask": torch.ones(1, S, dtype=torch.long)}
+           for _ in range(N_MB)]
+
+    def loss_fn(lp, en, mb):
+        return -lp.sum() / (N_MB * (S - 1)), {}
+
+    names = [n for n, p in model.named_parameters()]
+    # the reference: every micro-batch's own bf16 gradient, summed in float64
+    ref = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
+    for mb in mbs:
+        forward_backward(model, [mb], loss_fn, vocab_size=259)
+        for n, p in model.named_parameters():
+            ref[n] += p.grad.double()
+            p.grad = None
+    errs = {}
+    for fp32 in (True, False):
+        main = MainParams(model, accumulate_fp32=fp32)
+        forward_backward(model, mbs, loss_fn, vocab_size=259)
+        got = dict(zip(names, (t.double() for t in main.main_grads())))
+        errs[fp32] = _rel_err(got, ref)
+        main.zero_grad()
+        for h in main._hooks:
+            h.remove()
+    assert ps.get_data_parallel_world_size() == 1
+    torch.save(errs, out)
+
+
+def test_bf16_gradients_accumulate_in_fp32_over_many_micro_batches(tmp_path):
+    out = tmp_path / "errs.pt"
+    spawn(_worker, 1, str(out))
+    errs = torch.load(out)
+    assert errs[True] < 1e-5, errs  # fp32 sums of the same bf16 micro-batch gradients
+    assert errs[False] > 1e-2, errs  # measured 5.9%: bf16 param.grad accumulation: the error this fixes
