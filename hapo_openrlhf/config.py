@@ -298,22 +298,29 @@ class MegatronConfig:
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    context_parallel: int = 1  # > 1 needs Transformer Engine's attention (not supported yet)
-    sequence_parallel: bool = False  # needs the Transformer Engine layer spec (not built yet)
+    context_parallel: int = 1  # must be 1: the schedule does not split sequences across CP ranks
+    sequence_parallel: bool = False  # needs layer_spec: te (megatron-core's torch norms refuse it)
     params_dtype: str = "bf16"  # bf16 | fp32 (weights, activations and the AdamW moments' params)
     vocab_multiple: int = 128  # the vocabulary is padded to a multiple of this x tensor_parallel
     recompute: bool = False  # full activation recomputation, every layer (the 24k memory lever)
     timeout_minutes: int = 60  # torch.distributed collectives
+    # flash: hapo's FlashCoreAttention (flash-attn varlen / causal SDPA, packed or right-padded rows);
+    # local: megatron-core's DotProductAttention ([S, S] scores and an explicit mask; for comparison)
+    attention: str = "flash"
+    layer_spec: str = "local"  # local | te (Transformer Engine's spec; needs transformer-engine, untested here)
 
     def __post_init__(self):
         _require(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1,
                  "megatron.tensor_parallel and pipeline_parallel must be >= 1")
+        _require(self.attention in ("flash", "local"), f"megatron.attention must be flash or local, got {self.attention!r}")
+        _require(self.layer_spec in ("local", "te"), f"megatron.layer_spec must be local or te, got {self.layer_spec!r}")
         _require(self.context_parallel == 1,
-                 "megatron.context_parallel > 1 needs Transformer Engine attention, which this back end does not "
-                 "build (docs/megatron.md); use tensor/pipeline parallelism")
-        _require(not self.sequence_parallel,
-                 "megatron.sequence_parallel needs Transformer Engine's (or Apex's) layer norms; the model is built "
-                 "with megatron-core's local layer spec, whose torch norms refuse it (docs/megatron.md)")
+                 "megatron.context_parallel > 1 is not supported: hapo's Megatron schedule does not split sequences "
+                 "across context-parallel ranks (docs/megatron.md); use tensor/pipeline parallelism, packing and "
+                 "recompute for long contexts")
+        _require(not self.sequence_parallel or self.layer_spec == "te",
+                 "megatron.sequence_parallel needs megatron.layer_spec: te (Transformer Engine's norms); "
+                 "megatron-core's local spec builds torch norms, which refuse it (docs/megatron.md)")
         _require(self.params_dtype in ("bf16", "fp32"), f"megatron.params_dtype must be bf16 or fp32, got {self.params_dtype!r}")
         _require(self.vocab_multiple >= 1 and self.timeout_minutes >= 1, "megatron.vocab_multiple and timeout_minutes must be >= 1")
 
@@ -382,14 +389,14 @@ class RunConfig:
         _require(world % m.model_parallel_size == 0,
                  f"backend megatron: tensor_parallel x pipeline_parallel ({m.model_parallel_size}) must divide the "
                  f"actor world size (openrlhf.actor_num_nodes x actor_gpus_per_node = {world})")
-        _require(not o.packing_samples,
-                 "backend megatron: openrlhf.packing_samples must be false (packed THD batches need Transformer Engine "
-                 "or flash-attn varlen inside Megatron, which this back end does not build; docs/megatron.md)")
+        _require(not o.packing_samples or m.attention == "flash" or m.layer_spec == "te",
+                 "backend megatron: openrlhf.packing_samples (packed THD micro-batches) needs megatron.attention: "
+                 "flash; Megatron's local DotProductAttention refuses packed sequences")
         _require(o.ring_attn_size == 1, "backend megatron: openrlhf.ring_attn_size must be 1 (no context parallelism)")
-        _require(not o.dynamic_batch, "backend megatron: openrlhf.dynamic_batch must be false")
-        _require(not (o.colocate_all and o.vllm_enable_sleep),
-                 "backend megatron: the Megatron actor cannot offload its states for vLLM's sleep mode; set "
-                 "openrlhf.vllm_enable_sleep: false (and colocate_all: false unless the GPUs hold both)")
+        _require(not o.colocate_all,
+                 "backend megatron: openrlhf.colocate_all must be false: the Megatron actor has no sleep mode, and a "
+                 "colocated vLLM engine would join OpenRLHF's NCCL weight-sync group from the actor's own GPU, which "
+                 "NCCL refuses (two ranks on one device); give the engines their own GPUs")
         _require(self.algorithm.kl_coef == 0,
                  "backend megatron: algorithm.kl_coef must be 0 (the reference model would be a DeepSpeed model split "
                  "by OpenRLHF's AutoTP; not supported)")

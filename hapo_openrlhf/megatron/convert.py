@@ -133,44 +133,147 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
         out["lm_head.weight"] = cat(pp - 1, "output_layer.weight", 0)[:Vhf]
     for stage in range(pp):
         for local, i in enumerate(_stage_layers(hf_config.num_hidden_layers, pp, stage)):
-            p, m = f"model.layers.{i}.", f"decoder.layers.{local}."
-            qkv = cat(stage, m + "self_attention.linear_qkv.weight", 0).view(nkv, (g + 2) * d, H)
-            out[p + "self_attn.q_proj.weight"] = qkv[:, : g * d].reshape(-1, H).clone()
-            out[p + "self_attn.k_proj.weight"] = qkv[:, g * d : (g + 1) * d].reshape(-1, H).clone()
-            out[p + "self_attn.v_proj.weight"] = qkv[:, (g + 1) * d :].reshape(-1, H).clone()
-            qkvb = cat(stage, m + "self_attention.linear_qkv.bias", 0).view(nkv, (g + 2) * d)
-            out[p + "self_attn.q_proj.bias"] = qkvb[:, : g * d].reshape(-1).clone()
-            out[p + "self_attn.k_proj.bias"] = qkvb[:, g * d : (g + 1) * d].reshape(-1).clone()
-            out[p + "self_attn.v_proj.bias"] = qkvb[:, (g + 1) * d :].reshape(-1).clone()
-            out[p + "self_attn.o_proj.weight"] = cat(stage, m + "self_attention.linear_proj.weight", 1)
-            out[p + "input_layernorm.weight"] = shards[(stage, 0)][m + "input_layernorm.weight"].clone()
-            out[p + "post_attention_layernorm.weight"] = shards[(stage, 0)][m + "pre_mlp_layernorm.weight"].clone()
-            fc1 = [shards[(stage, r)][m + "mlp.linear_fc1.weight"].chunk(2, 0) for r in range(tp)]
-            out[p + "mlp.gate_proj.weight"] = torch.cat([a for a, _ in fc1])
-            out[p + "mlp.up_proj.weight"] = torch.cat([b for _, b in fc1])
-            out[p + "mlp.down_proj.weight"] = cat(stage, m + "mlp.linear_fc2.weight", 1)
+            m = f"decoder.layers.{local}."
+            out.update(_layer_to_hf(i, {k: [shards[(stage, r)][m + k] for r in range(tp)] for k in LAYER_KEYS},
+                                    hf_config))
     return out
 
 
-def gather_hf_state_dict(model, hf_config, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """Collective over the whole job: the Hugging Face state dict of the model, on global
-    rank ``dst`` (None on every other rank). The shards of the data-parallel replica that
-    holds ``dst`` are sent to it (CPU copies, in the parameters' dtype) and merged with
-    :func:`megatron_to_hf`; other replicas only take part in the barrier. Peak host memory
-    on ``dst``: one full copy of the weights."""
+# a layer's Megatron tensors (without the "decoder.layers.{i}." prefix) and the dimension
+# TP splits them along (None: replicated)
+LAYER_KEYS = {"self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0,
+              "self_attention.linear_proj.weight": 1, "input_layernorm.weight": None,
+              "pre_mlp_layernorm.weight": None, "mlp.linear_fc1.weight": 0, "mlp.linear_fc2.weight": 1}
+
+
+def _layer_to_hf(i: int, parts: Mapping[str, list[torch.Tensor]], hf_config) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors of global layer ``i`` from its Megatron tensors, one per TP rank."""
+    H, nq, nkv, d = _dims(hf_config)
+    g = nq // nkv
+    p = f"model.layers.{i}."
+    out: dict[str, torch.Tensor] = {}
+    qkv = torch.cat(parts["self_attention.linear_qkv.weight"], 0).view(nkv, (g + 2) * d, H)
+    out[p + "self_attn.q_proj.weight"] = qkv[:, : g * d].reshape(-1, H).clone()
+    out[p + "self_attn.k_proj.weight"] = qkv[:, g * d : (g + 1) * d].reshape(-1, H).clone()
+    out[p + "self_attn.v_proj.weight"] = qkv[:, (g + 1) * d :].reshape(-1, H).clone()
+    qkvb = torch.cat(parts["self_attention.linear_qkv.bias"], 0).view(nkv, (g + 2) * d)
+    out[p + "self_attn.q_proj.bias"] = qkvb[:, : g * d].reshape(-1).clone()
+    out[p + "self_attn.k_proj.bias"] = qkvb[:, g * d : (g + 1) * d].reshape(-1).clone()
+    out[p + "self_attn.v_proj.bias"] = qkvb[:, (g + 1) * d :].reshape(-1).clone()
+    out[p + "self_attn.o_proj.weight"] = torch.cat(parts["self_attention.linear_proj.weight"], 1)
+    out[p + "input_layernorm.weight"] = parts["input_layernorm.weight"][0].clone()
+    out[p + "post_attention_layernorm.weight"] = parts["pre_mlp_layernorm.weight"][0].clone()
+    fc1 = [t.chunk(2, 0) for t in parts["mlp.linear_fc1.weight"]]
+    out[p + "mlp.gate_proj.weight"] = torch.cat([a for a, _ in fc1])
+    out[p + "mlp.up_proj.weight"] = torch.cat([b for _, b in fc1])
+    out[p + "mlp.down_proj.weight"] = torch.cat(parts["mlp.linear_fc2.weight"], 1)
+    return out
+
+
+def hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face Qwen2 tensor's name and shape, in the order :func:`stream_hf_tensors`
+    produces them (so a receiver can allocate before the data arrives)."""
+    H, nq, nkv, d = _dims(hf_config)
+    F, V = hf_config.intermediate_size, hf_config.vocab_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    for i in range(hf_config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (nq * d, H), p + "self_attn.k_proj.weight": (nkv * d, H),
+                    p + "self_attn.v_proj.weight": (nkv * d, H), p + "self_attn.q_proj.bias": (nq * d,),
+                    p + "self_attn.k_proj.bias": (nkv * d,), p + "self_attn.v_proj.bias": (nkv * d,),
+                    p + "self_attn.o_proj.weight": (H, nq * d), p + "input_layernorm.weight": (H,),
+                    p + "post_attention_layernorm.weight": (H,), p + "mlp.gate_proj.weight": (F, H),
+                    p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F)})
+    out["model.norm.weight"] = (H,)
+    if not hf_config.tie_word_embeddings:
+        out["lm_head.weight"] = (V, H)
+    return out
+
+
+def stream_hf_tensors(model, hf_config, fn, *, dst: int = 0) -> int:
+    """Collective over the whole job: call ``fn(name, tensor)`` on global rank ``dst``
+    for every Hugging Face tensor of the model, one tensor at a time, in
+    :func:`hf_shapes` order; returns how many (0 on other ranks).
+
+    Nothing is pickled and no whole-model copy is made: for each layer (and the
+    embedding / final norm / head) the owning pipeline stage all-gathers its TP shards
+    on the device, its TP rank 0 converts them to the Hugging Face layout, and each
+    tensor goes to ``dst`` with a point-to-point send (``dst``'s own stage hands it
+    over directly). Peak extra memory: one layer's weights. Only the data-parallel
+    replica that holds ``dst`` (which must be its TP rank 0 on the first stage) takes
+    part; the other replicas wait at the closing barrier."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    group = ps.get_model_parallel_group()
-    members = dist.get_process_group_ranks(group)
-    if dst in members:
-        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()
-              if not k.endswith("_extra_state") and v is not None}
-        mine = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), sd)
-        got = [None] * len(members) if dist.get_rank() == dst else None
-        dist.gather_object(mine, got, dst=dst, group=group)
+    rank = dist.get_rank()
+    sent = 0
+    if dst in dist.get_process_group_ranks(ps.get_model_parallel_group()):
+        tp_rank, stage = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        if rank == dst and (tp_rank, stage) != (0, 0):
+            raise ValueError(f"stream_hf_tensors: rank {dst} must be TP rank 0 of the first pipeline stage")
+        tp_group = ps.get_tensor_model_parallel_group()
+        # on dst: the global rank of each stage's TP rank 0 (dst's pipeline group, by stage)
+        owners = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if rank == dst else None
+        sd = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+        shapes = hf_shapes(hf_config)
+        ref = next(model.parameters())
+
+        def gather(t: torch.Tensor, dim) -> list[torch.Tensor]:
+            if dim is None or tp == 1:
+                return [t.detach()]
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.detach().contiguous(), group=tp_group)
+            return parts
+
+        def emit(s: int, names: list[str], make) -> None:
+            """Stage ``s`` produces ``names``: ``make()`` (a collective over the stage's TP
+            group) converts them; TP rank 0 sends each to dst."""
+            nonlocal sent
+            items = make() if stage == s else {}
+            owner = stage == s and tp_rank == 0
+            if rank == dst:
+                for n in names:
+                    if owner:
+                        t = items[n]
+                    else:
+                        t = torch.empty(shapes[n], dtype=ref.dtype, device=ref.device)
+                        dist.recv(t, src=owners[s])
+                    fn(n, t)
+                    sent += 1
+            elif owner:
+                for n in names:
+                    dist.send(items[n].contiguous(), dst=dst)
+
+        V, tied = hf_config.vocab_size, bool(hf_config.tie_word_embeddings)
+        emit(0, ["model.embed_tokens.weight"],
+             lambda: {"model.embed_tokens.weight": torch.cat(gather(sd["embedding.word_embeddings.weight"], 0))[:V]})
+        for s in range(pp):
+            for local, i in enumerate(_stage_layers(hf_config.num_hidden_layers, pp, s)):
+                def layer(i=i, local=local):
+                    parts = {k: gather(sd[f"decoder.layers.{local}." + k], dim) for k, dim in LAYER_KEYS.items()}
+                    return _layer_to_hf(i, parts, hf_config) if tp_rank == 0 else {}
+
+                emit(s, [n for n in shapes if n.startswith(f"model.layers.{i}.")], layer)
+
+        def head():
+            out = {"model.norm.weight": sd["decoder.final_layernorm.weight"].detach()}
+            if not tied:
+                out["lm_head.weight"] = torch.cat(gather(sd["output_layer.weight"], 0))[:V]
+            return out
+
+        emit(pp - 1, ["model.norm.weight"] + ([] if tied else ["lm_head.weight"]), head)
     dist.barrier()
-    if dist.get_rank() != dst:
-        return None
-    return megatron_to_hf({(s, r): d for s, r, d in got}, hf_config, tp=tp, pp=pp)
+    return sent
+
+
+def gather_hf_state_dict(model, hf_config, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Collective over the whole job: the Hugging Face state dict of the model, on global
+    rank ``dst`` as CPU tensors in the parameters' dtype (None on every other rank),
+    built with :func:`stream_hf_tensors` (no pickled shards). Peak host memory on
+    ``dst``: one full copy of the weights (what saving a model needs)."""
+    import torch.distributed as dist
+
+    out: dict[str, torch.Tensor] = {}
+    stream_hf_tensors(model, hf_config, lambda n, t: out.__setitem__(n, t.detach().cpu().clone()), dst=dst)
+    return out if dist.get_rank() == dst else None

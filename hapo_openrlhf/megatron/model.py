@@ -101,7 +101,34 @@ def build_qwen2_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int =
     for m in model.modules():
         if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
             m.to(params_dtype)
+    if not cfg.perform_initialization:
+        mark_tensor_parallel_weights(model)
     return model
+
+
+def mark_tensor_parallel_weights(model) -> None:
+    """megatron-core 0.16.1 tags a tensor-parallel weight (``tensor_model_parallel``,
+    ``partition_dim``, ``partition_stride``) only inside its random initialisation: with
+    ``perform_initialization=False`` (weights loaded right after) the tags are missing,
+    and everything that reads them -- the grad norm's "count each weight once", Megatron's
+    clip_grads -- treats the shards as duplicates. Tag them as initialisation would."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    from megatron.core.transformer.mlp import MLP
+
+    # SwiGLU's fc1 holds [gate; up] per rank: megatron-core's MLP gives it stride 2
+    glu_fc1 = {id(m.linear_fc1) for m in model.modules() if isinstance(m, MLP) and m.config.gated_linear_unit}
+    for m in model.modules():
+        dim = (0 if isinstance(m, (VocabParallelEmbedding, ColumnParallelLinear)) else
+               1 if isinstance(m, RowParallelLinear) else None)
+        w = getattr(m, "weight", None)
+        if dim is not None and w is not None and not hasattr(w, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(w, True, dim, 2 if id(m) in glu_fc1 else 1)
 
 
 def attention_inputs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,9 @@ def _worker(rank, ckpt_root, phase, out, tp=TP):
     model = build_qwen2_gpt_model(hf.config, tp=tp)
     if phase != "resume":  # the resumed run starts from Megatron's random init: everything must come from disk
         load_hf_into(model, hf, tp=tp, tp_rank=rank)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    # a large epsilon keeps AdamW's update linear in tiny gradients, so fp32 summation order (TP=2 vs the
+    # resharded TP=1 run) cannot flip the sign of a near-zero element's step
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-3)
     start, losses = 0, []
     if phase == "resume":
         state = checkpoint.load(checkpoint.latest(ckpt_root), model, opt)

@@ -41,6 +41,7 @@ import math
 import os
 import re
 import shutil
+import socket
 from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
@@ -104,12 +105,36 @@ class SafetensorsDir(Mapping):
 
 
 def resolve_pretrained(pretrain: str) -> Path:
-    """A local checkpoint directory for ``pretrain`` (downloads a hub id's weights once)."""
+    """A local checkpoint directory for ``pretrain``. A hub id is downloaded once per
+    node: with ``torch.distributed`` up, the lowest global rank of each host downloads
+    while the others wait, then they read the same cache offline (collective)."""
     if os.path.isdir(pretrain):
         return Path(pretrain)
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(pretrain, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model"]
+    if not (dist.is_available() and dist.is_initialized()):
+        return Path(snapshot_download(pretrain, allow_patterns=patterns))
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    first = hosts.index(hosts[dist.get_rank()]) == dist.get_rank()
+    path = snapshot_download(pretrain, allow_patterns=patterns) if first else None
+    dist.barrier()
+    if not first:
+        path = snapshot_download(pretrain, allow_patterns=patterns, local_files_only=True)
+    return Path(path)
+
+
+def check_tp_peers_share_a_node(tp_group) -> None:
+    """Tensor-parallel ranks exchange activations every layer: they must share a node
+    (NVLink), never straddle two. Ray places the actor bundles; refuse a layout where a
+    TP group spans hosts rather than run it at network speed (collective)."""
+    peers = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(peers, socket.gethostname(), group=tp_group)
+    if len(set(peers)) > 1:
+        raise RuntimeError(f"tensor-parallel peers of rank {dist.get_rank()} are on different nodes {sorted(set(peers))}: "
+                           f"make openrlhf.actor_gpus_per_node a multiple of megatron.tensor_parallel x "
+                           f"pipeline_parallel so each replica's TP group lands on one node")
 
 
 def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -153,15 +178,28 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
+        check_tp_peers_share_a_node(ps.get_tensor_model_parallel_group())
 
         path = resolve_pretrained(pretrain)
         self.hf_config = AutoConfig.from_pretrained(path)
         self.params_dtype = DTYPES[m["params_dtype"]]
         self.vocab_size = int(self.hf_config.vocab_size)
+        cuda = torch.cuda.is_available()
+        overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
+                     "recompute_num_layers": 1} if m["recompute"] else {}
+        # weights are loaded right after: no random initialisation, and on GPUs parameters are
+        # created on the device in params_dtype (not drawn in fp32 on the CPU first)
+        overrides.update(perform_initialization=False, use_cpu_initialization=not cuda,
+                         sequence_parallel=bool(m.get("sequence_parallel", False)))
         model = build_qwen2_gpt_model(self.hf_config, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank,
                                       params_dtype=self.params_dtype, vocab_multiple=int(m["vocab_multiple"]),
-                                      **({"recompute_granularity": "full", "recompute_method": "uniform",
-                                          "recompute_num_layers": 1} if m["recompute"] else {}))
+                                      attention=m.get("attention", "flash"), spec=m.get("layer_spec", "local"),
+                                      **overrides)
+        # micro-batch layout (megatron.schedule): packed THD with openrlhf.packing_samples, else
+        # right-aligned padded rows (FlashCoreAttention) or Megatron's masked local attention
+        self.layout = ("thd" if args.ds.packing_samples else
+                       "padded" if m.get("attention", "flash") == "flash" or m.get("layer_spec") == "te" else "masked")
+        self.token_budget = int(args.train.max_tokens_per_gpu) if args.train.dynamic_batch_enable else None
         weights = hf_to_megatron(SafetensorsDir(path), self.hf_config, tp=self.tp, tp_rank=self.tp_rank, pp=self.pp,
                                  pp_rank=self.pp_rank, vocab_multiple=int(m["vocab_multiple"]))
         missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -175,7 +213,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         adam = args.actor.adam
         self.main = MainParams(self.model)  # fp32 masters when the model is bf16
         self.optimizer = torch.optim.AdamW(self.main.optimizer_params, lr=adam.lr, betas=tuple(adam.betas),
-                                           eps=adam.eps, weight_decay=adam.weight_decay)
+                                           eps=adam.eps, weight_decay=adam.weight_decay,
+                                           **({"fused": True} if cuda else {}))  # peak 20 B/param, not foreach's 24
         name = args.actor.lr_scheduler
         self.scheduler = get_scheduler(
             name, self.optimizer, num_warmup_steps=math.ceil(max_steps * args.actor.lr_warmup_ratio),
@@ -189,7 +228,12 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
 
         self.ckpt_root = Path(args.ckpt.path) / "_actor"
         self.checkpoint_states: dict[str, Any] = {}
-        found = latest(self.ckpt_root) if args.ckpt.load_enable else None
+        # rank 0 chooses the checkpoint and every rank loads that one (ranks reading a caching
+        # network filesystem after a requeue could otherwise see different "latest" steps)
+        mine = latest(self.ckpt_root) if args.ckpt.load_enable and dist.get_rank() == 0 else None
+        choice = [str(mine) if mine is not None else None]
+        dist.broadcast_object_list(choice, src=0)
+        found = Path(choice[0]) if choice[0] else None
         if found is not None:
             if dist.get_rank() == 0:
                 print(f"Loading the checkpoint: {found}", flush=True)
@@ -203,25 +247,41 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         dist.barrier()
 
     # ------------------------------------------------------ old log-probs
+    def _row_groups(self, lengths: list[int], rows_per_mb: int) -> list[list[int]]:
+        """Row indices per micro-batch: by the token budget (``train.dynamic_batch_enable``,
+        ``train.max_tokens_per_gpu`` tokens per micro-batch of this model replica), else
+        ``rows_per_mb`` consecutive rows."""
+        from ...megatron.schedule import token_budget_batches
+
+        if self.token_budget is not None and self.layout != "masked":
+            return token_budget_batches(lengths, self.token_budget)
+        return [list(range(i, min(i + rows_per_mb, len(lengths)))) for i in range(0, len(lengths), rows_per_mb)]
+
     def _logprobs_entropy(self, sequences: torch.Tensor, attention_mask: torch.Tensor):
-        """[B, S-1] log-probs and entropy (no grad) on every rank of the model-parallel group."""
+        """[B, S-1] log-probs and entropy (no grad) on every rank of the model-parallel group.
+        The rows go through the schedule as several micro-batches (by the token budget, or
+        split in 2 x PP with pipelining) so pipeline stages overlap."""
         from megatron.core import parallel_state as ps
 
         from ...megatron.schedule import forward_backward
 
         dev = _device()
-        mb = {"input_ids": sequences.to(dev), "attention_mask": attention_mask.to(dev)}
+        B, S = sequences.shape
+        lengths = attention_mask.sum(-1).tolist()
+        per = B if self.pp == 1 or self.layout == "masked" else max(1, -(-B // (2 * self.pp)))
+        groups = self._row_groups(lengths, per)
+        mbs = [{"input_ids": sequences[g].to(dev), "attention_mask": attention_mask[g].to(dev)} for g in groups]
         self.model.eval()
         with torch.no_grad():
-            out = forward_backward(self.model, [mb], None, vocab_size=self.vocab_size, temperature=self.temperature,
-                                   chunk_size=self.entropy_chunk, forward_only=True)
+            out = forward_backward(self.model, mbs, None, vocab_size=self.vocab_size, temperature=self.temperature,
+                                   chunk_size=self.entropy_chunk, forward_only=True, layout=self.layout)
         self.model.train()
-        B, S = sequences.shape
+        lp = torch.zeros(B, S - 1, dtype=torch.float32, device=dev)
+        en = torch.zeros_like(lp)
         if out:
-            lp, en = (t.float().contiguous() for t in out[0])
-        else:
-            lp = torch.empty(B, S - 1, dtype=torch.float32, device=dev)
-            en = torch.empty_like(lp)
+            for g, (l, e) in zip(groups, out):
+                idx = torch.tensor(g, device=dev)
+                lp[idx], en[idx] = l.float(), e.float()
         if self.pp > 1:  # the last stage computed them: hand them to the stage that answers the controller
             src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
             dist.broadcast(lp, src=src, group=group)
@@ -267,13 +327,16 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         return {"dp_size": self.dp_size, "batch_num_tokens": counts[0], "global_batch_size": counts[1]}
 
     def _micro_batches(self, window: list[Experience]) -> list[dict[str, Any]]:
-        """Left-pad the step's micro-batches to one length (pipeline stages exchange fixed
-        shapes); the response stays the last ``A`` positions, as OpenRLHF slices it."""
+        """The step's micro-batches as model inputs. With Megatron's masked attention they
+        are left-padded to one length (its pipeline exchanges fixed shapes); the packed and
+        right-aligned layouts drop the padding themselves. The response stays the last
+        ``A`` positions of each row, as OpenRLHF slices it."""
         dev = _device()
         S = max(e.sequences.shape[1] for e in window)
         out = []
         for e in window:
-            mb = {"input_ids": left_pad(e.sequences, S).to(dev), "attention_mask": left_pad(e.attention_mask, S).to(dev),
+            pad = (lambda t: left_pad(t, S)) if self.layout == "masked" else (lambda t: t)
+            mb = {"input_ids": pad(e.sequences).to(dev), "attention_mask": pad(e.attention_mask).to(dev),
                   "action_mask": e.action_mask.to(dev), "old_log_probs": e.action_log_probs.to(dev),
                   "advantages": e.advantages.to(dev)}
             if os.environ.get(DUMP_ENV):
@@ -300,7 +363,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
 
         self.model.train()
         out = forward_backward(self.model, self._micro_batches(window), loss_fn, vocab_size=self.vocab_size,
-                               temperature=self.temperature, chunk_size=self.entropy_chunk)
+                               temperature=self.temperature, chunk_size=self.entropy_chunk, layout=self.layout)
         lr = self.scheduler.get_last_lr()[0]
         norm = self.main.step(self.optimizer, float(self.args.actor.max_norm))
         self.scheduler.step()
@@ -345,13 +408,18 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             raise ValueError(f"the Megatron actor got {len(self.items)} samples, not a positive multiple of "
                              f"train.micro_batch_size {mb} (no sample is dropped)")
         gas = max(int(args.train.batch_size) // (mb * self.dp_size), 1)
-        batches = [make_experience_batch(self.items[i:i + mb]) for i in range(0, len(self.items), mb)]
+        step_rows = mb * gas
+        # each optimizer step's rows, as micro-batches (mb rows, or by the token budget)
+        steps = []
+        for k in range(0, len(self.items), step_rows):
+            items = self.items[k:k + step_rows]
+            groups = self._row_groups([int(e.attention_mask.sum()) for e in items], mb)
+            steps.append([make_experience_batch([items[i] for i in g]) for g in groups])
         sums: dict[str, list[float]] = {}
         loss_sum = 0.0
         last: dict[str, float] = {}
         for _ in range(int(args.train.max_epochs)):
-            for k in range(0, len(batches), gas):
-                window = batches[k:k + gas]
+            for window in steps:
                 st = self._optimizer_step(window)
                 last = {"actor_grad_norm": st["actor_grad_norm"], "actor_lr": st["actor_lr"]}
                 loss_sum += st.get("_loss_sum", 0.0)
@@ -362,7 +430,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 for e in window:
                     self._info_sums(e, sums)
         self.items.clear()
-        n_steps = int(args.train.max_epochs) * math.ceil(len(batches) / gas)
+        n_steps = int(args.train.max_epochs) * len(steps)
         # the mean over optimizer steps of each step's whole loss: a replica's micro-batch losses
         # sum to dp_size x its share (normaliser count / dp_size), and the weights sum dp_size times
         sums["policy_loss"] = [loss_sum, float(n_steps)]
@@ -380,28 +448,34 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
 
     # --------------------------------------------------------- weight sync
     def broadcast_to_vllm(self) -> None:
-        from ...megatron.convert import gather_hf_state_dict
+        """Stream the weights to the engines one Hugging Face tensor at a time
+        (``convert.stream_hf_tensors``: per layer, TP all-gather on the device, PP stages
+        send to rank 0; no pickled state dicts, no whole-model copy), each cast to the
+        engines' bf16 and sent through OpenRLHF's weight-sync group."""
+        from ...megatron.convert import hf_shapes, stream_hf_tensors
 
-        sd = gather_hf_state_dict(self.model, self.hf_config)
-        if dist.get_rank() == 0:
-            vargs = self.args.vllm
-            resets = ([e.reset_prefix_cache.remote() for e in self.vllm_engines]
-                      if getattr(vargs, "enable_prefix_caching", False) else [])
-            use_ray = getattr(vargs, "sync_with_ray", False)
-            names = list(sd)
-            for i, name in enumerate(names):
-                t = sd.pop(name).to(device=_device(), dtype=VLLM_DTYPE)
-                refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=i == len(names) - 1)
-                        for e in self.vllm_engines]
-                if use_ray:
-                    import ray.util.collective as collective
+        rank0 = dist.get_rank() == 0
+        vargs = self.args.vllm
+        resets = ([e.reset_prefix_cache.remote() for e in self.vllm_engines]
+                  if rank0 and getattr(vargs, "enable_prefix_caching", False) else [])
+        use_ray = getattr(vargs, "sync_with_ray", False)
+        last = list(hf_shapes(self.hf_config))[-1]
 
-                    collective.broadcast(t, 0, group_name=self._model_update_group)
-                else:
-                    self._model_update_group.broadcast(t, src=0, stream=torch.cuda.current_stream())
-                ray.get(refs)
-            if resets:
-                ray.get(resets)
+        def send(name: str, t: torch.Tensor) -> None:
+            t = t.to(device=_device(), dtype=VLLM_DTYPE)
+            refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=name == last)
+                    for e in self.vllm_engines]
+            if use_ray:
+                import ray.util.collective as collective
+
+                collective.broadcast(t, 0, group_name=self._model_update_group)
+            else:
+                self._model_update_group.broadcast(t, src=0, stream=torch.cuda.current_stream())
+            ray.get(refs)
+
+        stream_hf_tensors(self.model, self.hf_config, send)
+        if resets:
+            ray.get(resets)
         dist.barrier()
 
     # --------------------------------------------------------- checkpoints

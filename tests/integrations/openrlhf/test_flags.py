@@ -109,14 +109,20 @@ def test_megatron_configs_are_shipped_and_checked():
     assert {"qwen25_math_7b_hapo_megatron", "deepscaler_1p5b_24k_hapo_megatron"} <= names
     base = REPO / "configs/qwen25_math_7b_hapo_megatron.yaml"
     for override, msg in [("megatron.tensor_parallel=3", "must divide the actor world size"),
-                          ("megatron.context_parallel=2", "Transformer Engine"),
-                          ("megatron.sequence_parallel=true", "Transformer Engine"),
-                          ("openrlhf.packing_samples=true", "packing_samples must be false"),
+                          ("megatron.context_parallel=2", "does not split sequences"),
+                          ("megatron.sequence_parallel=true", "layer_spec: te"),
+                          ("megatron.attention=local,openrlhf.packing_samples=true", "needs megatron.attention: flash"),
+                          ("megatron.attention=sdpa", "flash or local"),
+                          ("megatron.layer_spec=tex", "local or te"),
                           ("algorithm.kl_coef=0.01", "kl_coef must be 0"),
-                          ("openrlhf.vllm_enable_sleep=true", "sleep mode"),
+                          ("openrlhf.colocate_all=true", "NCCL refuses"),
                           ("megatron.params_dtype=fp16", "bf16 or fp32")]:
         with pytest.raises(ValueError, match=msg):
-            load_config(base, [override, *(["openrlhf.colocate_all=true"] if "sleep" in override else [])])
+            load_config(base, override.split(","))
+    # what the Megatron back end now runs: packed THD micro-batches by a token budget; SP with TE's spec
+    cfg = load_config(base, ["openrlhf.packing_samples=true", "openrlhf.dynamic_batch=true"])
+    assert cfg.openrlhf.packing_samples and cfg.megatron.attention == "flash"
+    assert load_config(base, ["megatron.layer_spec=te", "megatron.sequence_parallel=true"]).megatron.sequence_parallel
 
 
 def test_24k_config_long_context_flags(tmp_path):
