@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=259)
     ap.add_argument("--eq-len", type=int, default=512, help="longest row of the THD == padded check")
+    ap.add_argument("--plot", help="write a memory-vs-length plot (PNG) here")
     ap.add_argument("--child", choices=["run", "eq"])
     ap.add_argument("--attention", default="flash")
     ap.add_argument("--length", type=int, default=0)
@@ -207,8 +208,32 @@ def main(argv=None) -> int:
         "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                   "vocab": args.vocab},
     }
+    if args.plot:
+        _plot(summary, args.plot)
     print(json.dumps(summary))
     return 0
+
+
+def _plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for att, label in (("local", "Megatron DotProductAttention (local)"), ("flash", "hapo FlashCoreAttention")):
+        pts = sorted((int(n), v) for n, v in summary["peak_extra_mb_by_len"][att].items() if v is not None)
+        ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("peak extra memory, fwd + bwd (MB)")
+    m = summary["model"]
+    ax.set_title(f"tiny GPTModel (h {m['hidden']}, {m['layers']} layers, {m['heads']} heads), CPU", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,8 @@ def required_packages(cfg: RunConfig) -> list[tuple[str, str]]:
             need.append(("ring-flash-attn", f"openrlhf.ring_attn_size {o.ring_attn_size}"))
     if cfg.backend == "megatron":
         need.append(("megatron-core", "backend: megatron"))
+        if cfg.megatron.layer_spec == "te":
+            need.append(("transformer-engine", "megatron.layer_spec: te"))
     return need
 
 
@@ -96,16 +98,19 @@ def check_python() -> Check:
 def check_packages(cfg: RunConfig) -> list[Check]:
     out = []
     for dist, why in required_packages(cfg):
-        have, pin = _version(dist), PINS[dist]
+        have, pin = _version(dist), PINS.get(dist)  # no pin: any version (not tested here)
         if have is None:
             fix = {"flash-attn": "pip install flash-attn==2.8.3 --no-build-isolation (after torch)",
                    "ring-flash-attn": "pip install ring-flash-attn==0.1.8",
                    "vllm": "pip install -e '.[openrlhf,gpu]' (vllm==0.29.0)",
                    "openrlhf": "pip install --no-deps openrlhf==0.11.2",
-                   "megatron-core": "pip install -e '.[megatron]'"}.get(dist, f"pip install {dist}=={pin}")
+                   "megatron-core": "pip install -e '.[megatron]'",
+                   "transformer-engine": "pip install --no-build-isolation 'transformer-engine[pytorch]' matching "
+                                         "megatron-core 0.16.1 (untested here), or megatron.layer_spec: local",
+                   }.get(dist, f"pip install {dist}=={pin}")
             out.append(Check(f"package {dist}", FAIL, f"not installed (needed for {why})",
                              f"{fix}; the ordered install is in {INSTALL_DOC}"))
-        elif _base(have) != pin:
+        elif pin is not None and _base(have) != pin:
             out.append(Check(f"package {dist}", WARN, f"{have}, the project is tested with {pin}",
                              f"pip install {dist}=={pin}"))
         else:
@@ -316,7 +321,8 @@ def smoke_run_config(model_dir: str | Path, backend: str = "openrlhf", gpus: int
     """The run config of the smoke's OpenRLHF loop: a tiny warmed-up Qwen2 (head dim 64),
     2 global steps of 4 prompts x 4 samples, HAPO, a CUDA vLLM engine colocated with the
     actor in sleep mode (weights synced over CUDA IPC), or, for ``megatron``, the Megatron
-    actor at TP=1 with the engine on a second GPU."""
+    actor at TP=1 (packed THD micro-batches by a 128-token budget, FlashCoreAttention) with
+    the engine on a second GPU."""
     megatron = backend == "megatron"
     return {
         "run_name": f"gpu_smoke_{backend}", "seed": 7, "backend": backend, "model": {"path": str(model_dir)},
@@ -335,7 +341,8 @@ def smoke_run_config(model_dir: str | Path, backend: str = "openrlhf", gpus: int
             "vllm_gpu_memory_utilization": 0.5 if megatron else 0.3, "vllm_enforce_eager": True,
             "zero_stage": 2, "param_dtype": "bf16",
             "attn_implementation": "flash_attention_2" if flash_attn and not megatron else "sdpa",
-            "packing_samples": flash_attn and not megatron, "gradient_checkpointing": False, "max_len": 96,
+            "packing_samples": flash_attn or megatron, "gradient_checkpointing": False, "max_len": 96,
+            **({"dynamic_batch": True, "max_tokens_per_gpu": 128} if megatron else {}),
             "train_batch_size": 16, "micro_train_batch_size": 4, "micro_rollout_batch_size": 4, "num_episodes": 4,
             "lr_scheduler": "constant"},
         **({"megatron": {"tensor_parallel": 1, "pipeline_parallel": 1, "params_dtype": "bf16"}} if megatron else {}),
@@ -377,8 +384,8 @@ def _smoke_openrlhf_loop(work: Path, backend: str = "openrlhf") -> dict:
     from .preemption import EXIT_PREEMPTED, request_flag
 
     if backend == "megatron" and torch.cuda.device_count() < 2:
-        return {"ok": True, "skipped": "the Megatron actor needs a second GPU for the vLLM engine until colocation "
-                                       "without sleep mode is served by CUDA IPC (issue 18)"}
+        return {"ok": True, "skipped": "the Megatron actor needs a second GPU for the vLLM engine (it has no sleep "
+                                       "mode, so backend megatron refuses colocation)"}
     model = _smoke_warm_model(work)
     try:
         import flash_attn  # noqa: F401
@@ -420,6 +427,7 @@ def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
     results = []
     for name, fn in (("fused_head_bf16_vs_naive", _smoke_fused_head), ("weight_grad_bf16_gemm", _smoke_weight_gemm),
                      ("flash_attn_varlen_vs_padded", _smoke_flash_varlen), ("algos_on_cuda", _smoke_algos),
+                     ("megatron_attention_vs_local", lambda: _smoke_megatron_attention(work)),
                      ("openrlhf_loop_vllm_sleep_stop_resume", lambda: _smoke_openrlhf_loop(work)),
                      ("megatron_tp1_loop", lambda: _smoke_openrlhf_loop(work, "megatron"))):
         t0 = time.perf_counter()
@@ -527,6 +535,30 @@ def _smoke_flash_varlen() -> dict:
                                              v[i].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
         err = max(err, float((packed[cu[i]:cu[i + 1]] - ref[0].transpose(0, 1)).abs().max()))
     return {"max_abs_err": err, "ok": err < 2e-2}
+
+
+def _smoke_megatron_attention(work: Path) -> dict:
+    """benchmarks/megatron_attention.py on the GPU (bf16, flash-attn when installed):
+    FlashCoreAttention's peak memory and time vs Megatron's local attention at 8k tokens,
+    THD vs padded log-probs. Needs megatron-core and a source checkout (the script)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "megatron_attention.py"
+    if importlib.util.find_spec("megatron") is None or not script.is_file():
+        return {"ok": True, "skipped": f"needs megatron-core and {script}"}
+    log = work / "megatron_attention.log"
+    rc = _run([sys.executable, str(script), "--seq-len", "8192", "--lengths", "2048,4096,8192", "--hidden", "1024",
+               "--heads", "16", "--kv-heads", "2", "--eq-len", "2048"], log, timeout=900)
+    lines = log.read_text().strip().splitlines() if log.exists() else []
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"ok": False, "error": f"exit {rc}; see {log}"}
+    err = res.get("thd_vs_padded_max_abs_err")
+    mem = res.get("peak_mem_ratio_vs_local")
+    return {**{k: res.get(k) for k in ("peak_mem_ratio_vs_local", "time_ratio_vs_local", "peak_mem_ratio_by_len",
+                                        "thd_vs_padded_max_abs_err", "thd_vs_masked_max_abs_err")},
+            "ok": rc == 0 and mem is not None and mem <= 0.25 and err is not None and err < 5e-2}
 
 
 def _smoke_algos() -> dict:

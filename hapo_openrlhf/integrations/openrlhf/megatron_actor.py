@@ -21,7 +21,8 @@ engines, hapo's experience maker and its loss are unchanged:
                             (tied embeddings, sequence parallel, data parallel),
                             clipping, AdamW (over fp32 masters for a bf16
                             model), the scheduler.
-``broadcast_to_vllm``       Megatron shards -> Hugging Face tensors on rank 0 ->
+``broadcast_to_vllm``       streamed: per layer, TP all-gather on the device,
+                            Hugging Face layout, point-to-point to rank 0 ->
                             bf16 (the engines' dtype) -> OpenRLHF's weight-sync
                             group (NCCL or Ray collective).
 ``save_checkpoint`` /       Megatron distributed checkpoints under
@@ -30,9 +31,10 @@ engines, hapo's experience maker and its loss are unchanged:
 ``save_model``              the trained model in Hugging Face layout.
 ==========================  ====================================================
 
-What OpenRLHF's DeepSpeed actor does and this one does not: EMA, LoRA, packed
-samples, dynamic batches, sleep/offload (colocated vLLM), a KL reference; the
-config loader rejects those settings for ``backend: megatron``.
+What OpenRLHF's DeepSpeed actor does and this one does not: EMA, LoRA,
+sleep/offload (so no colocated vLLM), a KL reference; the config loader rejects
+those settings for ``backend: megatron``. Packed samples (THD) and token-budget
+micro-batches (``dynamic_batch``) are this actor's own (``megatron.schedule``).
 """
 
 from __future__ import annotations
