@@ -156,15 +156,16 @@ def default_layout(model) -> str:
 
 def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,
                          temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, tp_group=None,
-                         tp_rank: int = 0, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         tp_rank: int = 0, layout: str | None = None, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs and entropy [B, S-1] (fp32) of a single-stage (or last-stage
     with ``pp == 1``) GPTModel whose output layer is vocabulary-parallel: each TP rank
     reduces its own vocabulary shard (``vocab_parallel_logprobs_entropy``), the full
     vocabulary is never gathered. ``layout``: ``schedule.RowLayout`` (default: the
-    model's, :func:`default_layout`)."""
+    model's, :func:`default_layout`); ``pad_to``: pad the model input's token count to
+    a multiple of this (sequence parallelism needs TP)."""
     from .schedule import RowLayout
 
-    lay = RowLayout.of(attention_mask, layout or default_layout(model))
+    lay = RowLayout.of(attention_mask, layout or default_layout(model), pad_to)
     inputs = lay.model_inputs(input_ids)
     logits = model(**inputs)  # [B or 1, S or T, V / tp]
     return lay.logprobs_entropy(logits, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,

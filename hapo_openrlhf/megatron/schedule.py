@@ -49,9 +49,12 @@ class RowLayout:
     starts: torch.Tensor  # [B] first real position of each row
     lengths: torch.Tensor  # [B] real tokens per row
     layout: str
+    # the model input's token count is padded to a multiple of this (sequence parallelism
+    # splits it over TP ranks): THD appends a padding sequence, padded rows grow
+    pad_to: int = 1
 
     @classmethod
-    def of(cls, attention_mask: torch.Tensor, layout: str) -> "RowLayout":
+    def of(cls, attention_mask: torch.Tensor, layout: str, pad_to: int = 1) -> "RowLayout":
         if layout not in LAYOUTS:
             raise ValueError(f"unknown micro-batch layout {layout!r}; expected one of {LAYOUTS}")
         am = attention_mask.bool()
@@ -66,7 +69,7 @@ class RowLayout:
                              f"packing needs each row's tokens contiguous (left/right padding only)")
         if bool((lengths == 0).any()):
             raise ValueError(f"rows {(lengths == 0).nonzero().flatten().tolist()[:8]} have no tokens")
-        return cls((B, S), starts, lengths, layout)
+        return cls((B, S), starts, lengths, layout, max(1, int(pad_to)))
 
     @property
     def max_len(self) -> int:
@@ -88,8 +91,9 @@ class RowLayout:
         dst = row * (S - 1) + self.starts[row] + off
         if self.layout == "thd":
             src = self.cu_seqlens.to(dev).long()[row] + off  # the packed [T] values
-        else:
-            src = row * (self.max_len - 1) + off  # the right-aligned [B, L-1] values
+        else:  # the right-aligned [B, Lp-1] values
+            Lp = -(-self.max_len // self.pad_to) * self.pad_to
+            src = row * (Lp - 1) + off
         return src, dst
 
     def model_inputs(self, input_ids: torch.Tensor) -> dict[str, Any]:
@@ -106,13 +110,21 @@ class RowLayout:
         idx = (self.starts[:, None] + ar[None]).clamp(max=S - 1)
         ids = torch.where(valid, input_ids.gather(1, idx), 0)
         if self.layout == "padded":
-            return {"input_ids": ids, "position_ids": ar.expand(B, L), "attention_mask": None}
+            Lp = -(-L // self.pad_to) * self.pad_to
+            ids = torch.nn.functional.pad(ids, (0, Lp - L))
+            return {"input_ids": ids, "position_ids": torch.arange(Lp, device=dev).expand(B, Lp), "attention_mask": None}
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        flat, pos = ids[valid], ar.expand(B, L)[valid]
         cu = self.cu_seqlens.to(dev)
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=L, max_seqlen_kv=L)
-        return {"input_ids": ids[valid][None], "position_ids": ar.expand(B, L)[valid][None], "attention_mask": None,
-                "packed_seq_params": packed}
+        extra = -int(cu[-1]) % self.pad_to
+        if extra:  # a padding sequence of its own: attends only to itself, its outputs are dropped
+            flat = torch.cat([flat, flat.new_zeros(extra)])
+            pos = torch.cat([pos, torch.arange(extra, device=dev)])
+            cu = torch.cat([cu, cu[-1:] + extra])
+        Lm = max(L, extra)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=Lm, max_seqlen_kv=Lm)
+        return {"input_ids": flat[None], "position_ids": pos[None], "attention_mask": None, "packed_seq_params": packed}
 
     def logprobs_entropy(self, logits: torch.Tensor, model_ids: torch.Tensor, *, vocab_size: int,
                          temperature: float, chunk_size: int, tp_group, tp_rank: int):
@@ -159,7 +171,9 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     config = model.config
     pp = ps.get_pipeline_model_parallel_world_size()
     layout = layout or default_layout(model)
-    layouts = [RowLayout.of(mb["attention_mask"], layout) for mb in micro_batches]
+    # sequence parallelism splits the tokens over TP ranks: pad the token count to a multiple of TP
+    pad_to = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    layouts = [RowLayout.of(mb["attention_mask"], layout, pad_to) for mb in micro_batches]
     if layout == "masked" or (pp > 1 and not config.variable_seq_lengths):
         shape = micro_batches[0]["input_ids"].shape
         bad = [i for i, mb in enumerate(micro_batches) if mb["input_ids"].shape != shape]
@@ -189,9 +203,9 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
 
     # the fixed-shape schedule's tensor shape (ignored with variable_seq_lengths)
     if layout == "thd":
-        seq_length, mbs = max(int(l.lengths.sum()) for l in layouts), 1
+        seq_length, mbs = max(-(-int(l.lengths.sum()) // pad_to) * pad_to for l in layouts), 1
     elif layout == "padded":
-        seq_length, mbs = max(l.max_len for l in layouts), micro_batches[0]["input_ids"].shape[0]
+        seq_length, mbs = max(-(-l.max_len // pad_to) * pad_to for l in layouts), micro_batches[0]["input_ids"].shape[0]
     else:
         seq_length, mbs = micro_batches[0]["input_ids"].shape[1], micro_batches[0]["input_ids"].shape[0]
     fb = get_forward_backward_func()

@@ -50,6 +50,13 @@ def _worker(rank, world, tied, out, layout="thd"):
         am[0, -2:] = 0  # right padding too (a response shorter than the batch's)
     lp, en = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5,
                                   tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank, layout=layout)
+    if layout != "masked":  # padding the token count (sequence parallelism's multiple of TP) changes nothing
+        with torch.no_grad():
+            lp7, en7 = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5,
+                                            tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank, layout=layout,
+                                            pad_to=7)
+        torch.testing.assert_close(lp7, lp.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(en7, en.detach(), rtol=1e-6, atol=1e-6)
     if layout != "masked":  # no value where there is no next real token
         assert bool((lp[~_both_real(am)] == 0).all()) and bool((en[~_both_real(am)] == 0).all())
     m = _both_real(am).float()
