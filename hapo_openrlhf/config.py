@@ -143,6 +143,31 @@ class OverlongConfig:
 
 
 @dataclass(frozen=True)
+class ISCorrectionConfig:
+    """Rollout/training mismatch correction (``algos.is_correction``; OpenRLHF 0.11.2's
+    ``--algo.advantage.is_correction_*``): ``level`` off | token | seq, ``mode`` mask |
+    clip, ``gating`` ratio | binary_kl | tv, ``threshold`` [low, high] or [high]."""
+
+    level: str = "off"
+    mode: str = "mask"
+    gating: str = "ratio"
+    threshold: tuple[float, ...] = (0.5, 5.0)
+
+    def __post_init__(self):
+        from .algos.is_correction import ISCorrection
+
+        try:
+            spec = ISCorrection(self.level, self.mode, self.gating, tuple(self.threshold))
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        object.__setattr__(self, "threshold", spec.threshold)
+
+    @property
+    def enabled(self) -> bool:
+        return self.level != "off"
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     estimator: str = "hapo"
     estimator_params: Mapping[str, Any] = field(default_factory=dict)
@@ -153,6 +178,8 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False
     max_gen_rounds: int = 4
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    # rollout/training mismatch correction (backend openrlhf / megatron: vLLM's log-probs)
+    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     # the logged Four Quadrant metrics: high entropy = H >= the group's mean token entropy
     # (as published); or "quantile" (the batch's quadrant_quantile) or "value" (quadrant_threshold)
     quadrant_split: str = "group_mean"
@@ -262,6 +289,12 @@ class OpenRLHFConfig:
     lr_warmup_ratio: float = 0.0
     eval_dataset: str | None = None  # a data spec (as data.eval); None: no in-training evaluation
     save_hf: bool = False
+    # OpenRLHF's asynchronous trainer: generation (its own actor) runs up to async_queue_size rollout
+    # batches ahead of training; partial_rollout: vLLM pauses for the weight sync instead of waiting
+    # for the batch in flight to finish (docs/openrlhf.md, "Asynchronous training")
+    async_: bool = field(default=False, metadata={"key": "async"})
+    async_queue_size: int = 1
+    partial_rollout: bool = False
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -283,6 +316,12 @@ class OpenRLHFConfig:
                  f"openrlhf.ring_attn_size {self.ring_attn_size} must divide the actor world size {world}")
         _require(self.max_len > 0 and self.train_batch_size > 0 and self.micro_train_batch_size > 0
                  and self.micro_rollout_batch_size > 0, "openrlhf: max_len and batch sizes must be > 0")
+        _require(self.max_tokens_per_gpu > 0, "openrlhf.max_tokens_per_gpu must be > 0")
+        _require(self.async_queue_size >= 1, "openrlhf.async_queue_size must be >= 1")
+        _require(not self.partial_rollout or self.async_, "openrlhf.partial_rollout needs openrlhf.async: true")
+        _require(not (self.async_ and self.colocate_all and self.vllm_enable_sleep),
+                 "openrlhf.async: true cannot use vLLM's sleep mode (generation runs while the actor trains); set "
+                 "openrlhf.vllm_enable_sleep: false and give the engines their own GPUs (colocate_all: false)")
         _require(self.num_episodes >= 1, "openrlhf.num_episodes must be >= 1")
         _require(0 <= self.lr_warmup_ratio < 1, "openrlhf.lr_warmup_ratio must be in [0, 1)")
 
@@ -402,7 +441,18 @@ class RunConfig:
                  "by OpenRLHF's AutoTP; not supported)")
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(dataclasses.asdict(self))
+        return _to_plain(_asdict(self))
+
+
+def _asdict(obj: Any) -> Any:
+    """``dataclasses.asdict`` with each field under its config key (field metadata "key")."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.metadata.get("key", f.name): _asdict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: _asdict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_asdict(x) for x in obj]
+    return obj
 
 
 def _to_plain(v: Any) -> Any:
@@ -469,15 +519,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
     """Build dataclass ``cls`` from ``data``; unknown keys raise naming the dotted key."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    # a field whose config key is a Python keyword carries it as metadata (openrlhf.async -> async_)
+    field_of = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
+    names = list(field_of)
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names:
+        if k not in field_of:
             close = difflib.get_close_matches(str(k), names, n=1)
             hint = f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
             raise ValueError(f"unknown config key {key!r}{hint}")
-        kwargs[k] = _coerce(v, hints[k], key)
+        kwargs[field_of[k]] = _coerce(v, hints[field_of[k]], key)
     try:
         return cls(**kwargs)
     except ValueError as e:

@@ -7,6 +7,12 @@ Shape legend: B sequences, T response tokens. Every loss takes
 ``normalizer`` is the *global* denominator (valid tokens for token-mean,
 sequences for the seq-mean modes) across micro-batches and data-parallel
 ranks, so summing each micro-batch's loss gives the one-big-batch gradient.
+
+``token_weight`` ([B,T], detached, or None) is the rollout/training mismatch
+correction (``algos.is_correction``): every registered loss must take it and multiply
+its per-token policy term by it before aggregating (the registry refuses a loss that
+does not take it); ``compute_policy_loss`` computes it from ``rollout_logprobs`` and
+``is_correction``.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .is_correction import is_correction_weights
 from .registry import Registry
 
 LOSSES = Registry(
@@ -31,7 +38,9 @@ LOSSES = Registry(
         "ref_logprobs",
         "kl_coef",
         "generator",
+        "token_weight",
     ),
+    required=("token_weight",),
 )
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # losses whose value on whole rows, with the global normaliser, sums over row blocks
@@ -96,7 +105,10 @@ def compute_policy_loss(
 
     Common keywords: aggregation ("token-mean"), normalizer (global count),
     norm_constant, entropy ([B,T] current-policy entropy *with* grad, for
-    entro_reg), ref_logprobs + kl_coef (k3 KL to a reference), generator.
+    entro_reg), ref_logprobs + kl_coef (k3 KL to a reference), generator,
+    rollout_logprobs ([B,T], the rollout engine's log-probs of the sampled tokens) +
+    is_correction (``algos.is_correction.ISCorrection`` or a mapping with level, mode,
+    gating, threshold: OpenRLHF 0.11.2's mismatch correction, applied to every loss).
     """
     for k, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
         if t.shape != response_mask.shape or t.dim() != 2:
@@ -107,14 +119,18 @@ def compute_policy_loss(
     if params["aggregation"] not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {params['aggregation']!r}; expected one of {AGGREGATIONS}")
     ref, kl_coef = params.pop("ref_logprobs", None), float(params.pop("kl_coef", 0.0))
+    rollout, spec = params.pop("rollout_logprobs", None), params.pop("is_correction", None)
+    weight, is_metrics = is_correction_weights(old_logprobs, rollout, response_mask, spec)
     loss, metrics = LOSSES.call(
         name,
         logprobs=logprobs,
         old_logprobs=old_logprobs,
         advantages=advantages,
         response_mask=response_mask,
+        token_weight=weight,
         **params,
     )
+    metrics.update(is_metrics)
     if kl_coef and ref is not None:
         kl = k3_kl(logprobs, ref)
         kl_term = aggregate(kl, response_mask, params["aggregation"], params.get("normalizer"), params.get("norm_constant"))
@@ -151,6 +167,11 @@ def _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
     return pg, ratio, log_ratio, clipped
 
 
+def _weighted(pg: torch.Tensor, token_weight: torch.Tensor | None) -> torch.Tensor:
+    """The per-token policy term times the mismatch-correction weight (None: unchanged)."""
+    return pg if token_weight is None else pg * token_weight
+
+
 def _ppo_metrics(ratio, log_ratio, clipped, mask) -> dict[str, float]:
     return {
         "actor/clip_frac": float(_mmean(clipped.float(), mask)),
@@ -170,12 +191,12 @@ def _check_clip(p) -> None:
 def ppo(
     *,
     logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
-    eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
+    token_weight=None, eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
 ):
     """PPO clipped surrogate; eps_high > eps_low is DAPO's clip-higher, dual_clip bounds
     the loss of negative-advantage tokens at -A * c (Ye et al. 2020)."""
     pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
-    loss = aggregate(pg, response_mask, aggregation, normalizer, norm_constant)
+    loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
     return loss, _ppo_metrics(ratio, log_ratio, clipped, response_mask)
 
 
@@ -183,13 +204,15 @@ def ppo(
 def entro_reg(
     *,
     logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
-    entropy=None, beta: float = 1e-3, eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
+    entropy=None, token_weight=None, beta: float = 1e-3, eps_low: float = 0.2, eps_high: float = 0.2,
+    dual_clip: float | None = None,
 ):
-    """PPO clip minus beta * (aggregated current-policy entropy, gradient flows through H)."""
+    """PPO clip minus beta * (aggregated current-policy entropy, gradient flows through H);
+    the mismatch weight reweights the PPO term only."""
     if entropy is None:
         raise ValueError("entro_reg needs `entropy` (current policy, with grad) of shape [B, T]")
     pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
-    pg_loss = aggregate(pg, response_mask, aggregation, normalizer, norm_constant)
+    pg_loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
     ent = aggregate(entropy, response_mask, aggregation, normalizer, norm_constant)
     metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
     metrics["actor/entropy_bonus"] = float(ent.detach())
@@ -200,7 +223,7 @@ def entro_reg(
 def kl_cov(
     *,
     logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
-    k_ratio: float = 2e-4, kl_coef_cov: float = 1.0,
+    token_weight=None, k_ratio: float = 2e-4, kl_coef_cov: float = 1.0,
 ):
     """KL-Cov (Cui et al. 2025): unclipped PG; the top k_ratio of valid tokens by
     cov(A, logp) also get kl_coef_cov * |logp - logp_old|. (int(k*N) tokens, as verl.)"""
@@ -219,7 +242,7 @@ def kl_cov(
         chosen[flat_idx[torch.topk(cov, k).indices]] = True
     chosen = chosen.view_as(valid)
     pg = torch.where(chosen, pg_kl, pg)
-    loss = aggregate(pg, response_mask, aggregation, normalizer, norm_constant)
+    loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
     metrics = _ppo_metrics(ratio, log_ratio, torch.zeros_like(chosen), response_mask)
     metrics["actor/kl_cov_frac"] = float(_mmean(chosen.float(), response_mask))
     return loss, metrics
@@ -229,7 +252,7 @@ def kl_cov(
 def clip_cov(
     *,
     logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
-    generator=None, clip_ratio: float = 2e-4, cov_lb: float = 1.0, cov_ub: float = 5.0,
+    generator=None, token_weight=None, clip_ratio: float = 2e-4, cov_lb: float = 1.0, cov_ub: float = 5.0,
     eps_low: float = 0.2, eps_high: float = 0.2,
 ):
     """Clip-Cov (Cui et al. 2025): PPO clip, then detach a random clip_ratio (at least one)
@@ -250,7 +273,7 @@ def clip_cov(
         drop[idx[perm.to(idx.device)]] = True
     drop = drop.view_as(m)
     pg = torch.where(drop, torch.zeros_like(pg), pg)
-    loss = aggregate(pg, response_mask, aggregation, normalizer, norm_constant)
+    loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
     metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
     metrics["actor/clip_cov_frac"] = float(_mmean(drop.float(), response_mask))
     return loss, metrics

@@ -31,9 +31,12 @@ class Registry:
     parameter a config may set.
     """
 
-    def __init__(self, kind: str, fixed: tuple[str, ...]):
+    def __init__(self, kind: str, fixed: tuple[str, ...], required: tuple[str, ...] = ()):
         self.kind = kind
         self.fixed = fixed
+        # trainer-supplied arguments every registered function must take (e.g. every policy
+        # loss must apply the rollout/training mismatch weight): checked at registration
+        self.required = required
         self._entries: dict[str, Entry] = {}
 
     def register(self, name: str, validate: Callable[[Mapping[str, Any]], None] | None = None):
@@ -49,6 +52,10 @@ class Registry:
                 if p.default is not inspect.Parameter.empty:
                     defaults[p.name] = p.default
             accepts = frozenset(sig.parameters)
+            missing = [r for r in self.required if r not in accepts]
+            if missing:
+                raise TypeError(f"{self.kind} {name!r} must take the keyword argument(s) {missing} "
+                                f"(every {self.kind} applies them; see its module docstring)")
             self._entries[name] = Entry(name, fn, validate, tuple(params), defaults, accepts)
             return fn
 

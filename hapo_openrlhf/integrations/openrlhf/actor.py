@@ -53,7 +53,8 @@ def fingerprint(sequences: torch.Tensor, attention_mask: torch.Tensor) -> str:
 def loss_from_config(hapo_cfg: dict) -> HapoPolicyLoss:
     a = hapo_cfg["algorithm"]
     return HapoPolicyLoss(a["loss"], dict(a["loss_params"]), a["aggregation"],
-                          norm_constant=float(hapo_cfg["rollout"]["max_new_tokens"]))
+                          norm_constant=float(hapo_cfg["rollout"]["max_new_tokens"]),
+                          is_correction=a.get("is_correction"))
 
 
 class BehaviourEntropyStore:
@@ -89,6 +90,17 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
         self._entropy_chunk = int(hapo_cfg["algorithm"]["entropy_chunk_size"])
         self.loss_fn = loss_from_config(hapo_cfg)
         self.trainer.actor_loss_fn = self.loss_fn
+        if self.loss_fn.is_correction.enabled:  # the token IS ratio's mean / max join upstream's metrics
+            step = self.trainer.training_step
+
+            def training_step(experience, *args, **kwargs):
+                self.loss_fn.info_sink = experience.info
+                try:
+                    return step(experience, *args, **kwargs)
+                finally:
+                    self.loss_fn.info_sink = None
+
+            self.trainer.training_step = training_step
         self.trainer.actor.register_forward_hook(self._training_forward_hook, with_kwargs=True)
         self._fused = False
         if hapo_cfg["model"].get("fused_head", True):

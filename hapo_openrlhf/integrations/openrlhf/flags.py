@@ -155,8 +155,17 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
         argv += ["--actor.entropy_coef", "0"]
     if a.dynamic_sampling:  # DAPO: drop groups whose rewards all agree, refill from the loader
         argv += ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0"]
+    isc = a.is_correction
+    if isc.enabled:  # OpenRLHF then asks vLLM for the sampled tokens' log-probs; hapo's loss applies it
+        argv += ["--algo.advantage.is_correction_level", isc.level, "--algo.advantage.is_correction_mode", isc.mode,
+                 "--algo.advantage.is_correction_gating", isc.gating,
+                 "--algo.advantage.is_correction_threshold", *(_f(t) for t in isc.threshold)]
     if o.colocate_all:
         argv += ["--train.colocate_all"]
+    if o.async_:  # OpenRLHF's PPOTrainerAsync (hapo's subclass: trainer_async.py)
+        argv += ["--train.async_enable", "--train.async_queue_size", str(o.async_queue_size)]
+        if o.partial_rollout:
+            argv += ["--train.partial_rollout_enable"]
     if o.vllm_enforce_eager:
         argv += ["--vllm.enforce_eager"]
     if o.vllm_enable_sleep and o.colocate_all:
@@ -187,8 +196,9 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
 def _check_extra_args(extra: tuple[str, ...], argv: list[str]) -> None:
     """``openrlhf.extra_args`` may add OpenRLHF options, not silently change what hapo runs:
     a flag the config already generates would override it (argparse keeps the last one) while
-    config.json records the config's value; OpenRLHF's vLLM importance-sampling correction
-    would be parsed but not applied by hapo's losses."""
+    config.json records the config's value. The vLLM importance-sampling correction is
+    the config's ``algorithm.is_correction`` (hapo's losses read it there, so the flags
+    alone would be parsed and not applied)."""
     generated = {t for t in argv if t.startswith("--")}
     for tok in extra:
         flag = tok.split("=", 1)[0]
@@ -196,5 +206,6 @@ def _check_extra_args(extra: tuple[str, ...], argv: list[str]) -> None:
             raise ValueError(f"openrlhf.extra_args: {flag} is generated from the config; set the config key "
                              f"instead (docs/openrlhf.md lists the mapping)")
         if flag.startswith("--algo.advantage.is_correction"):
-            raise ValueError(f"openrlhf.extra_args: {flag}: hapo's losses do not apply OpenRLHF's vLLM "
-                             f"importance-sampling correction (docs/openrlhf.md, 'What is not supported')")
+            key = flag.rsplit("_", 1)[-1]
+            raise ValueError(f"openrlhf.extra_args: {flag}: set algorithm.is_correction.{key} instead (hapo's "
+                             f"losses apply the correction from the config; docs/method.md)")

@@ -17,9 +17,10 @@ hapo's ``aggregate`` divides by its ``normalizer``, so ``normalizer = count / dp
 gives the same scalar as OpenRLHF's ``aggregate_loss``.
 
 The importance-sampling correction between vLLM and the trainer
-(``--algo.advantage.is_correction_*``) is OpenRLHF's; hapo's losses do not apply it,
-so this loss returns ``vllm_kl = is_filter_ratio = None`` and the flag generator
-never turns it on.
+(``algorithm.is_correction``, emitted as OpenRLHF's ``--algo.advantage.is_correction_*``
+so the engines return log-probs) is applied by hapo's loss core to whichever registry
+loss runs (``algos.is_correction``): ``rollout_log_probs`` go in, and ``vllm_kl`` /
+``is_filter_ratio`` come back as upstream's ``PolicyLoss`` returns them (None when off).
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ class HapoPolicyLoss(nn.Module):
     """``PolicyLoss`` stand-in: ``name`` and ``params`` select a registry loss."""
 
     def __init__(self, name: str, params: dict[str, Any] | None = None, aggregation: str = "token-mean",
-                 norm_constant: float | None = None) -> None:
+                 norm_constant: float | None = None, is_correction: Any = None) -> None:
         super().__init__()
+        from ...algos.is_correction import ISCorrection
+
         self.name = name
+        self.is_correction = ISCorrection.of(is_correction)
         self.params = dict(params or {})
         self.aggregation = aggregation
         self.norm_constant = norm_constant
@@ -51,6 +55,9 @@ class HapoPolicyLoss(nn.Module):
         self.pending_entropy: torch.Tensor | None = None
         self.pending_sequences: list[list[int]] | None = None  # unpadded token ids per row (dump only)
         self.last_metrics: dict[str, float] = {}
+        # set by the DeepSpeed actor around each training step: the experience's info dict, where
+        # upstream's training_step collects per-micro-batch metrics (token-weighted 0-d tensors)
+        self.info_sink: dict | None = None
         self._calls = 0
 
     def forward(
@@ -63,7 +70,7 @@ class HapoPolicyLoss(nn.Module):
         dp_size: int = 1,
         batch_num_tokens: Optional[float] = None,
         global_batch_size: Optional[float] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         if action_mask is None:
             action_mask = torch.ones_like(log_probs, dtype=torch.bool)
         count = batch_num_tokens if self.aggregation == "token-mean" else global_batch_size
@@ -75,6 +82,10 @@ class HapoPolicyLoss(nn.Module):
                 raise RuntimeError("entro_reg needs the current-policy entropy; the actor hook did not provide it "
                                    "(is --actor.entropy_coef set?)")
             extra["entropy"] = ent[:, -action_mask.shape[1]:]
+        if self.is_correction.enabled:
+            extra["is_correction"] = self.is_correction
+            extra["rollout_logprobs"] = None if rollout_log_probs is None else rollout_log_probs.float()
+            self._dump_rollout(rollout_log_probs, action_mask)
         loss, metrics = compute_policy_loss(
             self.name, log_probs.float(), old_log_probs.float(), advantages.float(), action_mask,
             aggregation=self.aggregation, normalizer=normalizer, norm_constant=self.norm_constant,
@@ -86,7 +97,28 @@ class HapoPolicyLoss(nn.Module):
         dev = log_probs.device
         clip_ratio = torch.tensor(metrics.get("actor/clip_frac", 0.0), device=dev)
         ppo_kl = torch.tensor(metrics.get("actor/approx_kl", 0.0), device=dev)
-        return loss, clip_ratio, ppo_kl, None, None
+        if not self.is_correction.enabled:
+            return loss, clip_ratio, ppo_kl, None, None
+        vllm_kl = torch.tensor(metrics["actor/vllm_kl"], device=dev)
+        is_filter = torch.tensor(metrics["actor/is_filter_frac"], device=dev)
+        if self.info_sink is not None:
+            self.info_sink["is_ratio_mean"] = torch.tensor(metrics["actor/is_ratio_mean"])
+            self.info_sink["is_ratio_max"] = torch.tensor(metrics["actor/is_ratio_max"])
+        return loss, clip_ratio, ppo_kl, vllm_kl, is_filter
+
+    def _dump_rollout(self, rollout_log_probs, action_mask) -> None:
+        """With ``HAPO_OPENRLHF_DUMP_DIR`` set: the rollout log-probs that reached the loss,
+        per row with its tokens (the e2e test compares them with vLLM's own)."""
+        d = os.environ.get(DUMP_ENV)
+        if not d or self.pending_sequences is None or rollout_log_probs is None:
+            return
+        rank = int(os.environ.get("RANK", "0"))
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"rollout_logprobs_rank{rank}.jsonl"), "a") as f:
+            for i, toks in enumerate(self.pending_sequences):
+                m = action_mask[i].bool().cpu()
+                f.write(json.dumps({"tokens": toks, "rollout": rollout_log_probs[i].detach().float().cpu()[m].tolist()})
+                        + "\n")
 
     def _dump(self, advantages: torch.Tensor, action_mask: torch.Tensor) -> None:
         """With ``HAPO_OPENRLHF_DUMP_DIR`` set: record, per row, the tokens and the

@@ -342,6 +342,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             mb = {"input_ids": pad(e.sequences).to(dev), "attention_mask": pad(e.attention_mask).to(dev),
                   "action_mask": e.action_mask.to(dev), "old_log_probs": e.action_log_probs.to(dev),
                   "advantages": e.advantages.to(dev)}
+            if e.rollout_log_probs is not None:  # the engines' log-probs (mismatch correction)
+                mb["rollout_log_probs"] = e.rollout_log_probs.to(dev)
             if os.environ.get(DUMP_ENV):
                 mb["rows"] = [row[m.bool()].tolist() for row, m in zip(e.sequences, e.attention_mask)]
             out.append(mb)
@@ -358,11 +360,17 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 self.loss_fn.pending_entropy = en
             if "rows" in mb:
                 self.loss_fn.pending_sequences = mb["rows"]
-            loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(lp[:, -A:], mb["old_log_probs"], mb["advantages"],
-                                                          action_mask=mb["action_mask"], rollout_log_probs=None,
-                                                          **info)
-            return loss, {"ppo_clip_ratio": clip_ratio.detach().float(), "ppo_kl": ppo_kl.detach().float(),
-                          "tokens": mb["action_mask"].sum().float()}
+            loss, clip_ratio, ppo_kl, vllm_kl, is_filter = self.loss_fn(
+                lp[:, -A:], mb["old_log_probs"], mb["advantages"], action_mask=mb["action_mask"],
+                rollout_log_probs=mb.get("rollout_log_probs"), **info)
+            stats = {"ppo_clip_ratio": clip_ratio.detach().float(), "ppo_kl": ppo_kl.detach().float(),
+                     "tokens": mb["action_mask"].sum().float()}
+            if vllm_kl is not None:  # upstream logs them per micro-batch into experience.info
+                m = self.loss_fn.last_metrics
+                stats.update(vllm_kl=vllm_kl.detach().float(), is_filter_ratio=is_filter.detach().float(),
+                             is_ratio_mean=torch.tensor(m["actor/is_ratio_mean"]),
+                             is_ratio_max=torch.tensor(m["actor/is_ratio_max"]))
+            return loss, stats
 
         self.model.train()
         d = os.environ.get(DUMP_ENV)
@@ -381,8 +389,9 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             tokens = sum(float(o["tokens"]) for o in out)
             stats["_loss_sum"] = sum(float(o["loss"]) for o in out)
             stats["_tokens"] = tokens
-            for k in ("ppo_clip_ratio", "ppo_kl"):
-                stats["_w_" + k] = sum(float(o[k]) * float(o["tokens"]) for o in out)
+            for k in ("ppo_clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio", "is_ratio_mean", "is_ratio_max"):
+                if k in out[0]:
+                    stats["_w_" + k] = sum(float(o[k]) * float(o["tokens"]) for o in out)
         return stats
 
     @staticmethod
@@ -432,7 +441,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 st = self._optimizer_step(window)
                 last = {"actor_grad_norm": st["actor_grad_norm"], "actor_lr": st["actor_lr"]}
                 loss_sum += st.get("_loss_sum", 0.0)
-                for key in ("ppo_clip_ratio", "ppo_kl"):
+                keys = ("ppo_clip_ratio", "ppo_kl") + (
+                    ("vllm_kl", "is_filter_ratio", "is_ratio_mean", "is_ratio_max")
+                    if self.loss_fn.is_correction.enabled else ())
+                for key in keys:
                     s = sums.setdefault(key, [0.0, 0.0])
                     s[0] += st.get("_w_" + key, 0.0)
                     s[1] += st.get("_tokens", 0.0)

@@ -12,7 +12,9 @@
    config to ``args.hapo`` (it travels to every Ray actor inside the strategy),
    points ``train_ppo_ray.PolicyModelActor`` at hapo's policy actor (the DeepSpeed
    subclass, or the Megatron actor for ``backend: megatron``) and
-   ``ppo_trainer.PPOTrainer`` at hapo's controller, and calls OpenRLHF's own ``train``.
+   ``ppo_trainer.PPOTrainer`` / ``ppo_trainer_async.PPOTrainerAsync`` at hapo's
+   controllers (``openrlhf.async`` picks which one OpenRLHF builds), and calls
+   OpenRLHF's own ``train``.
 
 Only the driver is patched; the workers receive the subclasses because Ray
 pickles the actor classes by import path (``hapo_openrlhf`` must be importable
@@ -88,22 +90,23 @@ def installed(backend: str = "openrlhf"):
     the policy actor (DeepSpeed or Megatron) and the controller."""
     import openrlhf.cli.train_ppo_ray as cli
     import openrlhf.trainer.ppo_trainer as pt
+    import openrlhf.trainer.ppo_trainer_async as pta
 
     from .trainer import HapoPPOTrainer
+    from .trainer_async import HapoPPOTrainerAsync
 
-    saved = (cli.PolicyModelActor, pt.PPOTrainer)
-    cli.PolicyModelActor, pt.PPOTrainer = policy_actor_class(backend), HapoPPOTrainer
+    saved = (cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync)
+    cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync = (policy_actor_class(backend), HapoPPOTrainer,
+                                                                HapoPPOTrainerAsync)
     try:
         yield
     finally:
-        cli.PolicyModelActor, pt.PPOTrainer = saved
+        cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync = saved
 
 
 def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None:
     import openrlhf.cli.train_ppo_ray as cli
 
-    if args.train.async_enable:
-        raise ValueError("hapo's OpenRLHF integration supports the synchronous PPO trainer only (no --train.async_enable)")
     if args.critic.model_name_or_path:
         raise ValueError("hapo estimators are critic-free; OpenRLHF was asked for a critic")
     args.hapo = {**cfg.to_dict(), "output_dir": str(out or cfg.output_dir)}

@@ -44,11 +44,13 @@ class StepLimit:
         return generate
 
 
-class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
-    def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
-                 reference_model_group, vllm_engines, **generate_kwargs) -> None:
-        super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
-                         reference_model_group, vllm_engines, **generate_kwargs)
+class HapoControllerMixin:
+    """What hapo adds to OpenRLHF's controller, shared by the synchronous ``PPOTrainer``
+    and the asynchronous ``TrainingActor`` (trainer_async.py): hapo's experience maker,
+    ``metrics.jsonl``, the step limit, and preemption (a stop flag forces this step's
+    checkpoint and ends the loop)."""
+
+    def _hapo_setup(self) -> None:
         self.experience_maker = HapoExperienceMaker(
             self.actor_model_group,
             self.critic_model_group,
@@ -63,8 +65,6 @@ class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
         self.step_limit = StepLimit(int(self.args.hapo["trainer"]["steps"]))
         self._last_client_states: dict | None = None  # what the last step passed to save_logs_and_checkpoints
         self._last_saved_step = 0
-        self.samples_generator.generate_samples = self._stop_after_generation(
-            self.step_limit.wrap(self.samples_generator.generate_samples))
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
@@ -72,23 +72,16 @@ class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
         self._last_saved_step = self.step_limit.step  # that state is on disk already
         return states
 
-    def _stop_after_generation(self, generate):
-        """A step at 24k tokens is generation (most of it) then training. A stop flag that
-        appears during generation is honoured before the update: the state the step started
-        from -- the previous step's weights, and the data loader *before* this generation --
-        is checkpointed (unless it already is) and the loop stops; the requeued job
-        regenerates this step's prompts. On the first step after a (re)start nothing of this
-        process's is unsaved, and the stop is honoured after the step as usual."""
-        def generate_then_check(**kwargs):
-            out = generate(**kwargs)
-            if out[0] and self._last_client_states is not None and request_flag(self.args.hapo["output_dir"]).exists():
-                step = self.step_limit.step
-                if step != self._last_saved_step:
-                    self._save_forced(step, {}, dict(self._last_client_states))
-                raise Preempted(step)
-            return out
-
-        return generate_then_check
+    def _stop_before_update(self) -> None:
+        """The stop flag appeared before this process's next update: checkpoint the state the
+        last step left (unless it is on disk) and stop. A no-op before the first step of this
+        process (nothing of its own is unsaved; the stop is honoured after the step as usual)."""
+        if self._last_client_states is None or not request_flag(self.args.hapo["output_dir"]).exists():
+            return
+        step = self.step_limit.step
+        if step != self._last_saved_step:
+            self._save_forced(step, {}, dict(self._last_client_states))
+        raise Preempted(step)
 
     def _save_forced(self, global_step: int, logs_dict, client_states) -> None:
         every = self.args.ckpt.save_steps
@@ -98,12 +91,6 @@ class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
         finally:
             self.args.ckpt.save_steps = every
         self._last_saved_step = global_step
-
-    def train_step(self, rollout_samples, global_step: int):
-        status, step = super().train_step(rollout_samples, global_step)
-        self.step_limit.step = step
-        self._log_metrics(step, status)
-        return status, step
 
     def save_logs_and_checkpoints(self, global_step: int, logs_dict=None, client_states=None) -> None:
         """Upstream's, plus preemption: when the Slurm job has written the stop flag, this
@@ -138,10 +125,48 @@ class HapoPPOTrainerImpl(PPOTrainer.__ray_actor_class__):
         for k, v in status.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 row[k] = float(v)
+                if k in MISMATCH_METRICS:  # the mismatch correction, under hapo's metric names too
+                    row[MISMATCH_METRICS[k]] = float(v)
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+class HapoPPOTrainerImpl(HapoControllerMixin, PPOTrainer.__ray_actor_class__):
+    def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
+                 reference_model_group, vllm_engines, **generate_kwargs) -> None:
+        super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
+                         reference_model_group, vllm_engines, **generate_kwargs)
+        self._hapo_setup()
+        self.samples_generator.generate_samples = self._stop_after_generation(
+            self.step_limit.wrap(self.samples_generator.generate_samples))
+
+    def _stop_after_generation(self, generate):
+        """A step at 24k tokens is generation (most of it) then training. A stop flag that
+        appears during generation is honoured before the update: the state the step started
+        from -- the previous step's weights, and the data loader *before* this generation --
+        is checkpointed (unless it already is) and the loop stops; the requeued job
+        regenerates this step's prompts. On the first step after a (re)start nothing of this
+        process's is unsaved, and the stop is honoured after the step as usual."""
+        def generate_then_check(**kwargs):
+            out = generate(**kwargs)
+            if out[0]:
+                self._stop_before_update()
+            return out
+
+        return generate_then_check
+
+    def train_step(self, rollout_samples, global_step: int):
+        status, step = super().train_step(rollout_samples, global_step)
+        self.step_limit.step = step
+        self._log_metrics(step, status)
+        return status, step
+
+
+# upstream's status keys of the rollout/training mismatch correction -> hapo's names (docs/method.md)
+MISMATCH_METRICS = {"vllm_kl": "actor/vllm_kl", "is_filter_ratio": "actor/is_filter_frac",
+                    "is_ratio_mean": "actor/is_ratio_mean", "is_ratio_max": "actor/is_ratio_max"}
 
 
 HapoPPOTrainer = ray.remote(HapoPPOTrainerImpl)

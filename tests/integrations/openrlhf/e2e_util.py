@@ -103,3 +103,30 @@ def check_engine_holds_final(dump, final_dir, n_syncs, engine="cpu", seed=7):
             assert last["weights"][k].dtype == torch.bfloat16, k
         assert torch.equal(last["weights"][k].float(), v.to(torch.bfloat16).float()), k
     assert any(not torch.equal(first["weights"][k], last["weights"][k]) for k in final)  # step 2 synced new weights
+
+
+CORRECTION = "algorithm.is_correction={level: token, mode: clip, gating: ratio, threshold: [0.0, 2.0]}"
+
+
+def check_rollout_logprobs_are_the_engines(dump, engine, n_rows):
+    """The mismatch correction was on: every row that reached hapo's loss carried
+    ``rollout_log_probs``; with vLLM they are exactly the log-probs vLLM's own
+    ``RequestOutput`` gave for those tokens (recorded at the source by the test plugin).
+    Returns the rows."""
+    import pytest
+
+    rows = jsonl(Path(dump) / "rollout_logprobs_rank0.jsonl")
+    assert len(rows) == n_rows
+    assert all(r["rollout"] and all(v <= 0 for v in r["rollout"]) for r in rows)
+    if engine != "vllm":
+        return rows
+    source = {}
+    for f in Path(dump).glob("vllm_logprobs_*.jsonl"):
+        for r in jsonl(f):
+            source[tuple(r["tokens"])] = r["logprobs"]
+    assert source, "the vLLM plugin recorded no generation with log-probs"
+    for r in rows:
+        want = source[tuple(r["tokens"])]  # the same sequence, as vLLM generated it
+        assert len(r["rollout"]) == len(want)
+        assert r["rollout"] == pytest.approx(want, rel=1e-6, abs=1e-6)
+    return rows

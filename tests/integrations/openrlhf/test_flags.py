@@ -155,11 +155,36 @@ def test_print_command_is_the_argv(tmp_path):
     ("openrlhf.bogus=1", "openrlhf.bogus"),
     ('openrlhf.extra_args=["--actor.adam.lr", "1e-5"]', "--actor.adam.lr is generated from the config"),
     ('openrlhf.extra_args=["--train.seed=3"]', "--train.seed is generated from the config"),
-    ('openrlhf.extra_args=["--algo.advantage.is_correction_level", "token"]', "importance-sampling correction"),
+    ('openrlhf.extra_args=["--algo.advantage.is_correction_level", "token"]', "set algorithm.is_correction.level"),
+    ('openrlhf.extra_args=["--algo.advantage.is_correction_threshold=2"]', "set algorithm.is_correction.threshold"),
+    ("algorithm.is_correction={level: seq, mode: clip}", "requires is_correction_level=token"),
+    ("algorithm.is_correction={level: token, gating: tv, threshold: [0.5, 2]}", "takes an upper bound only"),
 ])
 def test_bad_cluster_settings_are_named(override, msg):
     with pytest.raises(ValueError, match=msg):
         build_argv(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", [override]))
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("{level: token, mode: clip, threshold: [0.5, 2.0]}", ("token", "clip", "ratio", [0.5, 2.0])),
+    ("{level: seq, gating: binary_kl, threshold: [0.001]}", ("seq", "mask", "binary_kl", [0.0, 0.001])),
+])
+def test_is_correction_section_reaches_openrlhf_and_hapos_loss(tmp_path, spec, want):
+    """algorithm.is_correction -> OpenRLHF's --algo.advantage.is_correction_* (so it asks vLLM
+    for log-probs) and the same setting in args.hapo for hapo's loss; off emits nothing."""
+    from hapo_openrlhf.integrations.openrlhf.actor import loss_from_config
+    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+
+    cfg = load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", [f"algorithm.is_correction={spec}"])
+    args = parse_with_upstream(build_argv(cfg, tmp_path))
+    a = args.algo.advantage
+    assert (a.is_correction_level, a.is_correction_mode, a.is_correction_gating,
+            list(a.is_correction_threshold)) == want
+    loss = loss_from_config(cfg.to_dict())
+    assert (loss.is_correction.level, loss.is_correction.mode, loss.is_correction.gating,
+            list(loss.is_correction.threshold)) == want
+    off = build_argv(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml"), tmp_path)
+    assert not any(t.startswith("--algo.advantage.is_correction") for t in off)
 
 
 @pytest.mark.parametrize("backend", ["openrlhf", "megatron"])

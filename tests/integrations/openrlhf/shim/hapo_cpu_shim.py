@@ -185,7 +185,15 @@ class CpuRolloutActorImpl(_rollout_base()):
             new = new[: new.index(eos) + 1]
         finish = "stop" if (new and new[-1] == eos) else "length"
         text = self.tokenizer.decode(new, skip_special_tokens=sampling_params.skip_special_tokens)
-        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=new, text=text, finish_reason=finish, logprobs=None)])
+        logprobs = None
+        if sampling_params.logprobs is not None and new:  # vLLM's processed_logprobs: after temperature
+            full = torch.tensor([prompt_token_ids + new])
+            with torch.no_grad():
+                z = self.model(full).logits[0, len(prompt_token_ids) - 1: -1].float() / sampling_params.temperature
+            lp = torch.log_softmax(z, -1).gather(-1, torch.tensor(new)[:, None])[:, 0].tolist()
+            logprobs = [{t: SimpleNamespace(logprob=v)} for t, v in zip(new, lp)]
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=new, text=text, finish_reason=finish,
+                                                        logprobs=logprobs)])
 
     def get_num_unfinished_requests(self) -> int:
         return 0

@@ -23,7 +23,11 @@ In each process it patches two things of OpenRLHF 0.11.2 (listed in docs/openrlh
 
 With ``HAPO_OPENRLHF_DUMP_DIR`` set, the last ``update_weight`` of each sync also saves the
 weights vLLM's model now holds (its own layout: fused ``qkv_proj`` / ``gate_up_proj``) as
-``vllm_engine{seed}_sync{n}.pt``, through the shim's ``record_sync`` (as the CPU engine does).
+``vllm_engine{seed}_sync{n}.pt``, through the shim's ``record_sync`` (as the CPU engine does);
+and every generation that returns log-probs (the mismatch correction asks for them) is
+recorded straight from vLLM's ``RequestOutput`` -- the full token ids and the sampled
+tokens' log-probs -- in ``vllm_logprobs_{pid}.jsonl``, so the e2e test can check that the
+``rollout_log_probs`` reaching hapo's loss are vLLM's own.
 """
 
 from __future__ import annotations
@@ -85,4 +89,48 @@ def install() -> None:
 
     update_weight._hapo_cpu = True
     WorkerWrap.update_weight = update_weight
+    _record_logprobs()
+
+
+class _RecordingEngine:
+    """``llm_engine`` as OpenRLHF's agent executor calls it, recording each output's
+    sampled-token log-probs (vLLM's own values) before OpenRLHF reads them."""
+
+    def __init__(self, engine, path):
+        self._engine, self._path = engine, path
+
+    async def generate(self, prompt_token_ids, params, **kwargs):
+        import json
+
+        out = await self._engine.generate(prompt_token_ids, params, **kwargs)
+        o = out.outputs[0]
+        if o.logprobs is not None:
+            import os
+
+            lps = [d[t].logprob if t in d else None for t, d in zip(o.token_ids, o.logprobs)]
+            os.makedirs(os.path.dirname(self._path), exist_ok=True)
+            with open(self._path, "a") as f:
+                f.write(json.dumps({"tokens": list(prompt_token_ids) + list(o.token_ids), "logprobs": lps}) + "\n")
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def _record_logprobs() -> None:
+    import os
+
+    d = os.environ.get("HAPO_OPENRLHF_DUMP_DIR")
+    if not d:
+        return
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    orig = SingleTurnAgentExecutor.execute
+    path = os.path.join(d, f"vllm_logprobs_{os.getpid()}.jsonl")
+
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        return await orig(self, prompt, label, sampling_params, max_length, hf_tokenizer,
+                          _RecordingEngine(llm_engine, path), images)
+
+    SingleTurnAgentExecutor.execute = execute
 
