@@ -432,6 +432,9 @@ class RunConfig:
                  "backend megatron: openrlhf.packing_samples (packed THD micro-batches) needs megatron.attention: "
                  "flash; Megatron's local DotProductAttention refuses packed sequences")
         _require(o.ring_attn_size == 1, "backend megatron: openrlhf.ring_attn_size must be 1 (no context parallelism)")
+        _require(not o.dynamic_batch or m.attention == "flash" or m.layer_spec == "te",
+                 "backend megatron: openrlhf.dynamic_batch (token-budget micro-batches) needs megatron.attention: "
+                 "flash; Megatron's local attention runs fixed-shape, masked micro-batches")
         _require(not o.colocate_all,
                  "backend megatron: openrlhf.colocate_all must be false: the Megatron actor has no sleep mode, and a "
                  "colocated vLLM engine would join OpenRLHF's NCCL weight-sync group from the actor's own GPU, which "

@@ -217,7 +217,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         self.main = MainParams(self.model)  # fp32 masters when the model is bf16
         self.optimizer = torch.optim.AdamW(self.main.optimizer_params, lr=adam.lr, betas=tuple(adam.betas),
                                            eps=adam.eps, weight_decay=adam.weight_decay,
-                                           **({"fused": True} if cuda else {}))  # peak 20 B/param, not foreach's 24
+                                           **({"fused": True} if cuda else {}))  # fused: no foreach temporaries
         name = args.actor.lr_scheduler
         self.scheduler = get_scheduler(
             name, self.optimizer, num_warmup_steps=math.ceil(max_steps * args.actor.lr_warmup_ratio),

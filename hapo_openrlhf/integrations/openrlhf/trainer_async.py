@@ -41,7 +41,7 @@ import ray
 from openrlhf.trainer import ppo_trainer_async as pta
 from ray.util.queue import Empty, Queue
 
-from .trainer import MISMATCH_METRICS, HapoControllerMixin, StepLimit  # noqa: F401 (re-exported names)
+from .trainer import HapoControllerMixin
 
 
 @ray.remote(num_cpus=0)

@@ -47,6 +47,14 @@ PINNED = {
     "split_experience_batch": "(experience: openrlhf.trainer.ppo_utils.experience.Experience) -> List[openrlhf.trainer.ppo_utils.experience.Experience]",
     "make_experience_batch": "(items: List[openrlhf.trainer.ppo_utils.experience.Experience], packing_samples=False) -> openrlhf.trainer.ppo_utils.experience.Experience",
     "remove_padding_in_sequences": "(items: List[openrlhf.trainer.ppo_utils.experience.Experience]) -> List[openrlhf.trainer.ppo_utils.experience.Experience]",
+    # the asynchronous trainer's actors (trainer_async.py builds and subclasses them)
+    "GenerateSamplesActor.__init__": "(self, pretrain, strategy, vllm_engines, *, vllm_lock, rollout_queue, rollout_slots, **generate_kwargs)",
+    "TrainingActor.__init__": "(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group, reference_model_group, vllm_engines, *, vllm_lock, rollout_queue, rollout_slots)",
+    "TrainingActor.fit": "(self, global_step: int = 0) -> None",
+    "TrainingActor.broadcast_to_vllm": "(self)",
+    "PPOTrainerAsync.__init__": "(self, pretrain: str, strategy: openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy, actor_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, critic_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, reward_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, reference_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, vllm_engines, **generate_kwargs) -> None",
+    "PPOTrainerAsync.fit": "(self) -> None",
+    "SingleTurnAgentExecutor.execute": "(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None)",
 }
 
 # the policy-actor methods OpenRLHF's controller (trainer, experience maker, driver) calls
@@ -73,7 +81,12 @@ def _upstream():
     from openrlhf.utils.config import hierarchize
     from openrlhf.utils.distributed_util import stateless_init_process_group
 
+    from openrlhf.trainer import ppo_trainer_async as pta
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
     P, T, R = PolicyModelActor.__ray_actor_class__, PPOTrainer.__ray_actor_class__, RolloutRayActor.__ray_actor_class__
+    G, TA, PA = (pta.GenerateSamplesActor.__ray_actor_class__, pta.TrainingActor.__ray_actor_class__,
+                 pta.PPOTrainerAsync.__ray_actor_class__)
     return {
         "PolicyModelActor.forward": P.forward, "PolicyModelActor.init_model_from_pretrained": P.init_model_from_pretrained,
         "BaseModelActor.execute_batch": BaseModelActor.execute_batch,
@@ -98,6 +111,9 @@ def _upstream():
                                                             "broadcast_to_vllm", "get_checkpoint_states")},
         **{f: getattr(experience, f) for f in ("split_experience_batch", "make_experience_batch",
                                                "remove_padding_in_sequences")},
+        "GenerateSamplesActor.__init__": G.__init__, "TrainingActor.__init__": TA.__init__, "TrainingActor.fit": TA.fit,
+        "TrainingActor.broadcast_to_vllm": TA.broadcast_to_vllm, "PPOTrainerAsync.__init__": PA.__init__,
+        "PPOTrainerAsync.fit": PA.fit, "SingleTurnAgentExecutor.execute": SingleTurnAgentExecutor.execute,
     }
 
 
