@@ -62,6 +62,15 @@ def _worker(rank, world, tied, out, layout="thd"):
     m = _both_real(am).float()
     ((lp * w_lp * m).sum() + (en * w_en * m).sum()).backward()
     grads = {n.replace("module.", ""): p.grad.detach().clone() for n, p in model.named_parameters()}
+    if layout == "thd":  # packed == right-aligned padded directly: values and every gradient, tightly
+        model.zero_grad(set_to_none=True)
+        lp2, en2 = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5,
+                                        tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank, layout="padded")
+        ((lp2 * w_lp * m).sum() + (en2 * w_en * m).sum()).backward()
+        torch.testing.assert_close(lp2, lp.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(en2, en.detach(), rtol=1e-5, atol=1e-5)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n.replace("module.", "")], rtol=1e-4, atol=1e-6, msg=n)
     everyone = [None] * world
     dist.all_gather_object(everyone, grads)
     if rank == 0:
