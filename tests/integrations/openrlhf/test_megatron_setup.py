@@ -16,7 +16,10 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
 from tests.megatron._dist import init_megatron, spawn
 
 
-def _worker(rank, hosts, out):
+LAYOUTS = {"paired": ["a", "a", "b", "b"], "split": ["a", "b", "a", "b"]}  # host of each of 4 ranks
+
+
+def _worker(rank, out):
     import socket
 
     import huggingface_hub
@@ -24,41 +27,45 @@ def _worker(rank, hosts, out):
 
     from hapo_openrlhf.integrations.openrlhf import megatron_actor as ma
 
-    socket.gethostname = lambda: hosts[rank]
-    calls = []
-
-    def fake_download(repo, allow_patterns=None, local_files_only=False):
-        calls.append(local_files_only)
-        return f"/cache/{repo}"
-
-    huggingface_hub.snapshot_download = fake_download
-    path = ma.resolve_pretrained("org/model")
     init_megatron(tp=2)
     from megatron.core import parallel_state as ps
 
-    err = None
-    try:
-        ma.check_tp_peers_share_a_node(ps.get_tensor_model_parallel_group())
-    except RuntimeError as e:
-        err = str(e)
+    mine = {}
+    for name, hosts in LAYOUTS.items():  # both host layouts in one set of processes
+        socket.gethostname = lambda hosts=hosts: hosts[rank]
+        calls = []
+
+        def fake_download(repo, allow_patterns=None, local_files_only=False, calls=calls):
+            calls.append(local_files_only)
+            return f"/cache/{repo}"
+
+        huggingface_hub.snapshot_download = fake_download
+        path = ma.resolve_pretrained("org/model")
+        err = None
+        try:
+            ma.check_tp_peers_share_a_node(ps.get_tensor_model_parallel_group())
+        except RuntimeError as e:
+            err = str(e)
+        mine[name] = (str(path), calls, err)
     got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (str(path), calls, err))
+    dist.all_gather_object(got, mine)
     if rank == 0:
         torch.save(got, out)
 
 
-@pytest.mark.parametrize("hosts, split", [(["a", "a", "b", "b"], False), (["a", "b", "a", "b"], True)])
-def test_one_download_per_node_and_tp_peers_on_one_node(tmp_path, hosts, split):
+def test_one_download_per_node_and_tp_peers_on_one_node(tmp_path):
     out = tmp_path / "got.pt"
-    spawn(_worker, 4, hosts, str(out))
-    got = torch.load(out)
-    assert all(p == "/cache/org/model" for p, _, _ in got)
-    # the first rank of each host downloads; every other rank reads the cache offline
-    first = {h: hosts.index(h) for h in hosts}
-    for r, (_, calls, _) in enumerate(got):
-        assert calls == ([False] if first[hosts[r]] == r else [True]), (r, calls)
-    errs = [e for _, _, e in got]
-    if split:  # TP groups are ranks {0, 1} and {2, 3}: each spans hosts a and b
-        assert all(e and "different nodes ['a', 'b']" in e for e in errs), errs
-    else:
-        assert errs == [None] * 4
+    spawn(_worker, 4, str(out))
+    everyone = torch.load(out)
+    for name, hosts in LAYOUTS.items():
+        got = [e[name] for e in everyone]
+        assert all(p == "/cache/org/model" for p, _, _ in got)
+        # the first rank of each host downloads; every other rank reads the cache offline
+        first = {h: hosts.index(h) for h in hosts}
+        for r, (_, calls, _) in enumerate(got):
+            assert calls == ([False] if first[hosts[r]] == r else [True]), (name, r, calls)
+        errs = [e for _, _, e in got]
+        if name == "split":  # TP groups are ranks {0, 1} and {2, 3}: each spans hosts a and b
+            assert all(e and "different nodes ['a', 'b']" in e for e in errs), errs
+        else:
+            assert errs == [None] * 4
