@@ -77,13 +77,21 @@ def test_every_estimator_is_device_safe(name):
     torch.testing.assert_close(out.advantages, ref.advantages)
 
 
+CORRECTIONS = [None, {"level": "token", "mode": "clip", "threshold": (0.0, 2.0)},
+               {"level": "seq", "gating": "binary_kl", "threshold": (0.05,)}]
+
+
+@pytest.mark.parametrize("correction", CORRECTIONS, ids=["plain", "token_tis", "seq_binary_kl"])
 @pytest.mark.parametrize("name", algos.list_losses())
-def test_every_loss_is_device_safe(name):
+def test_every_loss_is_device_safe(name, correction):
+    """Every loss, with and without the rollout/training mismatch correction."""
     b = _batch()
     lp = b["logprobs"].requires_grad_(True)
     old = lp.detach() + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
     adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
     kw = {"kl_cov": dict(k_ratio=0.3), "clip_cov": dict(clip_ratio=0.3, cov_lb=-10.0, cov_ub=10.0)}.get(name, {})
+    if correction is not None:
+        kw.update(is_correction=correction, rollout_logprobs=old - 0.1)
     with default_device_meta():
         loss, metrics = algos.compute_policy_loss(
             name, lp, old, adv, b["response_mask"], entropy=b["entropy"].requires_grad_(True),
@@ -150,3 +158,23 @@ def test_heads_are_device_safe_forward_and_backward(fused):
                                                             vocab_size=10, chunk_size=3)
             (lp.sum() + ent.sum()).backward()
     _on_cpu([lp, ent, hidden.grad, weight.grad])
+
+
+def test_megatron_row_layouts_are_device_safe():
+    """The Megatron schedule's packed / padded index maps (``schedule.RowLayout``)."""
+    pytest.importorskip("megatron.core")
+    from hapo_openrlhf.megatron.schedule import RowLayout
+
+    ids = torch.randint(0, 50, (3, 7))
+    am = torch.ones(3, 7, dtype=torch.long)
+    am[1, :3] = 0
+    am[2, 5:] = 0
+    with default_device_meta():
+        for layout in ("thd", "padded"):
+            lay = RowLayout.of(am, layout, pad_to=4)
+            inputs = lay.model_inputs(ids)
+            src, dst = lay._maps()
+            for t in (inputs["input_ids"], inputs["position_ids"], src, dst):
+                _on_cpu(t)
+            if layout == "thd":
+                _on_cpu(inputs["packed_seq_params"].cu_seqlens_q)
