@@ -120,9 +120,14 @@ def is_correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Te
                          f"{tuple(old_logprobs.shape)}")
     low, high = cfg.threshold
     mask = response_mask.bool()
+    bad = ~torch.isfinite(rollout_logprobs.detach()) & mask
+    if bool(bad.any()):  # a sampled token has p > 0: anything else is an engine or alignment fault
+        raise ValueError(f"rollout_logprobs: {int(bad.sum())} response token(s) have non-finite rollout log-probs "
+                         f"(rows {bad.any(-1).nonzero().flatten().tolist()[:8]}); the engine's log-probs are unusable")
     # at least fp32 (bf16 log-probs upcast; fp64 kept)
     dt = torch.promote_types(old_logprobs.dtype, torch.float32)
     old, rollout = old_logprobs.detach().to(dt), rollout_logprobs.detach().to(dt)
+    rollout = torch.where(mask, rollout, old)  # padding: weight 1 (masked out anyway), never NaN
     is_log_ratio = old - rollout
     token_is = is_log_ratio.exp()
     seq = cfg.level == "seq"

@@ -47,6 +47,17 @@ def test_single_threshold_is_an_upper_bound_and_off_is_identity():
         compute_policy_loss("ppo", lp, old, adv, mask, is_correction={"level": "token"})
     with pytest.raises(ValueError, match="no key"):
         ISCorrection.of({"level": "token", "treshold": (1, 2)})
+    bad = rollout.clone()
+    bad[2, 1] = float("nan")
+    bad[0, 0] = float("-inf")
+    with pytest.raises(ValueError, match="2 response token.*rows \\[0, 2\\]"):
+        compute_policy_loss("ppo", lp, old, adv, mask, rollout_logprobs=bad, is_correction={"level": "token"})
+    bad = rollout.clone()
+    bad[3, 5] = float("nan")  # a padding position (row 3 has 2 valid tokens): ignored, in either mode
+    for mode in ("mask", "clip"):
+        loss, _ = compute_policy_loss("ppo", lp, old, adv, mask, rollout_logprobs=bad,
+                                      is_correction={"level": "token", "mode": mode})
+        assert torch.isfinite(loss)
 
 
 def _hand_case():
