@@ -1,9 +1,11 @@
 """``PPOTrainer`` subclass (the Ray controller) that uses :class:`HapoExperienceMaker`.
 
 Upstream's ``BasePPOTrainer.__init__`` builds ``RemoteExperienceMaker`` directly;
-this subclass builds it, then replaces it with the hapo subclass constructed with
-the same arguments. Everything else -- the fit loop, dynamic filtering, checkpoints,
-resume, evaluation, weight sync to vLLM -- is OpenRLHF's own.
+:class:`HapoControllerMixin` replaces it with the hapo subclass constructed with the
+same arguments and adds ``metrics.jsonl``, the step limit and preemption. The mixin
+serves the synchronous controller here and the asynchronous trainer's training actor
+(``trainer_async.py``). Everything else -- the fit loop, dynamic filtering,
+checkpoints, resume, evaluation, weight sync to vLLM -- is OpenRLHF's own.
 """
 
 from __future__ import annotations
