@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from .groups import group_mean_std, group_token_entropy_stats
+from .groups import masked_mean as _masked_mean
 from .quadrants import DEFAULT_QUANTILE, check_split, entropy_cut, entropy_threshold, normalize_quadrants, quadrant_masks
 from .registry import Registry
 
@@ -319,7 +320,3 @@ def forking(
         loss_mask=keep.to(inputs.response_mask.dtype),
         metrics={"forking/token_frac": int(keep.sum()) / n, "forking/threshold": float(tau)},
     )
-
-
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return (x * m).sum() / m.sum().clamp(min=1)

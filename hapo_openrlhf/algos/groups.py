@@ -9,6 +9,12 @@ from __future__ import annotations
 import torch
 
 
+def masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the positions where ``m`` is set (0 when there are none)."""
+    m = m.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
 def group_ids(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Dense group ids 0..K-1 [B] (same value = same prompt, any order) and K."""
     _, inv = torch.unique(group_index, return_inverse=True)

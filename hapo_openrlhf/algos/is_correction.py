@@ -38,6 +38,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .groups import masked_mean
+
 LEVELS = ("off", "token", "seq")
 MODES = ("mask", "clip")
 GATINGS = ("ratio", "binary_kl", "tv")
@@ -88,13 +90,6 @@ class ISCorrection:
         if unknown:
             raise ValueError(f"is_correction has no key(s) {unknown}; allowed: level, mode, gating, threshold")
         return cls(**dict(spec))
-
-
-def _masked_mean(x: torch.Tensor, m: torch.Tensor, dim=None) -> torch.Tensor:
-    m = m.to(x.dtype)
-    if dim is None:
-        return (x * m).sum() / m.sum().clamp(min=1)
-    return (x * m).sum(dim) / m.sum(dim).clamp(min=1)
 
 
 def _row_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -152,10 +147,10 @@ def is_correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Te
         coef = torch.where(keep, token_is, torch.zeros_like(token_is))
         filtered = ~keep
     coef = coef.expand_as(old)
-    filter_frac = filtered.float().mean() if seq else _masked_mean(filtered.float(), mask)
+    filter_frac = filtered.float().mean() if seq else masked_mean(filtered.float(), mask)
     valid_is = token_is[mask]
     metrics = {
-        "actor/vllm_kl": float(_masked_mean(rollout - old, mask)),
+        "actor/vllm_kl": float(masked_mean(rollout - old, mask)),
         "actor/is_filter_frac": float(filter_frac),
         "actor/is_ratio_mean": float(valid_is.mean()) if valid_is.numel() else 1.0,
         "actor/is_ratio_max": float(valid_is.max()) if valid_is.numel() else 1.0,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .groups import masked_mean as _mmean
 from .is_correction import is_correction_weights
 from .registry import Registry
 
@@ -145,11 +146,6 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
     d = (ref_logprobs - logprobs).clamp(-20, 20)
     return d.exp() - d - 1
-
-
-def _mmean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    m = m.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1)
 
 
 def _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip):

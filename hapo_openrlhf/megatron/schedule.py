@@ -52,6 +52,7 @@ class RowLayout:
     # the model input's token count is padded to a multiple of this (sequence parallelism
     # splits it over TP ranks): THD appends a padding sequence, padded rows grow
     pad_to: int = 1
+    max_len: int = 0  # the longest row's real tokens (one host sync, in ``of``)
 
     @classmethod
     def of(cls, attention_mask: torch.Tensor, layout: str, pad_to: int = 1) -> "RowLayout":
@@ -69,11 +70,7 @@ class RowLayout:
                              f"packing needs each row's tokens contiguous (left/right padding only)")
         if bool((lengths == 0).any()):
             raise ValueError(f"rows {(lengths == 0).nonzero().flatten().tolist()[:8]} have no tokens")
-        return cls((B, S), starts, lengths, layout, max(1, int(pad_to)))
-
-    @property
-    def max_len(self) -> int:
-        return int(self.lengths.max())
+        return cls((B, S), starts, lengths, layout, max(1, int(pad_to)), int(lengths.max()))
 
     @property
     def cu_seqlens(self) -> torch.Tensor:

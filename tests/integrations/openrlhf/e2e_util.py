@@ -130,3 +130,36 @@ def check_rollout_logprobs_are_the_engines(dump, engine, n_rows):
         assert len(r["rollout"]) == len(want)
         assert r["rollout"] == pytest.approx(want, rel=1e-6, abs=1e-6)
     return rows
+
+
+def check_preempt_then_resume(run, out, tmp_path, warm_model):
+    """After a 2-step run (save_every 2): with the stop flag present (what the Slurm job
+    writes on SIGUSR1) the relaunch resumes from global_step2, finishes global step 3,
+    forces its checkpoint and exits 85; the requeued launch resumes from global_step3,
+    and the step limit (trainer.steps 4) ends it after global step 4 with the final model
+    saved (three episodes would give 6 steps). ``run(out, dump, *sets)`` launches the e2e
+    config. Returns the metrics rows."""
+    from hapo_openrlhf.preemption import EXIT_PREEMPTED, request_flag
+
+    def ckpts():
+        return {d.name for d in (out / "ckpt" / "_actor").iterdir()}
+
+    request_flag(out).touch()
+    p = run(out, tmp_path / "dump2", f"model.path={warm_model}", "openrlhf.num_episodes=2")
+    log = p.stdout + p.stderr
+    assert p.returncode == EXIT_PREEMPTED, log[-6000:]
+    assert "Loading the checkpoint" in log and "Global step 1:" not in log and "Global step 3:" in log
+    assert "Global step 4:" not in log and [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    assert "global_step3" in ckpts()  # forced: 3 % 2 != 0
+
+    request_flag(out).unlink()
+    (out / "final" / "config.json").unlink()
+    p = run(out, tmp_path / "dump3", f"model.path={warm_model}", "openrlhf.num_episodes=3", "trainer.steps=4")
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    assert "Loading the checkpoint" in log and "Global step 3:" not in log and "Global step 4:" in log
+    m = jsonl(out / "metrics.jsonl")
+    assert "Global step 5:" not in log and [r["step"] for r in m] == [1, 2, 3, 4]
+    assert (out / "final" / "config.json").exists()
+    assert "global_step4" in ckpts()
+    return m

@@ -12,7 +12,7 @@ import torch
 
 from hapo_openrlhf.algos.entropy import entropy_from_logits
 from tests.conftest import VLLM_PYTHON
-from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final,
+from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final, check_preempt_then_resume,
                                                   check_registry_advantages_reached_loss,
                                                   check_rollout_logprobs_are_the_engines, jsonl, run_e2e)
 
@@ -81,27 +81,5 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
         assert "Injected <class 'openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap'> into <class 'vllm." in log
     check_engine_holds_final(dump, out / "final", n_syncs=2, engine=ENGINE)
 
-    # preemption: with the stop flag present (what the Slurm job writes on SIGUSR1), the
-    # controller finishes global step 3, forces its checkpoint and the entry point exits 85
-    from hapo_openrlhf.preemption import EXIT_PREEMPTED, request_flag
-
-    request_flag(out).touch()
-    p = _run(out, tmp_path / "dump2", f"model.path={warm_model}", "openrlhf.num_episodes=2")
-    log = p.stdout + p.stderr
-    assert p.returncode == EXIT_PREEMPTED, log[-6000:]
-    assert "Loading the checkpoint" in log and "Global step 1:" not in log and "Global step 3:" in log
-    assert "Global step 4:" not in log and _steps(out) == [1, 2, 3]
-    assert "global_step3" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}  # forced: 3 % 2 != 0
-
-    # OpenRLHF's own resume path: the requeued launch continues from global_step3; three
-    # episodes would give 6 steps, the step limit (trainer.steps, the paper configs' step
-    # count) ends the run after global step 4 and OpenRLHF still saves the final model
-    request_flag(out).unlink()
-    (out / "final" / "config.json").unlink()
-    p = _run(out, tmp_path / "dump3", f"model.path={warm_model}", "openrlhf.num_episodes=3", "trainer.steps=4")
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-6000:]
-    assert "Loading the checkpoint" in log and "Global step 3:" not in log and "Global step 4:" in log
-    assert "Global step 5:" not in log and _steps(out) == [1, 2, 3, 4]
-    assert (out / "final" / "config.json").exists()
-    assert "global_step4" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}
+    # preemption (exit 85, forced checkpoint) and OpenRLHF's own resume path, ended by the step limit
+    check_preempt_then_resume(_run, out, tmp_path, warm_model)

@@ -9,9 +9,8 @@ the step limit)."""
 
 import pytest
 
-from hapo_openrlhf.preemption import EXIT_PREEMPTED, request_flag
 from tests.conftest import VLLM_PYTHON
-from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final,
+from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final, check_preempt_then_resume,
                                                   check_registry_advantages_reached_loss,
                                                   check_rollout_logprobs_are_the_engines, jsonl, run_e2e)
 
@@ -47,24 +46,7 @@ def test_async_trainer_with_partial_rollouts_under_hapo(tmp_path, warm_model):
     check_engine_holds_final(dump, out / "final", n_syncs=2, engine=ENGINE)
 
     # preemption under async: the stop flag makes the trainer force global step 3's checkpoint
-    # and stop; the generator, a batch ahead, is stopped with it; exit 85
-    request_flag(out).touch()
-    p = _run(out, tmp_path / "dump2", f"model.path={warm_model}", "openrlhf.num_episodes=2")
-    log = p.stdout + p.stderr
-    assert p.returncode == EXIT_PREEMPTED, log[-6000:]
-    assert "Loading the checkpoint" in log and "Global step 3:" in log and "Global step 4:" not in log
-    assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2, 3]
-    assert "global_step3" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}
-
-    # the requeued run resumes from global_step3 and the step limit ends it after step 4
-    request_flag(out).unlink()
-    (out / "final" / "config.json").unlink()
-    p = _run(out, tmp_path / "dump3", f"model.path={warm_model}", "openrlhf.num_episodes=3", "trainer.steps=4")
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-6000:]
-    assert "Loading the checkpoint" in log and "Global step 3:" not in log and "Global step 4:" in log
-    assert "Global step 5:" not in log
-    m = jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    # and stop (the generator, a batch ahead, is stopped with it; exit 85); the requeued run
+    # resumes from global_step3 and the step limit ends it after step 4
+    m = check_preempt_then_resume(_run, out, tmp_path, warm_model)
     assert m[-1]["async/version_lag"] == 0.0  # the resumed run's first batch: engines synced from the checkpoint
-    assert (out / "final" / "config.json").exists()
