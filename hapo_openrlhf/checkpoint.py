@@ -12,6 +12,10 @@ A save writes into ``.tmp-step_...`` (fsynced), renames it into place, then
 rewrites ``latest`` via ``os.replace``. A crash at any point leaves the previous
 checkpoint and pointer intact; a directory without ``meta.json`` is ignored.
 
+Shards are read with PyTorch's restricted unpickler (:func:`safe_torch_load`), so a
+planted or tampered shard cannot run code on resume: the CRC-32 in ``meta.json`` is written
+by whoever writes the checkpoint and guards against accidents, not against an attacker.
+
 ``meta.json`` records every shard's size and CRC-32; :func:`verify_checkpoint` checks
 them before a resume uses the directory, and :func:`resumable_checkpoints` scans the
 step directories newest first (``latest`` is advisory), skipping -- with a warning --
@@ -66,9 +70,12 @@ def shard_name(rank: int) -> str:
 
 
 def rng_state() -> dict[str, Any]:
+    """Every generator's state in types ``torch.load(weights_only=True)`` reads: numpy's
+    key array travels as a tensor, the rest as ints, floats and strings."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -76,7 +83,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -203,8 +212,39 @@ def load_checkpoint(ckpt_dir: str | Path, rank: int = 0, world_size: int = 1) ->
             f"checkpoint {str(d)!r} was saved by {meta['world_size']} rank(s) but this run has "
             f"{world_size}; resume with the same data-parallel size"
         )
-    state = torch.load(d / shard_name(rank), map_location="cpu", weights_only=False)
+    state = safe_torch_load(d / shard_name(rank))
     return state, meta
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file holds something other than tensors and plain containers."""
+
+
+# What an older hapo checkpoint holds beyond tensors and plain containers: numpy's RNG key
+# array (``np.random.get_state()`` pickled as an ndarray). Rebuilding an ndarray of a numeric
+# dtype runs no code; an object dtype is refused by the restricted unpickler all the same,
+# because its elements would need globals outside this list.
+def _numpy_globals() -> list:
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def safe_torch_load(path: str | Path) -> Any:
+    """``torch.load`` that never runs code from the file: PyTorch's restricted
+    (``weights_only``) unpickler, which builds tensors, numbers, strings and containers
+    and refuses every other global -- a ``__reduce__`` pointing at ``os.system`` included.
+    A file that needs anything else is refused with :class:`UnsafeCheckpoint`, naming it."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "an unsupported object"
+        raise UnsafeCheckpoint(
+            f"{path} holds objects other than tensors and plain data, and is not loaded (loading it could run "
+            f"code): {first[:300]}. hapo never writes such files; if this one is your own, load it yourself "
+            f"with torch.load(weights_only=False) and save its tensors again") from None
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -7,6 +7,10 @@ error naming the holder's PID, host and command. The Slurm job holds the lock fo
 trainer it starts (``HAPO_RUN_LOCK_HELD`` tells the child), and a process may take the
 same directory's lock more than once (re-entrant).
 
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: a symlink planted
+at ``.hapo.lock`` in a shared run directory is refused, never followed (it would make the
+next run truncate and overwrite whatever file it points at).
+
 ``flock`` is honoured across nodes on Lustre/GPFS/NFSv4 mounts configured for it
 (``flock``/``localflock`` mount options differ: see docs/reliability.md).
 """
@@ -18,6 +22,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -39,7 +44,7 @@ def acquire(out_dir: str | Path) -> Path:
         return d / LOCK_NAME
     d.mkdir(parents=True, exist_ok=True)
     path = d / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -57,6 +62,26 @@ def acquire(out_dir: str | Path) -> Path:
     os.fsync(fd)
     _held[key] = fd
     return path
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (or create) the lock file itself, never what a planted symlink points at: with
+    ``O_NOFOLLOW`` a link fails to open (ELOOP), and anything but a regular file (a FIFO, a
+    device, a directory) is refused before it is written to. ``O_NONBLOCK`` keeps a planted
+    FIFO from blocking the open."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RunDirBusy(f"{path} is a symbolic link; refusing to follow it (it could point at any file). "
+                             f"Remove it and run again") from None
+        if e.errno == errno.EISDIR:
+            raise RunDirBusy(f"{path} is a directory, not a lock file; remove it and run again") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RunDirBusy(f"{path} is not a regular file; refusing to use it as the run lock. Remove it and run again")
+    return fd
 
 
 def _read_holder(fd: int) -> str:

@@ -1,5 +1,7 @@
+import contextlib
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,12 +23,43 @@ VLLM_PYTHON = os.environ.get("HAPO_VLLM_PYTHON") or (sys.executable if importlib
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
-def pytest_collection_modifyitems(config, items):
+def _require_vllm():
     if os.environ.get("HAPO_REQUIRE_VLLM") == "1":
         if not VLLM_PYTHON:
             raise pytest.UsageError("HAPO_REQUIRE_VLLM=1 but no Python with vllm-cpu: set HAPO_VLLM_PYTHON (see .ci/run)")
         if not os.access(VLLM_PYTHON, os.X_OK):
             raise pytest.UsageError(f"HAPO_VLLM_PYTHON={VLLM_PYTHON} is not an executable")
+
+
+def pytest_collection_modifyitems(config, items):
+    _require_vllm()
+    # pytest-xdist --dist loadgroup: the Slurm tests share one cluster (a session fixture), so they
+    # run on one worker; everything else load-balances
+    for item in items:
+        if "slurm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+@contextlib.contextmanager
+def shared_once(tmp_path_factory, name: str):
+    """A directory built once per test run and shared by every pytest-xdist worker:
+    yields ``(dir, done)``; the body builds ``dir`` when ``done`` is False. Workers take
+    an exclusive lock in turn, so the first builds and the rest reuse its result (a
+    build that failed is retried by the next worker)."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-N/, shared by this run's workers (each has popen-gwK/ under it)
+    d, stamp = base / f"shared-{name}", base / f"shared-{name}.done"
+    with open(base / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = stamp.exists()
+        if not done:
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir()
+        yield d, done
+        stamp.touch()
 
 
 def needs_vllm():

@@ -71,3 +71,77 @@ def test_resave_same_step_replaces_atomically(tmp_path):
     save_checkpoint(tmp_path, 4, {0: {"w": 2}}, {})
     assert load_checkpoint(latest_checkpoint(tmp_path))[0] == {"w": 2}
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+class _RunsCode:
+    """A pickle payload: unpickling it calls ``os.system`` (what an attacker plants)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant_malicious(ckpt_root, step, marker):
+    """A checkpoint directory whose shard runs ``touch marker`` when unpickled, with a
+    ``meta.json`` whose size and CRC-32 match it (so it verifies)."""
+    import json
+
+    from hapo_openrlhf.checkpoint import file_crc32, shard_name
+
+    d = ckpt_root / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    shard = d / shard_name(0)
+    torch.save({"model": _RunsCode(marker)}, shard)
+    meta = {"step": step, "world_size": 1, "files": {shard.name: {"size": shard.stat().st_size,
+                                                                  "crc32": file_crc32(shard)}}}
+    (d / "meta.json").write_text(json.dumps(meta))
+    return d
+
+
+def test_a_malicious_shard_that_verifies_is_refused_without_running(tmp_path):
+    from hapo_openrlhf.checkpoint import UnsafeCheckpoint, verify_checkpoint
+
+    marker = tmp_path / "MARKER"
+    d = _plant_malicious(tmp_path / "ck", 9, marker)
+    assert verify_checkpoint(d) is None  # the CRC guards against accidents, not attackers
+    with pytest.raises(UnsafeCheckpoint, match="shard_rank00000.pt holds objects other than tensors"):
+        load_checkpoint(d)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_written_before_safe_loading_still_loads(tmp_path):
+    """Older shards pickled numpy's RNG state as an ndarray: still readable (numeric arrays
+    only), and the restored generators continue as they would have."""
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": None}
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    save_checkpoint(tmp_path, 1, {0: {"rng": st, "w": torch.ones(2)}}, {})
+    state, _ = load_checkpoint(latest_checkpoint(tmp_path))
+    set_rng_state(state["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+
+def test_new_rng_state_needs_no_numpy_globals(tmp_path):
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    torch.load(tmp_path / "rng.pt", weights_only=True)  # plain PyTorch, no allow-list
+
+
+@pytest.mark.slow
+def test_resume_never_runs_a_planted_checkpoint_and_falls_back(tmp_path):
+    """Through the real CLI: a planted newest checkpoint that verifies by CRC is refused
+    (no code runs) and the run resumes from the newest real one."""
+    from tests.conftest import REPO, run_cli
+
+    out, marker = tmp_path / "run", tmp_path / "MARKER"
+    base = ["train", "--config", str(REPO / "configs" / "cpu_tiny.yaml"), "--output-dir", str(out)]
+    small = ["warmup.steps=20", "data.synthetic.eval_size=8", "rollout.prompts_per_step=4", "trainer.save_every=2",
+             "trainer.eval_every=0", "trainer.sample_every=0", "eval.n_samples=1"]
+    sets = [x for kv in small for x in ("--set", kv)]
+    assert run_cli([*base, *sets, "--set", "trainer.steps=2"]).returncode == 0
+    _plant_malicious(out / "checkpoints", 9, marker)
+    p = run_cli([*base, "--resume", *sets, "--set", "trainer.steps=3"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not marker.exists()
+    assert "step_00000009: cannot be loaded" in p.stderr and "holds objects other than tensors" in p.stderr
+    assert "resumed from" in p.stderr and "(step 2)" in p.stderr and "Traceback" not in p.stderr

@@ -188,3 +188,23 @@ def test_final_model_is_written_atomically(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         save_hf(Model(), tok, tmp_path / "final_model")
     assert sorted(p.name for p in (tmp_path / "final_model").iterdir()) == before
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo", "directory"])
+def test_a_planted_lock_file_is_refused_not_followed(tmp_path, plant):
+    """A symlink at OUTPUT_DIR/.hapo.lock would make the run truncate whatever it points
+    at; a FIFO would block it. Each is refused by name, and the target is untouched."""
+    import os
+
+    out, victim = tmp_path / "run", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("precious")
+    lock = out / ".hapo.lock"
+    {"symlink": lambda: lock.symlink_to(victim), "fifo": lambda: os.mkfifo(lock),
+     "directory": lambda: lock.mkdir()}[plant]()
+    p = run_cli(["train", "--config", CFG, "--output-dir", str(out), "--set", "trainer.steps=0"])
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("hapo: error:")]
+    assert len(err) == 1 and ".hapo.lock" in err[0] and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert {"symlink": "symbolic link", "fifo": "not a regular file", "directory": "is a directory"}[plant] in err[0]
+    assert victim.read_text() == "precious"

@@ -82,6 +82,24 @@ _OWN_OPTIONS = {"job-name", "J", "nodes", "N", "ntasks-per-node", "cpus-per-task
                 "account", "A", "array", "a", "wrap", "chdir", "D"}
 
 
+# sbatch's long options (Slurm 22.05's `sbatch --help`, plus those it takes without listing them).
+# sbatch parses options -- #SBATCH lines too -- with getopt_long, which accepts any unambiguous
+# abbreviation (`--outp=` is `--output=`): a name that is not one of these exactly is an
+# abbreviation, and one that abbreviates an option the script sets is refused.
+_SBATCH_LONG = frozenset("""
+    account acctg-freq array batch bb bbf begin chdir cluster-constraint clusters comment constraint container
+    contiguous core-spec cores-per-socket cpu-freq cpus-per-gpu cpus-per-task deadline delay-boot dependency
+    distribution error exclude exclusive export export-file extra-node-info get-user-env gid gpu-bind gpu-freq
+    gpus gpus-per-node gpus-per-socket gpus-per-task gres gres-flags help hint hold ignore-pbs input job-name
+    kill-on-invalid-dep licenses mail-type mail-user mcs-label mem mem-bind mem-per-cpu mem-per-gpu mincpus
+    network nice no-kill no-requeue nodefile nodelist nodes ntasks ntasks-per-core ntasks-per-gpu
+    ntasks-per-node ntasks-per-socket open-mode output overcommit oversubscribe parsable partition power
+    priority profile propagate qos quiet reboot requeue reservation signal sockets-per-node spread-job
+    switches test-only thread-spec threads-per-core time time-min tmp uid usage use-min-nodes verbose version
+    wait wait-all-nodes wckey wrap
+""".split())
+
+
 def _no_control(flag: str, value: str) -> None:
     if re.search(r"[\x00-\x1f\x7f]", value):
         raise ValueError(f"{flag} {value!r} contains a control character (a newline would start a new line of "
@@ -104,8 +122,12 @@ def check_extra_sbatch(directive: str) -> None:
     if not m:
         raise ValueError(f"--sbatch {directive!r} must be one option, '--name' or '--name=value' without spaces "
                          f"(one --sbatch per option)")
-    if m.group(1) in _OWN_OPTIONS:
-        raise ValueError(f"--sbatch {directive!r}: --{m.group(1)} is set by hapo submit itself; use its own flag "
+    name = m.group(1)
+    own = [name] if name in _OWN_OPTIONS else (
+        [] if name in _SBATCH_LONG else sorted(o for o in _OWN_OPTIONS if len(o) > 1 and o.startswith(name)))
+    if own:
+        what = f"--{name}" if own == [name] else f"--{name} abbreviates --{own[0]}, which"
+        raise ValueError(f"--sbatch {directive!r}: {what} is set by hapo submit itself; use its own flag "
                          f"(--nodes, --time, --partition, --account, --output-dir, --array, ...)")
 
 

@@ -39,6 +39,13 @@ def _render(tmp_path, **kw):
     ("--sbatch", {"extra_sbatch": ("touch /tmp/pwned",)}, "--sbatch .* must be one option"),
     ("--sbatch", {"extra_sbatch": ("--wrap=id",)}, "--wrap is set by hapo submit"),
     ("--sbatch", {"extra_sbatch": ("--output=/etc/x",)}, "--output is set by hapo submit"),
+    # getopt_long abbreviations that sbatch reads as the script's own options
+    ("--sbatch", {"extra_sbatch": ("--outp=/etc/x",)}, "--outp abbreviates --output, which is set by hapo submit"),
+    ("--sbatch", {"extra_sbatch": ("--sig=B:USR1@1",)}, "--sig abbreviates --signal"),
+    ("--sbatch", {"extra_sbatch": ("--no-requeu",)}, "--no-requeu abbreviates --no-requeue"),
+    ("--sbatch", {"extra_sbatch": ("--job-n=x",)}, "--job-n abbreviates --job-name"),
+    ("--sbatch", {"extra_sbatch": ("--part=debug",)}, "--part abbreviates --partition"),
+    ("--sbatch", {"extra_sbatch": ("--chd=/",)}, "--chd abbreviates --chdir"),
     ("--set", {"sets": ("seed=1\ntouch /tmp/pwned",)}, "--set .* control character"),
     ("--time", {"time": "1:00:00\ntouch /tmp/pwned"}, "--time .* is not a Slurm time"),
     ("--cpus-per-task", {"cpus_per_task": 0}, "--cpus-per-task must be an integer >= 1, got 0"),
@@ -52,6 +59,13 @@ def _render(tmp_path, **kw):
 def test_hostile_values_are_refused_naming_the_option(tmp_path, flag, kw, match):
     with pytest.raises(ValueError, match=match):
         _render(tmp_path, **kw)
+
+
+@pytest.mark.parametrize("directive", ["--gpus=8", "--qos=high", "--time-min=30", "--mem=64G", "--exclusive"])
+def test_sbatch_options_that_only_look_like_own_ones_pass(tmp_path, directive):
+    """An exact sbatch option is never taken for an abbreviation (--gpus is not
+    --gpus-per-node, --time-min is not --time)."""
+    assert f"#SBATCH {directive}" in _render(tmp_path, extra_sbatch=(directive,))
 
 
 def test_a_set_value_that_is_not_yaml_is_named(tmp_path):

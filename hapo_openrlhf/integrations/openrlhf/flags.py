@@ -193,19 +193,59 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
     return argv + list(o.extra_args)
 
 
+def _upstream_resolver():
+    """``train.upstream_option`` (OpenRLHF's own parser) when OpenRLHF's CLI imports (it
+    imports vLLM and flash-attn at module level), else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("openrlhf") is None:
+        return None
+    from .train import upstream_option, upstream_parser
+
+    try:
+        upstream_parser()
+    except ImportError:
+        return None
+    return upstream_option
+
+
 def _check_extra_args(extra: tuple[str, ...], argv: list[str]) -> None:
     """``openrlhf.extra_args`` may add OpenRLHF options, not silently change what hapo runs:
     a flag the config already generates would override it (argparse keeps the last one) while
     config.json records the config's value. The vLLM importance-sampling correction is
     the config's ``algorithm.is_correction`` (hapo's losses read it there, so the flags
-    alone would be parsed and not applied)."""
-    generated = {t for t in argv if t.startswith("--")}
+    alone would be parsed and not applied).
+
+    Flags are compared the way OpenRLHF's parser reads them: argparse accepts any
+    unambiguous abbreviation (``--ckpt.pat`` is ``--ckpt.path``), so each flag is resolved
+    with OpenRLHF's own parser to its destination. Without OpenRLHF installed (``hapo train
+    --print-command`` on a laptop without vLLM) a flag that abbreviates a generated one is refused."""
+    generated = [t for t in argv if t.startswith("--")]
+    resolve = _upstream_resolver()
+    gen_dests = {(resolve(g)[0] or g) for g in generated} if resolve else set()
+    correction = "--algo.advantage.is_correction"
     for tok in extra:
+        if not tok.startswith("--"):
+            continue  # an option's value
         flag = tok.split("=", 1)[0]
-        if flag in generated:
-            raise ValueError(f"openrlhf.extra_args: {flag} is generated from the config; set the config key "
-                             f"instead (docs/openrlhf.md lists the mapping)")
-        if flag.startswith("--algo.advantage.is_correction"):
-            key = flag.rsplit("_", 1)[-1]
-            raise ValueError(f"openrlhf.extra_args: {flag}: set algorithm.is_correction.{key} instead (hapo's "
+        shown = flag
+        if resolve:
+            dest, ambiguous = resolve(flag)
+            if ambiguous:
+                raise ValueError(f"openrlhf.extra_args: {flag} is ambiguous in OpenRLHF's parser (it could be "
+                                 f"{', '.join(ambiguous[:6])}); spell the option out")
+            if dest is None:
+                raise ValueError(f"openrlhf.extra_args: {flag} is not an option of OpenRLHF 0.11.2's train_ppo_ray")
+            if dest != flag[2:]:
+                shown = f"{flag} (OpenRLHF reads it as --{dest})"
+            taken, is_corr = dest in gen_dests, ("--" + dest).startswith(correction)
+        else:
+            taken = any(g == flag or g.startswith(flag) for g in generated)
+            is_corr = flag.startswith(correction) or correction.startswith(flag)
+        if is_corr:
+            key = (dest if resolve else flag).rsplit("_", 1)[-1]
+            raise ValueError(f"openrlhf.extra_args: {shown}: set algorithm.is_correction.{key} instead (hapo's "
                              f"losses apply the correction from the config; docs/method.md)")
+        if taken:
+            raise ValueError(f"openrlhf.extra_args: {shown} is generated from the config; set the config key "
+                             f"instead (docs/openrlhf.md lists the mapping)")

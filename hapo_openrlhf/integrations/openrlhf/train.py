@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -66,6 +67,48 @@ def run_upstream_main(argv: list[str], train_fn: Callable[[Any], Any]) -> Any:
     finally:
         sys.argv = old
     return result.get("value")
+
+
+@functools.lru_cache(maxsize=1)
+def upstream_parser() -> argparse.ArgumentParser:
+    """OpenRLHF's own ``train_ppo_ray`` argument parser, as its main block builds it (the
+    block runs up to ``parse_args``, which is stopped there)."""
+    import openrlhf.cli.train_ppo_ray as cli
+
+    class _Built(Exception):
+        pass
+
+    def stop(self, *a, **k):
+        raise _Built(self)
+
+    ns = dict(vars(cli))
+    ns.update(__name__="__main__")
+    saved = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = stop
+    try:
+        exec(_main_block(cli), ns)
+    except _Built as e:
+        return e.args[0]
+    finally:
+        argparse.ArgumentParser.parse_args = saved
+    raise RuntimeError("OpenRLHF's train_ppo_ray main block did not call parse_args (OpenRLHF version changed?)")
+
+
+def upstream_option(flag: str) -> tuple[str | None, list[str]]:
+    """What OpenRLHF's parser makes of ``flag`` (``--name``, no value): ``(dest, [])`` for an
+    option or an unambiguous abbreviation of one (argparse's ``allow_abbrev``), ``(None,
+    candidates)`` when it is ambiguous, ``(None, [])`` when it names no option."""
+    parser = upstream_parser()
+    actions = parser._option_string_actions  # argparse's own option table
+    if flag in actions:
+        return actions[flag].dest, []
+    if not parser.allow_abbrev:
+        return None, []
+    hits = sorted(o for o in actions if o.startswith(flag) and o.startswith("--"))
+    dests = {actions[o].dest for o in hits}
+    if len(dests) == 1:
+        return dests.pop(), []
+    return None, hits
 
 
 def parse_with_upstream(argv: list[str]) -> Any:

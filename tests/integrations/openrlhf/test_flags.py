@@ -157,12 +157,34 @@ def test_print_command_is_the_argv(tmp_path):
     ('openrlhf.extra_args=["--train.seed=3"]', "--train.seed is generated from the config"),
     ('openrlhf.extra_args=["--algo.advantage.is_correction_level", "token"]', "set algorithm.is_correction.level"),
     ('openrlhf.extra_args=["--algo.advantage.is_correction_threshold=2"]', "set algorithm.is_correction.threshold"),
+    # argparse abbreviations, resolved by OpenRLHF's own parser (each overrides a generated flag there)
+    ('openrlhf.extra_args=["--ckpt.pat", "/elsewhere"]', "--ckpt.pat \\(OpenRLHF reads it as --ckpt.path\\) is generated"),
+    ('openrlhf.extra_args=["--train.see=3"]', "--train.see \\(OpenRLHF reads it as --train.seed\\) is generated"),
+    ('openrlhf.extra_args=["--reward.remote", "x.py"]', "reads it as --reward.remote_url\\) is generated"),
+    ('openrlhf.extra_args=["--algo.advantage.is_correction_lev", "seq"]', "set algorithm.is_correction.level"),
+    ('openrlhf.extra_args=["--actor.ad=1"]', "--actor.ad is ambiguous in OpenRLHF's parser"),
+    ('openrlhf.extra_args=["--no.such_option"]', "--no.such_option is not an option of OpenRLHF"),
     ("algorithm.is_correction={level: seq, mode: clip}", "requires is_correction_level=token"),
     ("algorithm.is_correction={level: token, gating: tv, threshold: [0.5, 2]}", "takes an upper bound only"),
 ])
 def test_bad_cluster_settings_are_named(override, msg):
     with pytest.raises(ValueError, match=msg):
         build_argv(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", [override]))
+
+
+def test_extra_args_abbreviations_really_override_in_openrlhfs_parser(tmp_path):
+    """The refusals above are not over-cautious: OpenRLHF's own parser takes each
+    abbreviation as the generated option and the last value wins."""
+    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+
+    argv = build_argv(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml"), tmp_path)
+    args = parse_with_upstream(argv + ["--ckpt.pat", "/elsewhere", "--train.see=3"])
+    assert args.ckpt.path == "/elsewhere" and args.train.seed == 3
+
+
+def test_extra_args_that_add_options_still_pass(tmp_path):
+    cfg = load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", ['openrlhf.extra_args=["--logger.wandb.group", "x"]'])
+    assert build_argv(cfg, tmp_path)[-2:] == ["--logger.wandb.group", "x"]
 
 
 @pytest.mark.parametrize("spec, want", [

