@@ -138,12 +138,28 @@ def save_checkpoint(
     return final
 
 
-def _complete(d: Path) -> bool:
+def _read_meta(d: Path) -> dict[str, Any]:
+    """``d/meta.json`` as a mapping; ``ValueError`` naming what is wrong otherwise."""
     try:
-        json.loads((d / META).read_text())
-        return True
-    except (OSError, ValueError):
-        return False
+        meta = json.loads((d / META).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{META} unreadable ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{META} holds a JSON {type(meta).__name__}, not an object")
+    files = meta.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(w, dict) and isinstance(w.get("size"), int) and isinstance(w.get("crc32"), int)
+            for w in files.values())):
+        raise ValueError(f"{META}: 'files' must map each shard to its size and crc32, got {str(files)[:80]}")
+    ws = meta.get("world_size", 1)
+    if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+        raise ValueError(f"{META}: world_size must be an integer >= 1, got {ws!r}")
+    return meta
+
+
+def _complete(d: Path) -> bool:
+    """A ``meta.json`` exists (it is written last); whether it is sound is :func:`verify_checkpoint`'s."""
+    return (d / META).is_file()
 
 
 def list_complete(root: str | Path) -> list[Path]:
@@ -159,9 +175,9 @@ def verify_checkpoint(d: str | Path) -> str | None:
     else the reason. (A checkpoint written before the manifest existed is taken on its meta.)"""
     d = Path(d)
     try:
-        meta = json.loads((d / META).read_text())
-    except (OSError, ValueError) as e:
-        return f"{META} unreadable ({e})"
+        meta = _read_meta(d)
+    except ValueError as e:
+        return str(e)
     for name, want in (meta.get("files") or {}).items():
         p = d / name
         if not p.is_file():
@@ -206,7 +222,10 @@ def load_checkpoint(ckpt_dir: str | Path, rank: int = 0, world_size: int = 1) ->
     d = Path(ckpt_dir)
     if not _complete(d):
         raise ValueError(f"checkpoint {str(d)!r} is missing or incomplete (no readable {META})")
-    meta = json.loads((d / META).read_text())
+    try:
+        meta = _read_meta(d)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {str(d)!r}: {e}") from None
     if meta.get("world_size", 1) != world_size:
         raise ValueError(
             f"checkpoint {str(d)!r} was saved by {meta['world_size']} rank(s) but this run has "

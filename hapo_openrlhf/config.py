@@ -236,6 +236,9 @@ class TrainerConfig:
         _require(self.steps >= 0, "trainer.steps must be >= 0")
         _require(self.save_every >= 0 and self.eval_every >= 0, "trainer.save_every/eval_every must be >= 0")
         _require(self.keep_last >= 1, "trainer.keep_last must be >= 1")
+        _require(self.threads >= 0, f"trainer.threads must be >= 0 (0: torch's default), got {self.threads}")
+        _require(self.sample_every >= 0, f"trainer.sample_every must be >= 0 (0: never), got {self.sample_every}")
+        _require(self.sample_count >= 0, f"trainer.sample_count must be >= 0, got {self.sample_count}")
 
 
 @dataclass(frozen=True)
@@ -381,8 +384,11 @@ class SlurmConfig:
     expected_step_s: float | None = None
 
     def __post_init__(self):
-        _require(self.signal_lead_s is None or self.signal_lead_s >= 30, "slurm.signal_lead_s must be >= 30 (seconds)")
-        _require(self.expected_step_s is None or self.expected_step_s > 0, "slurm.expected_step_s must be > 0")
+        _require(self.signal_lead_s is None or 30 <= self.signal_lead_s <= 65535,
+                 f"slurm.signal_lead_s must be in 30..65535 seconds (Slurm's --signal limit), got {self.signal_lead_s}")
+        _require(self.expected_step_s is None or 0 < self.expected_step_s <= 43000,
+                 f"slurm.expected_step_s must be in (0, 43000] seconds (1.5 x it + 300 s is the signal lead, at most "
+                 f"65535 s), got {self.expected_step_s}")
 
 
 @dataclass(frozen=True)
@@ -508,9 +514,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             # YAML 1.1 reads "1e-4" as a string; accept it explicitly
             try:
-                return float(value)
+                value = float(value)
             except (TypeError, ValueError):
                 raise ValueError(f"{key}: expected a number, got {value!r}") from None
+        if not math.isfinite(value):  # no config number means anything at inf or NaN
+            raise ValueError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -539,6 +547,18 @@ def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
         raise ValueError(f"invalid config{' section ' + repr(prefix) if prefix else ''}: {e}") from None
 
 
+def load_yaml(text: str, what: str) -> Any:
+    """``yaml.safe_load`` without aliases: an alias (``*name``) refers back to an anchor, and
+    nested ones expand exponentially (a few hundred bytes of "billion laughs" take minutes of
+    CPU and gigabytes in ``safe_load``). No hapo config needs them, so any alias is refused
+    before the document is built, naming ``what`` (the file or the ``--set`` key)."""
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise ValueError(f"{what}: YAML aliases (*{event.anchor}) are not allowed in hapo configs; write the "
+                             f"value out")
+    return yaml.safe_load(text)
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """``["trainer.steps=5", "algorithm.estimator=grpo"]`` applied to a raw dict (YAML values)."""
     for item in overrides:
@@ -552,7 +572,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {p!r} is not a section")
         try:
-            node[parts[-1]] = yaml.safe_load(val)
+            node[parts[-1]] = load_yaml(val, f"--set {path.strip()}")
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ValueError(f"--set {path.strip()}: {val!r} is not a YAML value ({problem}); quote it, "
@@ -584,7 +604,7 @@ def read_raw(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if p in _seen:
         raise ValueError(f"config base cycle: {' -> '.join(str(s) for s in (*_seen, p))}")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = load_yaml(p.read_text(), f"config file {str(path)!r}") or {}
     except yaml.YAMLError as e:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):

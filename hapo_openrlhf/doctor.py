@@ -181,6 +181,15 @@ def check_model(cfg: RunConfig) -> Check:
     local = Path(p).expanduser()
     if local.exists():
         missing = [f for f in ("config.json",) if not (local / f).exists()]
+        if not missing:
+            from .jsonfile import check_safetensors, read_json_object
+
+            try:
+                read_json_object(local / "config.json", "the model's config")
+                for f in sorted(local.glob("*.safetensors")):
+                    check_safetensors(f)
+            except ValueError as e:
+                return Check("model", FAIL, str(e), "re-copy or re-save the model directory")
         return Check("model", FAIL if missing else OK, f"{local}" + (f" lacks {missing}" if missing else ""),
                      "point model.path at a Hugging Face model directory")
     if p.startswith(("/", "./", "../", "~", "runs/")) or p.count("/") != 1:
@@ -218,7 +227,12 @@ def model_params(cfg: RunConfig) -> float | None:
         return float(m.num_layers * per_layer + 2 * 260 * m.hidden_size)
     cfgjson = Path(cfg.model.path).expanduser() / "config.json"
     if cfgjson.is_file():
-        c = json.loads(cfgjson.read_text())
+        from .jsonfile import read_json_object
+
+        try:
+            c = read_json_object(cfgjson)
+        except ValueError:  # check_model reports the damaged file; sizes fall back to the name
+            c = {}
         h, L, i, v = (c.get(k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
         if all(isinstance(x, int) for x in (h, L, i, v)):
             return float(L * (4 * h * h + 3 * h * i) + 2 * v * h)
@@ -228,6 +242,10 @@ def model_params(cfg: RunConfig) -> float | None:
 
 def check_output_dir(cfg: RunConfig, out: str | None = None) -> list[Check]:
     d = Path(out or cfg.output_dir).expanduser().resolve()
+    clash = next((p for p in (d, *d.parents) if p.exists() and not p.is_dir()), None)
+    if clash is not None:
+        return [Check("output_dir", FAIL, f"{d}: {clash} is a file, not a directory",
+                      "choose an output_dir that is (or can be created as) a directory")]
     probe = d if d.exists() else next((p for p in d.parents if p.exists()), Path("/"))
     if not os.access(probe, os.W_OK):
         return [Check("output_dir", FAIL, f"{d}: {probe} is not writable", "choose a writable output_dir")]

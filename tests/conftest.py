@@ -31,13 +31,22 @@ def _require_vllm():
             raise pytest.UsageError(f"HAPO_VLLM_PYTHON={VLLM_PYTHON} is not an executable")
 
 
+# The longest tests, longest first (measured: docs/performance.md, "Test suite"). pytest-xdist
+# hands tests out in collection order, so starting these first keeps one of them from being
+# the last thing running while the other workers sit idle.
+LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_timeout_then_resubmit", "test_preempt_checkpoint_requeue",
+                 "test_e2e_megatron.py::", "test_scale_submits_and_collects", "test_vllm_engine_evaluates",
+                 "test_experiment_cli_smoke", "test_seed_array", "test_corrupt_newest_checkpoint",
+                 "test_sigkill_then_resume", "test_tp2_checkpoint_resumes_exactly")
+
+
 def pytest_collection_modifyitems(config, items):
     _require_vllm()
-    # pytest-xdist --dist loadgroup: the Slurm tests share one cluster (a session fixture), so they
-    # run on one worker; everything else load-balances
-    for item in items:
-        if "slurm" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+    def rank(item):
+        return next((i for i, key in enumerate(LONGEST_FIRST) if key in item.nodeid), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: everything else keeps its order
 
 
 @contextlib.contextmanager

@@ -145,3 +145,19 @@ def test_resume_never_runs_a_planted_checkpoint_and_falls_back(tmp_path):
     assert not marker.exists()
     assert "step_00000009: cannot be loaded" in p.stderr and "holds objects other than tensors" in p.stderr
     assert "resumed from" in p.stderr and "(step 2)" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("meta", ["[]", '"a string"', '{"files": 5}', '{"files": {"shard_rank00000.pt": 3}}',
+                                  '{"world_size": "2"}', "{torn"])
+def test_a_malformed_meta_json_is_unverifiable_and_resume_falls_back(tmp_path, meta):
+    from hapo_openrlhf.checkpoint import resumable_checkpoints
+
+    save_checkpoint(tmp_path, 1, {0: {"w": 1}}, {}, keep_last=5)
+    save_checkpoint(tmp_path, 2, {0: {"w": 2}}, {}, keep_last=5)
+    (tmp_path / "step_00000002" / "meta.json").write_text(meta)
+    good, bad = resumable_checkpoints(tmp_path)
+    assert [d.name for d in good] == ["step_00000001"]
+    assert len(bad) == 1 and "step_00000002" in bad[0] and "meta.json" in bad[0]
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    with pytest.raises(ValueError, match="step_00000002.*meta.json"):
+        load_checkpoint(tmp_path / "step_00000002")

@@ -28,7 +28,7 @@ CASES = [
     (["train", "--config", CFG, "--set", "model.num_heads=0"], "model.num_heads must be > 0"),
     (["train", "--config", CFG, "--set", "algorithm.estimator_params=5"], "algorithm.estimator_params: expected a mapping"),
     (["train", "--config", "{tmp}/empty.yaml"], "is empty"),
-    (["train", "--config", CFG, "--set", "optim.lr=.inf"], "optim.lr must be a finite number"),
+    (["train", "--config", CFG, "--set", "optim.lr=.inf"], "optim.lr: expected a finite number, got inf"),
     (["train", "--config", CFG, "--set", "optim.lr_warmup_steps=-1"], "optim.lr_warmup_steps must be >= 0"),
     (["train", "--config", CFG, "--set", "output_dir=''"], "output_dir must not be empty"),
     (["train", "--config", CFG, "--set", "data.eval_limit=0"], "data.eval_limit must be >= 1"),
@@ -208,3 +208,17 @@ def test_a_planted_lock_file_is_refused_not_followed(tmp_path, plant):
     assert len(err) == 1 and ".hapo.lock" in err[0] and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert {"symlink": "symbolic link", "fifo": "not a regular file", "directory": "is a directory"}[plant] in err[0]
     assert victim.read_text() == "precious"
+
+
+@pytest.mark.slow
+def test_resume_applies_an_optimizer_override(tmp_path):
+    """--resume --set optim.lr=... trains at the new rate (the checkpoint's param groups and
+    scheduler held the old one), and says the changed key is applied."""
+    out = tmp_path / "run"
+    assert _train(out, "trainer.steps=2").returncode == 0
+    p = _train(out, "trainer.steps=3", "optim.lr=0.01", "optim.weight_decay=0.5", resume=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "changed config (applied from here on)" in p.stderr and "optim.lr: 0.0001 -> 0.01" in p.stderr
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["actor/lr"] == pytest.approx(1e-4) and rows[2]["actor/lr"] == pytest.approx(0.01)

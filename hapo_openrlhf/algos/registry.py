@@ -82,6 +82,7 @@ class Registry:
                 f"{self.kind} {name!r} has no parameter(s) {unknown}; "
                 f"allowed: {list(entry.params)}"
             )
+        _check_types(f"{self.kind} {name!r}", entry.fn, params)
         if entry.validate is not None:
             entry.validate({**entry.defaults, **params})
 
@@ -90,3 +91,28 @@ class Registry:
         entry = self.get(name)
         self.check_params(name, {k: v for k, v in kwargs.items() if k not in self.fixed})
         return entry.fn(**{k: v for k, v in kwargs.items() if k in entry.accepts})
+
+
+def _check_types(what: str, fn: Callable[..., Any], params: Mapping[str, Any]) -> None:
+    """Every numeric parameter (annotated ``float`` / ``int``) is a finite real number (or
+    None where the annotation allows it), and every ``eps`` is > 0, before any function
+    sees it: a list, a string, a bool, inf or NaN is a named error, not a ``TypeError``
+    inside ``float()`` or a run that trains on nonsense (``eps=-1`` would flip the sign of
+    every normalised advantage)."""
+    import math
+
+    sig = inspect.signature(fn)
+    for key, value in params.items():
+        ann = str(sig.parameters[key].annotation)
+        kinds = {t.strip() for t in ann.split("|")}
+        if not kinds & {"float", "int"}:
+            continue
+        if value is None and "None" in kinds:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{what}: {key} must be a finite number, got {value!r}")
+        if "float" not in kinds and not isinstance(value, int):
+            raise ValueError(f"{what}: {key} must be an integer, got {value!r}")
+        if key == "eps" and not value > 0:
+            raise ValueError(f"{what}: eps must be > 0 (it keeps a division by the group's spread finite), "
+                             f"got {value!r}")

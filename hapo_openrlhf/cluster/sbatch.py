@@ -61,8 +61,7 @@ class SubmitOptions:
         count("--ray-num-gpus", self.ray_num_gpus, 0)
         if self.ray_interface is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", self.ray_interface):
             raise ValueError(f"--ray-interface {self.ray_interface!r} is not a network interface name")
-        if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d\d){0,2}|\d+", self.time):
-            raise ValueError(f"--time {self.time!r} is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
+        time_limit_seconds(self.time)  # a Slurm time, or a named error
         if self.partition is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*", self.partition):
             raise ValueError(f"--partition {self.partition!r} is not a Slurm partition name (or a comma-separated "
                              f"list): letters, digits, '_', '.', '-'")
@@ -98,6 +97,34 @@ _SBATCH_LONG = frozenset("""
     switches test-only thread-spec threads-per-core time time-min tmp uid usage use-min-nodes verbose version
     wait wait-all-nodes wckey wrap
 """.split())
+
+
+def time_limit_seconds(time: str) -> int:
+    """Slurm's ``--time`` forms (minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+    days-hours:minutes, days-hours:minutes:seconds) in seconds; ASCII digits only; 0 means
+    no limit, as for Slurm."""
+    bad = ValueError(f"--time {time!r} is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
+    m = re.fullmatch(r"(?:([0-9]+)-)?([0-9]{1,4})((?::[0-9]{2}){0,2})", str(time), flags=re.ASCII)
+    if not m:
+        raise bad
+    days, first, rest = m.group(1), int(m.group(2)), [int(x) for x in m.group(3).split(":")[1:]]
+    if days is not None:  # days-hours[:minutes[:seconds]]
+        h, mi, se = first, *(rest + [0, 0])[:2]
+        secs = int(days) * 86400 + h * 3600 + mi * 60 + se
+    elif len(rest) == 2:
+        secs = first * 3600 + rest[0] * 60 + rest[1]
+    elif len(rest) == 1:
+        secs = first * 60 + rest[0]
+    else:
+        secs = first * 60
+    return secs  # 0: no time limit (Slurm's meaning of --time=0)
+
+
+def sbatch_quote(value: str) -> str:
+    """A value for an ``#SBATCH`` line, in double quotes: sbatch's directive parser ends an
+    unquoted value at '#' (a comment) and at whitespace, takes a quote as the start of a
+    quoted part, and eats backslashes; inside double quotes only '\\' and '"' need escaping."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _no_control(flag: str, value: str) -> None:
@@ -139,9 +166,14 @@ def array_overrides(spec: str | None) -> list[dict]:
     if spec == "quadrants":
         return [{"suffix": q.lower(), "sets": ["algorithm.estimator=quadrant",
                                                f"algorithm.estimator_params={{quadrants: [{q}]}}"]} for q in QUADRANTS]
-    m = re.fullmatch(r"seeds=(\d+(?:,\d+)*)", spec)
+    m = re.fullmatch(r"seeds=([0-9]+(?:,[0-9]+)*)", spec, flags=re.ASCII)
     if m:
-        return [{"suffix": f"seed{s}", "sets": [f"seed={s}"]} for s in m.group(1).split(",")]
+        seeds = [int(s) for s in m.group(1).split(",")]
+        dup = sorted({s for s in seeds if seeds.count(s) > 1})
+        if dup:
+            raise ValueError(f"--array {spec!r} repeats seed(s) {dup}: two array tasks would train into one "
+                             f"directory")
+        return [{"suffix": f"seed{s}", "sets": [f"seed={s}"]} for s in seeds]
     raise ValueError(f"--array must be 'seeds=1,2,3' or 'quadrants', got {spec!r}")
 
 
@@ -245,11 +277,19 @@ def render(config: str | Path, opts: SubmitOptions, workdir: str | Path | None =
     if opts.ray_interface:
         job_args += ["--ray-interface", opts.ray_interface]
     log_path = out / ("slurm-%A_%a.out" if arr else "slurm-%j.out")
+    lead = opts.signal_seconds if opts.signal_seconds is not None else signal_lead_seconds(cfg)
+    limit = time_limit_seconds(opts.time)
+    if limit and lead >= limit:
+        src = "--signal-seconds" if opts.signal_seconds is not None else "the config's signal lead (slurm.signal_lead_s / " \
+                                                                           "expected_step_s, or the response-length estimate)"
+        raise ValueError(f"{src} is {lead} s, which does not fit in --time {opts.time} ({limit} s): Slurm would warn "
+                         f"the job before it starts a step. Ask for a longer --time, or set slurm.signal_lead_s "
+                         f"lower if a step is shorter")
     values = {
         "config": str(config), "job_name": cfg.run_name, "nodes": nodes,
         "cpus_per_task": opts.cpus_per_task or (8 * max(gpus, 1) if gpus else 2),
-        "time": opts.time, "log_path": str(log_path),
-        "signal_seconds": opts.signal_seconds if opts.signal_seconds is not None else signal_lead_seconds(cfg),
+        "time": opts.time, "log_path": sbatch_quote(str(log_path)),
+        "signal_seconds": lead,
         "optional_directives": "\n".join(directives), "workdir": shlex.quote(str(wd)),
         "python": shlex.quote(sys.executable), "job_args": " ".join(shlex.quote(a) for a in job_args),
     }

@@ -85,11 +85,12 @@ def row_to_problem(
 def _iter_rows(path: Path, on_bad_row: str, report: LoadReport) -> Iterator[tuple[int, dict]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for ln, line in enumerate(f, 1):
-                if not line.strip():
+        with path.open("rb") as f:  # decoded line by line: one bad line is that line's error (or skip)
+            for ln, raw in enumerate(f, 1):
+                if not raw.strip():
                     continue
                 try:
+                    line = raw.decode("utf-8")
                     row = json.loads(line)
                     if not isinstance(row, dict):
                         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
@@ -100,7 +101,11 @@ def _iter_rows(path: Path, on_bad_row: str, report: LoadReport) -> Iterator[tupl
                     raise ValueError(f"{path}:{ln}: malformed row ({e}); fix it or set on_bad_row: skip") from e
                 yield ln, row
     elif suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:  # UnicodeDecodeError is a ValueError too
+            raise ValueError(f"{path}: not a readable JSON file ({str(e)[:200]}); fix it, or use .jsonl with "
+                             f"data.on_bad_row: skip to drop bad rows") from None
         rows = data.get("data", data) if isinstance(data, dict) else data
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of objects (or {{'data': [...]}})")

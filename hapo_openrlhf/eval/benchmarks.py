@@ -51,10 +51,10 @@ def resolve_template(model_path: str, requested: str = "auto") -> str:
     """The prompt template for a model: as requested, or from ``hapo.json`` written by
     ``hapo train``, or from the model family in its name (Qwen2.5-Math, DeepScaleR /
     R1-Distill)."""
-    import json
     from pathlib import Path
 
     from ..data.templates import TEMPLATES
+    from ..jsonfile import read_json_object
 
     if requested != "auto":
         if requested not in TEMPLATES:
@@ -62,11 +62,15 @@ def resolve_template(model_path: str, requested: str = "auto") -> str:
         return requested
     hint = Path(model_path) / "hapo.json"
     if hint.exists():
-        return json.loads(hint.read_text())["template"]
+        t = read_json_object(hint, "hapo train's note of the prompt template").get("template")
+        if t not in TEMPLATES:
+            raise ValueError(f"{hint}: 'template' must be one of {sorted(TEMPLATES)}, got {t!r}; fix it or pass "
+                             f"--template")
+        return t
     names = [str(model_path)]
     cfg = Path(model_path) / "config.json"
     if cfg.exists():
-        names.append(str(json.loads(cfg.read_text()).get("_name_or_path", "")))
+        names.append(str(read_json_object(cfg, "the model's config").get("_name_or_path", "")))
     low = " ".join(names).lower()
     if "deepscaler" in low or "r1-distill" in low:
         return "deepscaler"

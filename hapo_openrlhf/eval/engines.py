@@ -20,7 +20,7 @@ class SamplingSpec:
     temperature: float
     top_p: float
     max_new_tokens: int
-    seed: int
+    seeds: tuple[int, ...]  # one per prompt: a problem's samples do not depend on its batch-mates
 
 
 class Engine(Protocol):
@@ -31,7 +31,9 @@ class Engine(Protocol):
 
 
 class HFEngine:
-    """transformers ``generate`` (CPU or a single GPU), deterministic per call via ``spec.seed``."""
+    """transformers ``generate`` (CPU or a single GPU). Each prompt's ``n`` samples are drawn
+    in their own call seeded with that prompt's seed, so they are the same whichever other
+    prompts share the batch (a resumed evaluation regenerates exactly what was lost)."""
 
     name = "hf"
 
@@ -46,13 +48,14 @@ class HFEngine:
     def generate(self, prompts, spec):
         from ..local.rollout import generate
 
-        with torch.random.fork_rng():
-            torch.manual_seed(spec.seed)
-            ro = generate(self.model, self.tokenizer, prompts, n=spec.n, temperature=spec.temperature,
-                          top_p=spec.top_p, max_new_tokens=spec.max_new_tokens)
-        lengths = ro.response_mask_BR.sum(-1).tolist()
-        flat = list(zip(ro.responses, lengths))
-        return [flat[i * spec.n : (i + 1) * spec.n] for i in range(len(prompts))]
+        out = []
+        for prompt, seed in zip(prompts, spec.seeds, strict=True):
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)
+                ro = generate(self.model, self.tokenizer, [prompt], n=spec.n, temperature=spec.temperature,
+                              top_p=spec.top_p, max_new_tokens=spec.max_new_tokens)
+            out.append(list(zip(ro.responses, ro.response_mask_BR.sum(-1).tolist())))
+        return out
 
 
 class VLLMEngine:
@@ -71,8 +74,8 @@ class VLLMEngine:
     def generate(self, prompts, spec):
         from vllm import SamplingParams
 
-        params = SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
-                                max_tokens=spec.max_new_tokens, seed=spec.seed)
+        params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
+                                 max_tokens=spec.max_new_tokens, seed=seed) for seed in spec.seeds]  # per request
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[(c.text, len(c.token_ids)) for c in o.outputs] for o in outs]
 
@@ -99,6 +102,11 @@ def check_local_model(model_path: str) -> None:
     if missing:
         raise ValueError(f"model directory {model_path!r} lacks {', '.join(missing)}: not a complete Hugging Face "
                          f"model (an interrupted save?)")
+    from ..jsonfile import check_safetensors, read_json_object
+
+    read_json_object(p / "config.json", "the model's config")
+    for f in sorted(p.glob("*.safetensors")):
+        check_safetensors(f)
 
 
 def make_engine(kind: str, model_path: str, **kw) -> Engine:

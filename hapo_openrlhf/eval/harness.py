@@ -5,11 +5,12 @@ one line per problem, appended and fsynced batch by batch. ``<identity>`` hashes
 the samples depend on: the benchmark's resolved path (or bundled name), the content of
 all its rows, and the generation settings. So two benchmarks with one basename get two
 files, and an edited benchmark (or other settings) starts a fresh file instead of
-grading stale samples against new answers. A rerun skips finished problems; batches
-have fixed boundaries and seeds (``seed + batch start``), so a resumed evaluation
-produces exactly the samples an uninterrupted one would. A corrupt line (or a record
-whose problem no longer matches) is reported with file and line and its problem is
-generated again; the valid records after it are kept.
+grading stale samples against new answers. A rerun skips finished problems; every
+problem has its own seed (``seed + index``), whatever batch it lands in, so a resumed
+evaluation -- after a kill, a full disk or a torn line -- produces exactly the samples an
+uninterrupted one would. A corrupt line (or a record whose problem no longer matches, or
+whose scores / lengths are not k numbers) is reported with file and line and its problem
+is generated again; the valid records after it are kept.
 """
 
 from __future__ import annotations
@@ -49,10 +50,29 @@ class EvalSettings:
             raise ValueError("eval needs temperature > 0, top-p in (0, 1], max-new-tokens > 0, batch-prompts > 0")
 
 
-def _read_done(path: Path, problems: list) -> dict[int, dict]:
-    """Finished problems. A corrupt line or a record that does not belong to the problem at
-    its index is reported (file:line) and dropped, so that problem is generated again; the
-    file is rewritten with the valid records only (nothing valid after a bad line is lost)."""
+def _check_record(rec, problems: list, k: int) -> int:
+    """The record's problem index; a ``ValueError`` saying what is wrong with it otherwise."""
+    import math
+
+    if not isinstance(rec, dict):
+        raise ValueError(f"a JSON {type(rec).__name__}, not a record")
+    i = rec.get("index")
+    if isinstance(i, bool) or not isinstance(i, int) or not (0 <= i < len(problems)) \
+            or rec.get("id") != problems[i].id or rec.get("answer") != list(problems[i].answer):
+        raise ValueError("it belongs to another problem")
+    for key, ok in (("scores", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+                    ("lengths", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
+        vals = rec.get(key)
+        if not isinstance(vals, list) or len(vals) != k or not all(ok(v) for v in vals):
+            raise ValueError(f"'{key}' must be a list of k={k} numbers, got {str(vals)[:80]}")
+    return i
+
+
+def _read_done(path: Path, problems: list, k: int) -> dict[int, dict]:
+    """Finished problems. A corrupt line, a record that does not belong to the problem at its
+    index, or one without k scores and lengths is reported (file:line) and dropped, so that
+    problem is generated again; the file is rewritten with the valid records only (nothing
+    valid after a bad line is lost)."""
     done, dropped = {}, []
     if path.exists():
         for ln, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
@@ -60,11 +80,8 @@ def _read_done(path: Path, problems: list) -> dict[int, dict]:
                 continue
             try:
                 rec = json.loads(line)
-                i = rec["index"]
-                if not (0 <= i < len(problems)) or rec.get("id") != problems[i].id \
-                        or rec.get("answer") != list(problems[i].answer):
-                    raise ValueError("it belongs to another problem")
-            except (ValueError, KeyError, TypeError) as e:
+                i = _check_record(rec, problems, k)
+            except ValueError as e:
                 dropped.append(f"{path}:{ln} ({e})")
                 continue
             done[i] = rec
@@ -107,15 +124,14 @@ def eval_benchmark(engine: Engine, bench: Benchmark, s: EvalSettings, out_dir: P
         if other != path:
             log.warning("%s: samples of another version of %s (rows or settings differ) are not reused",
                         other, bench.name)
-    done = _read_done(path, problems)
+    done = _read_done(path, problems, k)
     for start in range(0, len(problems), s.batch_prompts):
         idx = [i for i in range(start, min(start + s.batch_prompts, len(problems))) if i not in done]
         if not idx:
             continue
-        # batches are appended whole, so after a kill a batch is either done or not: a resumed
-        # run regenerates exactly the missing batches with their original seeds (a partial
-        # batch only arises when --limit or --batch-prompts changed; its seed is then new)
-        spec = SamplingSpec(k, s.temperature, s.top_p, s.max_new_tokens, s.seed + idx[0])
+        # one seed per problem: a problem regenerated after a kill or a torn write gets the samples
+        # an uninterrupted run gave it, whichever problems share its batch now
+        spec = SamplingSpec(k, s.temperature, s.top_p, s.max_new_tokens, tuple(s.seed + i for i in idx))
         outs = engine.generate([apply_template(s.template, problems[i].problem) for i in idx], spec)
         recs = []
         for i, samples in zip(idx, outs):
@@ -162,7 +178,14 @@ def run_eval(engine: Engine, model: str, benches: list[Benchmark], s: EvalSettin
     settings_file = out_dir / "settings.json"
     current = {**asdict(s), "model": model}
     if settings_file.exists():
-        old = json.loads(settings_file.read_text())
+        try:
+            old = json.loads(settings_file.read_text())
+        except (ValueError, OSError) as e:
+            old = e
+        if not isinstance(old, dict):
+            raise ValueError(f"{settings_file} is unreadable or not a JSON object, so the samples in {out_dir} cannot "
+                             f"be matched to a model and settings; use a new --output-dir (or delete that file if "
+                             f"they are this model's)")
         changed = {k for k in current if old.get(k) != current[k] and k != "limit"}
         if changed:
             raise ValueError(f"{out_dir} holds samples made with other settings ({sorted(changed)}); "

@@ -26,5 +26,6 @@ def make_datasets(cfg):
         if evals is None:
             raise ValueError("data.eval: synthetic needs data.train: synthetic")
     else:
-        evals, _ = load_problems(d.eval, limit=d.eval_limit, on_bad_row=d.on_bad_row)
+        evals, _ = load_problems(d.eval, limit=d.eval_limit, problem_field=d.problem_field, answer_field=d.answer_field,
+                                 on_bad_row=d.on_bad_row)
     return task, train, evals

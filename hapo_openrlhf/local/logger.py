@@ -12,7 +12,8 @@ log = logging.getLogger(__name__)
 
 def read_jsonl_records(path: Path) -> list[dict]:
     """The records of a JSONL log. A torn *last* line (a crash or a full disk mid-write) is
-    dropped with a warning; a corrupt line before the end is an error naming file and line."""
+    dropped with a warning; a corrupt line before the end -- not JSON, not an object, or a
+    ``step`` that is not a non-negative integer -- is an error naming file and line."""
     lines = path.read_text(errors="replace").splitlines()
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
     out = []
@@ -23,6 +24,9 @@ def read_jsonl_records(path: Path) -> list[dict]:
             rec = json.loads(ln)
             if not isinstance(rec, dict):
                 raise ValueError(f"a JSON {type(rec).__name__}, not an object")
+            step = rec.get("step", 0)
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"'step' must be an integer >= 0, got {step!r}")
         except ValueError as e:
             if i == last:
                 log.warning("%s:%d: dropping a torn last line (%s)", path, i + 1, e)

@@ -115,7 +115,7 @@ class LocalTrainer:
     def _restore(self, ckpt: Path, shard: dict, meta: dict) -> None:
         changed = _config_diff(meta.get("config", {}), self.cfg.to_dict())
         if changed:
-            log.warning("resuming %s with a changed config: %s", ckpt, ", ".join(changed))
+            log.warning("resuming %s with a changed config (applied from here on): %s", ckpt, ", ".join(changed))
         try:
             self.model.load_state_dict(shard["model"])
         except RuntimeError as e:
@@ -125,10 +125,23 @@ class LocalTrainer:
                              ) from e
         self.optim.load_state_dict(shard["optimizer"])
         self.sched.load_state_dict(shard["scheduler"])
+        self._apply_optim_config()
         self.loss_rng.set_state(shard["loss_rng"])
         self.state = TrainState(**shard["trainer"])
         set_rng_state(shard["rng"])
         log.info("resumed from %s (step %d)", ckpt, self.state.step)
+
+    def _apply_optim_config(self) -> None:
+        """A resume trains at this run's optimizer settings, not the checkpoint's: the
+        loaded param groups and scheduler carry the old lr / betas / weight decay, so an
+        override such as ``--resume --set optim.lr=...`` is applied here (the moments and
+        the schedule's position are the checkpoint's)."""
+        o = self.cfg.optim
+        self.sched.base_lrs = [o.lr for _ in self.optim.param_groups]
+        for g, fn in zip(self.optim.param_groups, self.sched.lr_lambdas, strict=True):
+            g.update(initial_lr=o.lr, lr=o.lr * fn(self.sched.last_epoch), betas=tuple(o.betas),
+                     weight_decay=o.weight_decay)
+        self.sched._last_lr = [g["lr"] for g in self.optim.param_groups]
 
     def save(self) -> Path:
         shard = {

@@ -48,6 +48,9 @@ def _render(tmp_path, **kw):
     ("--sbatch", {"extra_sbatch": ("--chd=/",)}, "--chd abbreviates --chdir"),
     ("--set", {"sets": ("seed=1\ntouch /tmp/pwned",)}, "--set .* control character"),
     ("--time", {"time": "1:00:00\ntouch /tmp/pwned"}, "--time .* is not a Slurm time"),
+    ("--time", {"time": "\u0663\u0660:00:00"}, "--time .* is not a Slurm time"),  # Arabic-Indic digits
+    ("--time", {"time": "00:04:00"}, "the config's signal lead .* is 300 s, which does not fit in --time 00:04:00"),
+    ("--time", {"time": "10", "signal_seconds": 900}, "--signal-seconds is 900 s, which does not fit in --time 10 "),
     ("--cpus-per-task", {"cpus_per_task": 0}, "--cpus-per-task must be an integer >= 1, got 0"),
     ("--cpus-per-task", {"cpus_per_task": -1}, "--cpus-per-task must be an integer >= 1"),
     ("--max-requeues", {"max_requeues": -5}, "--max-requeues must be an integer >= 0"),

@@ -311,3 +311,20 @@ def test_hostile_values_pass_sbatch_test_only_as_data(slurm, tmp_path):
     p = run_cli(["submit", "configs/cpu_tiny.yaml", "--test-only", "--partition", f"debug --wrap=touch {marker}"],
                 env={**os.environ, **slurm.env})
     assert p.returncode == 2 and "--partition" in p.stderr and not marker.exists()
+
+
+def test_log_path_with_hash_quote_and_backslash_reaches_slurm_intact(slurm, tmp_path):
+    """#SBATCH --output is quoted: an unquoted '#' would end the path there (a comment to
+    sbatch), a quote would make sbatch refuse the script, and a backslash would be eaten.
+    The held job's StdOut, as Slurm's controller reports it, is the run directory's log."""
+    out = tmp_path / 'run#1"q\\b'
+    p = run_cli(["submit", "configs/cpu_tiny.yaml", "--dry-run", "--skip-doctor", "--output-dir", str(out), *_sets()])
+    assert p.returncode == 0, p.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(p.stdout)
+    jid = slurm.run("sbatch", "--parsable", "--hold", str(script)).stdout.strip().split(";")[0]
+    try:
+        show = slurm.run("scontrol", "show", "job", jid).stdout
+    finally:
+        slurm.run("scancel", jid, check=False)
+    assert f"StdOut={out}/slurm-{jid}.out" in show, show

@@ -5,6 +5,7 @@ import pytest
 from hapo_openrlhf.data.loader import BUNDLED, load_problems
 from hapo_openrlhf.data.synthetic import ArithmeticTask
 from hapo_openrlhf.data.templates import apply_template
+from tests.conftest import REPO
 
 
 def write_jsonl(path, rows):
@@ -51,6 +52,32 @@ def test_malformed_row_is_an_error_naming_file_and_line(tmp_path):
         load_problems(p)
     problems, rep = load_problems(p, on_bad_row="skip")
     assert len(problems) == 1 and rep.skipped_malformed == 2
+
+
+def test_non_utf8_and_binary_lines_are_named_or_skipped(tmp_path):
+    p = tmp_path / "bin.jsonl"
+    p.write_bytes(b'{"problem": "a", "answer": "1"}\n\xff\xfe\x00garbage\n{"problem": "b\xe9", "answer": "2"}\n'
+                  b'{"problem": "c", "answer": "3"}\n')
+    with pytest.raises(ValueError, match="bin.jsonl:2: malformed row .*utf-8"):
+        load_problems(str(p))
+    problems, rep = load_problems(str(p), on_bad_row="skip")
+    assert [x.problem for x in problems] == ["a", "c"] and rep.skipped_malformed == 2
+    j = tmp_path / "bin.json"
+    j.write_bytes(b'[{"problem": "a\xff", "answer": "1"}]')
+    with pytest.raises(ValueError, match="bin.json: not a readable JSON file"):
+        load_problems(str(j))
+
+
+def test_problem_and_answer_fields_apply_to_the_eval_set_too(tmp_path):
+    from hapo_openrlhf.config import load_config
+    from hapo_openrlhf.local.data import make_datasets
+
+    rows = [{"q": f"{i}+1", "a": str(i + 1)} for i in range(3)]
+    ev = write_jsonl(tmp_path / "ev.jsonl", rows)
+    cfg = load_config(REPO / "configs" / "cpu_tiny.yaml", [f"data.eval={ev}", "data.problem_field=q",
+                                                            "data.answer_field=a"])
+    _, _, evals = make_datasets(cfg)
+    assert [(p.problem, p.answer) for p in evals] == [("0+1", ("1",)), ("1+1", ("2",)), ("2+1", ("3",))]
 
 
 def test_empty_and_missing_datasets(tmp_path):

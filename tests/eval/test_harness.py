@@ -216,3 +216,62 @@ def test_a_corrupt_sample_line_is_reported_and_regenerated(tmp_path, caplog):
     again = run_eval(eng, "m", parse_benchmarks(str(bench)), s, out)["results"][0]
     assert eng.calls == 1 and again == first  # only problem 1 regenerated; the records after it kept
     assert f"{samples}:2" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["no_scores", "scores_string", "too_few_scores", "too_many_scores", "bool_index",
+                                    "list_record", "negative_length"])
+def test_a_damaged_sample_record_is_reported_and_regenerated(tmp_path, caplog, damage):
+    """Each damaged record is named file:line and its problem generated again; the scores
+    come out as an undamaged run's (six scores at k=2 would otherwise change Avg@2)."""
+    from hapo_openrlhf.eval.benchmarks import parse_benchmarks
+    from hapo_openrlhf.eval.harness import EvalSettings, run_eval
+
+    bench = _bench_file(tmp_path / "bench.jsonl", ["7", "1", "7", "1"])
+    s = EvalSettings(template="plain", k=2, max_new_tokens=8, batch_prompts=2)
+    out = tmp_path / "out"
+    first = run_eval(_AnswerEngine(), "m", parse_benchmarks(str(bench)), s, out)["results"][0]
+    (samples,) = out.glob("bench-*.samples.jsonl")
+    recs = [json.loads(ln) for ln in samples.read_text().splitlines()]
+    r = recs[1]
+    {"no_scores": lambda: r.pop("scores"), "scores_string": lambda: r.update(scores="abc"),
+     "too_few_scores": lambda: r.update(scores=[1.0]), "too_many_scores": lambda: r.update(scores=[1.0] * 6),
+     "bool_index": lambda: r.update(index=True), "negative_length": lambda: r.update(lengths=[-1, 3]),
+     "list_record": lambda: recs.__setitem__(1, [r])}[damage]()
+    samples.write_text("".join(json.dumps(x) + "\n" for x in recs))
+    eng = _AnswerEngine()
+    again = run_eval(eng, "m", parse_benchmarks(str(bench)), s, out)["results"][0]
+    assert eng.calls == 1 and again == first
+    assert f"{samples}:2" in caplog.text
+
+
+def test_a_corrupt_settings_file_is_named(tmp_path):
+    from hapo_openrlhf.eval.benchmarks import parse_benchmarks
+    from hapo_openrlhf.eval.harness import EvalSettings, run_eval
+
+    bench = _bench_file(tmp_path / "bench.jsonl", ["7"])
+    out = tmp_path / "out"
+    out.mkdir()
+    for bad in ("{torn", "[]"):
+        (out / "settings.json").write_text(bad)
+        with pytest.raises(ValueError, match="settings.json is unreadable or not a JSON object"):
+            run_eval(_AnswerEngine(), "m", parse_benchmarks(str(bench)), EvalSettings(template="plain", k=1), out)
+
+
+def test_samples_do_not_depend_on_the_batch_a_problem_lands_in(tiny_model, tmp_path):
+    """Per-problem seeds: after a torn write dropped problems out of the middle of a batch,
+    the regenerated ones (now in a smaller batch) are byte-identical to an uninterrupted run's."""
+    from hapo_openrlhf.eval.benchmarks import parse_benchmarks
+    from hapo_openrlhf.eval.engines import HFEngine
+    from hapo_openrlhf.eval.harness import EvalSettings, run_eval
+
+    eng = HFEngine(str(tiny_model))
+    s = EvalSettings(template="tiny", k=2, max_new_tokens=6, batch_prompts=3, limit=3, temperature=1.0)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run_eval(eng, "m", parse_benchmarks("aime24"), s, full)
+    (a,) = full.glob("aime24-*.samples.jsonl")
+    cut.mkdir()
+    lines = a.read_text().splitlines()
+    (cut / a.name).write_text(lines[0] + "\n")  # problems 1 and 2 lost (a full disk mid-append)
+    (cut / "settings.json").write_text((full / "settings.json").read_text())
+    run_eval(eng, "m", parse_benchmarks("aime24"), s, cut)
+    assert (cut / a.name).read_text() == a.read_text()

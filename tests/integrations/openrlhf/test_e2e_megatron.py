@@ -33,7 +33,7 @@ MEGATRON = ["backend=megatron", "megatron.tensor_parallel=2", "megatron.params_d
             # OpenRLHF's asynchronous trainer with partial rollouts: the Megatron actor under it
             "openrlhf.async=true", "openrlhf.partial_rollout=true"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 ENGINE = "vllm" if VLLM_PYTHON else "cpu"
 
 
