@@ -111,10 +111,8 @@ def save_checkpoint(
         p = tmp / shard_name(rank)
         try:
             torch.save(state, p)
-        except RuntimeError as e:  # torch reports ENOSPC as a bare "iostream error"
-            free = shutil.disk_usage(root).free
-            raise OSError(28, f"could not write the checkpoint shard ({e}); {free / 2**20:.0f} MiB free "
-                              f"on its filesystem -- most likely a full disk", str(p)) from None
+        except RuntimeError as e:  # torch reports ENOSPC and EFBIG alike as a bare "iostream error"
+            raise _write_error(e, p, root) from None
         _fsync_file(p)
         files[p.name] = {"size": p.stat().st_size, "crc32": file_crc32(p)}
     meta = {**meta, "step": step, "world_size": len(shards), "saved_at": time.time(), "files": files}
@@ -155,6 +153,23 @@ def _read_meta(d: Path) -> dict[str, Any]:
     if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
         raise ValueError(f"{META}: world_size must be an integer >= 1, got {ws!r}")
     return meta
+
+
+def _write_error(e: Exception, path: Path, root: Path) -> OSError:
+    """What most likely stopped ``torch.save``: a file-size limit (``ulimit -f``, which Python
+    turns from SIGXFSZ into EFBIG) when the shard reached it, else a full disk."""
+    import errno
+    import resource
+
+    free = shutil.disk_usage(root).free
+    written = path.stat().st_size if path.exists() else 0
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and written >= limit:
+        return OSError(errno.EFBIG, f"could not write the checkpoint shard ({e}): it reached this process's file-size "
+                                    f"limit of {limit} bytes (ulimit -f); {free / 2**20:.0f} MiB are free on the "
+                                    f"filesystem, so raise the limit", str(path))
+    return OSError(errno.ENOSPC, f"could not write the checkpoint shard ({e}); {free / 2**20:.0f} MiB free on its "
+                                 f"filesystem -- most likely a full disk", str(path))
 
 
 def _complete(d: Path) -> bool:

@@ -335,6 +335,8 @@ def describe_error(e: BaseException) -> str:
 
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return f"the disk is full{f' writing {e.filename}' if e.filename else ''} ({e.strerror}); free space and rerun"
+    if isinstance(e, OSError) and e.errno == errno.EFBIG:
+        return f"a file-size limit stopped writing {e.filename}: {e.strerror}"
     if isinstance(e, RuntimeError) and ("iostream" in str(e).lower() or "No space left" in str(e)):
         return f"writing a file failed, most likely a full disk: {e}"
     if isinstance(e, (ValueError, FloatingPointError, OSError)):

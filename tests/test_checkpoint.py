@@ -161,3 +161,27 @@ def test_a_malformed_meta_json_is_unverifiable_and_resume_falls_back(tmp_path, m
     assert latest_checkpoint(tmp_path).name == "step_00000001"
     with pytest.raises(ValueError, match="step_00000002.*meta.json"):
         load_checkpoint(tmp_path / "step_00000002")
+
+
+def test_a_file_size_limit_is_named_not_called_a_full_disk(tmp_path):
+    """torch.save fails the same way for ENOSPC and EFBIG; under `ulimit -f` the error says
+    which (the disk has room)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, torch
+from hapo_openrlhf.checkpoint import save_checkpoint
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    save_checkpoint({str(tmp_path)!r}, 1, {{0: {{"w": torch.zeros(1 << 18)}}}}, {{}})
+except OSError as e:
+    from hapo_openrlhf.cli import describe_error
+    print(e.errno, describe_error(e))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    import errno
+
+    assert p.stdout.startswith(f"{errno.EFBIG} a file-size limit stopped writing"), p.stdout + p.stderr[-2000:]
+    assert "file-size limit of 65536 bytes" in p.stdout and "full disk" not in p.stdout
+    assert not list(tmp_path.glob("step_*"))  # nothing half-written took a checkpoint's name

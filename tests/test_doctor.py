@@ -66,3 +66,26 @@ def test_submit_refuses_a_config_with_blocking_problems(tmp_path):
     p = run_cli(["submit", "configs/deepscaler_1p5b_24k_hapo.yaml", "--output-dir", str(tmp_path)])
     assert p.returncode == 2 and "blocking problems" in p.stderr and "--skip-doctor" in p.stderr
     assert not (tmp_path / "job.sbatch").exists()
+
+
+def test_an_output_dir_that_is_a_file_and_a_damaged_model_are_reported(tmp_path):
+    """The doctor reports each problem in its table (it does not abort on the first): an
+    output_dir that is a regular file, a model config.json that is not JSON, a truncated
+    safetensors file."""
+    f = tmp_path / "not_a_dir"
+    f.write_text("x")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{torn")
+    p = run_cli(["doctor", "--config", "configs/cpu_tiny.yaml", "--json", "--output-dir", str(f / "run"),
+                 "--set", f"model.path={model}"])
+    assert p.returncode == 1, p.stdout + p.stderr
+    failed = {c["name"]: c["message"] for c in json.loads(p.stdout)["checks"] if c["status"] == FAIL}
+    assert f"{f} is a file, not a directory" in failed["output_dir"]
+    assert "config.json" in failed["model"] and "not JSON" in failed["model"]
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    p = run_cli(["doctor", "--config", "configs/cpu_tiny.yaml", "--json", "--output-dir", str(tmp_path / "o"),
+                 "--set", f"model.path={model}"])
+    failed = {c["name"]: c["message"] for c in json.loads(p.stdout)["checks"] if c["status"] == FAIL}
+    assert "model.safetensors is incomplete or corrupt" in failed["model"]

@@ -20,6 +20,20 @@ def _files(tmp_path):
     half = tmp_path / "half_model"
     half.mkdir()
     (half / "config.json").write_text("{}")
+    trunc = tmp_path / "truncated_model"  # weights cut off mid-copy
+    trunc.mkdir()
+    (trunc / "config.json").write_text("{}")
+    (trunc / "tokenizer.json").write_text("{}")
+    (trunc / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"w\"")
+    for name, text in (("badcfg_model", "{torn"), ("hint_model", "{}")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(text)
+        (d / "tokenizer.json").write_text("{}")
+    (tmp_path / "hint_model" / "hapo.json").write_text("[1, 2")
+    run = tmp_path / "run_bad_step"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": "x"}\n{"step": 3}\n')
     return tmp_path
 
 
@@ -43,6 +57,31 @@ CASES = [
     (["submit", CFG, "--dry-run", "--cpus-per-task", "0"], "--cpus-per-task must be an integer >= 1"),
     (["submit", CFG, "--dry-run", "--ray-port", "99999"], "--ray-port must be an integer in 1024..65535"),
     (["doctor"], "hapo doctor needs --config"),
+    # hostile values that used to reach an internal exception (TypeError, OverflowError, ...)
+    (["train", "--config", CFG, "--set", "trainer.threads=-1"], "trainer.threads must be >= 0"),
+    (["train", "--config", CFG, "--set", "trainer.sample_every=-1"], "trainer.sample_every must be >= 0"),
+    (["train", "--config", CFG, "--set", "trainer.sample_count=-3"], "trainer.sample_count must be >= 0"),
+    (["train", "--config", CFG, "--set", "algorithm.estimator_params={alpha: [0.2], phi: 2.0}"],
+     "hapo'?: alpha must be a finite number, got \\(0.2,\\)"),
+    (["train", "--config", CFG, "--set", "algorithm.estimator_params={alpha: 0.2, phi: 2.0, eps: -1}"],
+     "eps must be > 0"),
+    (["train", "--config", CFG, "--set", "algorithm.estimator_params={alpha: 0.2, phi: '2'}"],
+     "phi must be a finite number, got '2'"),
+    (["train", "--config", CFG, "--set", "algorithm.estimator_params={alpha: .nan, phi: 2.0}"],
+     "alpha must be a finite number, got nan"),
+    (["train", "--config", CFG, "--set", "warmup.lr=.inf"], "warmup.lr: expected a finite number, got inf"),
+    (["train", "--config", CFG, "--set", "rollout.top_p=[0.9]"], "rollout.top_p: expected a number"),
+    (["train", "--config", CFG, "--set", "algorithm.estimator_params={a: &x [1, 2], b: *x}"],
+     "YAML aliases \\(\\*x\\) are not allowed"),
+    (["submit", CFG, "--dry-run", "--set", "slurm.expected_step_s=.inf"], "slurm.expected_step_s: expected a finite"),
+    (["doctor", "--config", CFG, "--set", "slurm.expected_step_s=.inf"], "slurm.expected_step_s: expected a finite"),
+    (["submit", CFG, "--dry-run", "--set", "slurm.signal_lead_s=99999"], "slurm.signal_lead_s must be in 30..65535"),
+    (["submit", CFG, "--dry-run", "--time", "00:04:00"], "signal lead .* 300 s, which does not fit in --time"),
+    (["submit", CFG, "--dry-run", "--array", "seeds=1,1"], "repeats seed\\(s\\) \\[1\\]"),
+    (["eval", "--model", "{tmp}/truncated_model", "--template", "tiny"], "model.safetensors is incomplete or corrupt"),
+    (["eval", "--model", "{tmp}/badcfg_model", "--template", "tiny"], "config.json .* is unreadable or not JSON"),
+    (["eval", "--model", "{tmp}/hint_model"], "hapo.json .* is unreadable or not JSON"),
+    (["report", "{tmp}/run_bad_step"], "metrics.jsonl:2: corrupt line \\('step' must be an integer"),
 ]
 
 
@@ -52,11 +91,12 @@ def test_bad_input_is_one_clear_line(tmp_path, args, match):
 
     d = _files(tmp_path)
     args = [a.replace("{tmp}", str(d)) for a in args]
-    p = run_cli([*args, "--output-dir", str(d / "out")] if args[0] == "train" else args, cwd=d)
+    p = run_cli([*args, "--output-dir", str(d / "out")] if args[0] in ("train", "report") else args, cwd=d)
     assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("hapo: error:")]
     assert len(err) == 1 and re.search(match, err[0]), p.stderr[-2000:]
+    assert not re.search(r"\b[A-Z]\w*(Error|Exception)\b", err[0]), err[0]  # names the input, not a Python class
     assert not (d / "out" / "checkpoints").exists()
 
 
