@@ -104,7 +104,7 @@ def time_limit_seconds(time: str) -> int:
     days-hours:minutes, days-hours:minutes:seconds) in seconds; ASCII digits only; 0 means
     no limit, as for Slurm."""
     bad = ValueError(f"--time {time!r} is not a Slurm time (e.g. 24:00:00 or 2-00:00:00)")
-    m = re.fullmatch(r"(?:([0-9]+)-)?([0-9]{1,4})((?::[0-9]{2}){0,2})", str(time), flags=re.ASCII)
+    m = re.fullmatch(r"(?:([0-9]+)-)?([0-9]+)((?::[0-9]{2}){0,2})", str(time), flags=re.ASCII)
     if not m:
         raise bad
     days, first, rest = m.group(1), int(m.group(2)), [int(x) for x in m.group(3).split(":")[1:]]
