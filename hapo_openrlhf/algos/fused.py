@@ -74,26 +74,34 @@ def _chunk_grad(logp, p, ent, labels, g_logp, g_ent, temperature):
     return gz
 
 
-def weight_grad_gemm(gz_CV: torch.Tensor, h_CH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """gz^T h, [V,H] fp32: the LM-head weight gradient of one chunk.
+def weight_grad_gemm(gz_CV: torch.Tensor, h_CH: torch.Tensor, dtype: torch.dtype,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """gz^T h, [V,H] fp32: the LM-head weight gradient of one chunk; with ``out`` (a [V,H]
+    fp32 accumulator) it is added into ``out`` in place and ``out`` is returned, so a
+    backward over many chunks allocates no [V,H] temporary per chunk.
 
     On CUDA with bf16/fp16 weights the GEMM runs in the weight's dtype with fp32
-    accumulation *and* fp32 output (``torch.mm(..., out_dtype=float32)``, cuBLAS):
-    the tensor-core rate instead of an fp32 GEMM over a [V,H] product, which is
-    about a sixth of a 7B actor's arithmetic. On CPU (and for fp32 weights) it
-    stays fp32: there is no fast low-precision GEMM to gain, and the CPU tests
-    compare against an fp32 reference.
+    accumulation *and* fp32 output (``torch.mm`` / ``torch.addmm`` with
+    ``out_dtype=float32``, cuBLAS): the tensor-core rate instead of an fp32 GEMM over
+    a [V,H] product, which is about a sixth of a 7B actor's arithmetic. On CPU (and
+    for fp32 weights) it stays fp32: there is no fast low-precision GEMM to gain, and
+    the CPU tests compare against an fp32 reference.
     """
     if gz_CV.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(gz_CV.t().to(dtype), h_CH.to(dtype), out_dtype=torch.float32)
-    return gz_CV.t() @ h_CH.float()
+        a, b = gz_CV.t().to(dtype), h_CH.to(dtype)
+        if out is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    if out is None:
+        return gz_CV.t() @ h_CH.float()
+    return out.addmm_(gz_CV.t(), h_CH.float())
 
 
 def _accumulate(gz, h, weight, g_hidden, g_weight, s):
     if g_hidden is not None:
         g_hidden[s : s + gz.shape[0]] = (gz.to(weight.dtype) @ weight).float()
     if g_weight is not None:
-        g_weight.add_(weight_grad_gemm(gz, h, weight.dtype))
+        weight_grad_gemm(gz, h, weight.dtype, out=g_weight)  # in place: no [V,H] temporary per chunk
 
 
 class _FusedLogpEntropy(torch.autograd.Function):

@@ -26,6 +26,7 @@ class SamplingSpec:
 class Engine(Protocol):
     name: str  # recorded in results.json
     tokenizer: object
+    max_positions: int | None  # prompt + generated tokens the model takes (None: no limit known)
 
     def generate(self, prompts: list[str], spec: SamplingSpec) -> list[list[tuple[str, int]]]: ...
 
@@ -44,16 +45,21 @@ class HFEngine:
 
         self.tokenizer = load_tokenizer(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
 
     def generate(self, prompts, spec):
         from ..local.rollout import generate
 
         out = []
         for prompt, seed in zip(prompts, spec.seeds, strict=True):
+            max_new = spec.max_new_tokens
+            if self.max_positions:  # as vLLM: generation stops at the model's last position
+                n_prompt = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                max_new = max(1, min(max_new, self.max_positions - n_prompt))
             with torch.random.fork_rng():
                 torch.manual_seed(seed)
                 ro = generate(self.model, self.tokenizer, [prompt], n=spec.n, temperature=spec.temperature,
-                              top_p=spec.top_p, max_new_tokens=spec.max_new_tokens)
+                              top_p=spec.top_p, max_new_tokens=max_new)
             out.append(list(zip(ro.responses, ro.response_mask_BR.sum(-1).tolist())))
         return out
 
@@ -70,6 +76,7 @@ class VLLMEngine:
         self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        trust_remote_code=False)
         self.tokenizer = self.llm.get_tokenizer()
+        self.max_positions = self.llm.llm_engine.model_config.max_model_len
 
     def generate(self, prompts, spec):
         from vllm import SamplingParams

@@ -114,10 +114,27 @@ def _append(path: Path, records: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
+def check_prompt_lengths(engine: Engine, bench: Benchmark, prompts: list[str]) -> None:
+    """Every prompt of a benchmark must leave the model room to answer: checked by token
+    count before anything is generated, so a 1 MB prompt is a named error, not a multi-GB
+    attention allocation, and no other problem's compute is spent first. As in vLLM, a
+    prompt that fits gets at most the remaining positions (``max_new_tokens`` is capped)."""
+    limit = getattr(engine, "max_positions", None)
+    if not limit:
+        return
+    for i, text in enumerate(prompts):
+        n = len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n >= limit:
+            raise ValueError(f"benchmark {bench.name!r}: problem {i} ({text[:60]!r}...) is a {n}-token prompt, which "
+                             f"leaves no room to answer in the model's {limit} positions; drop the problem (--limit, "
+                             f"or edit the file) or use a model with a longer context")
+
+
 def eval_benchmark(engine: Engine, bench: Benchmark, s: EvalSettings, out_dir: Path, verifier: MathVerifier,
                    progress=None) -> dict:
     problems = load_benchmark(bench, s.limit)
     k = s.k or bench.k
+    check_prompt_lengths(engine, bench, [apply_template(s.template, p.problem) for p in problems])
     stem = Path(bench.name).stem
     path = out_dir / f"{stem}-{benchmark_identity(bench, s)}.samples.jsonl"
     for other in sorted(out_dir.glob(f"{stem}-*.samples.jsonl")):

@@ -60,6 +60,36 @@ def test_fused_never_materialises_more_than_a_chunk_of_logits():
     assert largest_tensor_numel(run) <= max(C * V, V * H, N * H)
 
 
+@pytest.mark.parametrize("form", ["recompute", "forward_gradient"])
+def test_fused_backward_allocates_one_weight_gradient_however_many_chunks(form):
+    """The [V,H] weight gradient is accumulated in place (addmm_ / addmm out=): a fused
+    backward allocates exactly one [V,H] buffer whether it runs 2 chunks or 16. A
+    temporary per chunk (gz^T h, then add_) would be +1 GB per chunk at V=152k, H=1536."""
+    from ..conftest import count_allocations
+
+    N, H, V = 64, 12, 50  # V*H = 600: no other tensor here has that many elements
+    h = torch.randn(N, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    lab = torch.randint(0, V, (N,))
+
+    def run(chunk):
+        def fn():
+            h.grad = w.grad = None
+            if form == "recompute":
+                lp, ent = fused_logprobs_entropy(h, w, lab, chunk_size=chunk)
+                (lp.sum() - 0.1 * ent.sum()).backward()
+            else:
+                loss, _, _ = fused_token_loss(h, w, lab, lambda lp, ent, sl: -(lp.sum() + 0.1 * ent.sum()),
+                                              chunk_size=chunk)
+                loss.backward()
+        n = count_allocations(fn, V * H)
+        return n, w.grad.clone()
+
+    (n2, g2), (n16, g16) = run(32), run(4)
+    assert n2 == n16 == 1, (n2, n16)
+    torch.testing.assert_close(g16, g2, atol=1e-5, rtol=1e-5)
+
+
 @settings(max_examples=20, deadline=None)
 @given(B=st.integers(1, 4), R=st.integers(1, 6), rows=st.integers(1, 3), temp=st.sampled_from([0.7, 1.0]),
        beta=st.sampled_from([0.0, 0.05]), agg=st.sampled_from(["token-mean", "seq-mean-token-mean"]),

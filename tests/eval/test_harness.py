@@ -275,3 +275,45 @@ def test_samples_do_not_depend_on_the_batch_a_problem_lands_in(tiny_model, tmp_p
     (cut / "settings.json").write_text((full / "settings.json").read_text())
     run_eval(eng, "m", parse_benchmarks("aime24"), s, cut)
     assert (cut / a.name).read_text() == a.read_text()
+
+
+def _limit_address_space(gib):
+    def set_limit():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (gib << 30, gib << 30))
+    return set_limit
+
+
+def test_a_prompt_longer_than_the_model_is_refused_before_any_allocation(tiny_model, tmp_path):
+    """A 1 MB benchmark prompt under an 8 GiB address-space limit: one named error (benchmark,
+    problem, token count, the model's positions) before anything is generated -- not a
+    multi-GB attention buffer or a MemoryError -- and no samples written."""
+    bench = tmp_path / "huge.jsonl"
+    bench.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n"
+                     + json.dumps({"problem": "1+" * 500_000 + "1", "answer": "500001"}) + "\n")
+    cmd = [sys.executable, "-m", "hapo_openrlhf", "eval", "--model", str(tiny_model), "--benchmarks", str(bench),
+           "--k", "1", "--engine", "hf", "--output-dir", str(tmp_path / "out")]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                         preexec_fn=_limit_address_space(8))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "MemoryError" not in res.stderr
+    (err,) = [ln for ln in res.stderr.splitlines() if ln.startswith("hapo: error:")]
+    assert re.search(r"huge.jsonl'?: problem 1 .* is a 1000\d\d\d-token prompt, .* the model's 256 positions", err), err
+    assert not list((tmp_path / "out").glob("*.samples.jsonl"))
+
+
+def test_hf_generation_stops_at_the_models_last_position(tiny_model):
+    """As vLLM does: a prompt that fits gets at most the positions left (prompt + generated
+    <= max_position_embeddings), whatever max_new_tokens asks for."""
+    from hapo_openrlhf.eval.engines import HFEngine, SamplingSpec
+
+    eng = HFEngine(str(tiny_model))
+    eng.model.generation_config.eos_token_id = None  # never stop early: every sample runs to its cap
+    prompt = "1+" * 100 + "1"
+    n_prompt = len(eng.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert n_prompt < eng.max_positions == 256
+    (samples,) = eng.generate([prompt], SamplingSpec(2, 1.0, 1.0, 4096, (0,)))
+    assert [n for _, n in samples] <= [eng.max_positions - n_prompt] * 2
+    (short,) = eng.generate(["1+1"], SamplingSpec(1, 1.0, 1.0, 5, (0,)))
+    assert short[0][1] <= 5

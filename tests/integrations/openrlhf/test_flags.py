@@ -216,7 +216,7 @@ def test_gpu_smoke_configs_load_and_pass_openrlhf_parser(backend, flash, tmp_pat
     where CUDA is needed: the config loads and OpenRLHF's parser accepts its argv."""
     import yaml
 
-    from hapo_openrlhf.doctor import smoke_run_config
+    from hapo_openrlhf.gpu_smoke import smoke_run_config
     from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
 
     raw = smoke_run_config(tmp_path / "model", backend, flash_attn=flash)

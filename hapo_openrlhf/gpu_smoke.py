@@ -1,0 +1,320 @@
+"""``hapo doctor --gpu-smoke``: the one-GPU acceptance run (docs/status.md records each run).
+
+    hapo doctor --gpu-smoke [--json] [--output-dir DIR]
+
+What the CPU tests cannot see: the bf16 fused head against the naive one, the bf16
+weight-gradient GEMM (and its in-place accumulation), flash-attn varlen against padded
+attention, the algorithms on CUDA, megatron-core's attention against the local one, and
+OpenRLHF's loop with a vLLM engine (sleep mode, stop and resume), with DeepSpeed and with
+the Megatron actor. Each step reports its own figures and ``ok``; the preflight checks
+are in :mod:`hapo_openrlhf.doctor`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+def smoke_run_config(model_dir: str | Path, backend: str = "openrlhf", gpus: int = 1,
+                     flash_attn: bool = True) -> dict[str, Any]:
+    """The run config of the smoke's OpenRLHF loop: a tiny warmed-up Qwen2 (head dim 64),
+    2 global steps of 4 prompts x 4 samples, HAPO, a CUDA vLLM engine colocated with the
+    actor in sleep mode (weights synced over CUDA IPC), or, for ``megatron``, the Megatron
+    actor at TP=1 (packed THD micro-batches by a 128-token budget, FlashCoreAttention) with
+    the engine on a second GPU."""
+    megatron = backend == "megatron"
+    return {
+        "run_name": f"gpu_smoke_{backend}", "seed": 7, "backend": backend, "model": {"path": str(model_dir)},
+        "data": {"train": "synthetic", "template": "tiny",
+                 "synthetic": {"n_terms": 3, "digits": 1, "ops": "+-", "train_size": 16, "eval_size": 8}},
+        "warmup": {"steps": 0},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "temperature": 1.0, "top_p": 1.0,
+                    "max_new_tokens": 24},
+        "algorithm": {"estimator": "hapo", "estimator_params": {"alpha": 0.2, "phi": 2.0}, "loss": "ppo",
+                      "loss_params": {"eps_low": 0.2, "eps_high": 0.28}, "overlong": {"enable": True, "cache_len": 4}},
+        "optim": {"lr": 1.0e-4},
+        "trainer": {"steps": 2, "save_every": 1, "keep_last": 4},
+        "openrlhf": {
+            "actor_num_nodes": 1, "actor_gpus_per_node": 1, "vllm_num_engines": 1,
+            "colocate_all": not megatron, "vllm_enable_sleep": not megatron,
+            "vllm_gpu_memory_utilization": 0.5 if megatron else 0.3, "vllm_enforce_eager": True,
+            "zero_stage": 2, "param_dtype": "bf16",
+            "attn_implementation": "flash_attention_2" if flash_attn and not megatron else "sdpa",
+            "packing_samples": flash_attn or megatron, "gradient_checkpointing": False, "max_len": 96,
+            **({"dynamic_batch": True, "max_tokens_per_gpu": 128} if megatron else {}),
+            "train_batch_size": 16, "micro_train_batch_size": 4, "micro_rollout_batch_size": 4, "num_episodes": 4,
+            "lr_scheduler": "constant"},
+        **({"megatron": {"tensor_parallel": 1, "pipeline_parallel": 1, "params_dtype": "bf16"}} if megatron else {}),
+    }
+
+
+def _run(cmd: list[str], log: Path, timeout: int = 900, env: dict | None = None) -> int:
+    import subprocess
+
+    with open(log, "ab") as f:
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                              env={**os.environ, **(env or {})}).returncode
+
+
+def _smoke_warm_model(work: Path) -> Path:
+    out = work / "warm"
+    if not (out / "final_model" / "config.json").exists():
+        rc = _run([sys.executable, "-m", "hapo_openrlhf", "train", "--config", str(_repo_config("cpu_tiny.yaml")),
+                   "--output-dir", str(out), "--set", "warmup.steps=150", "--set", "trainer.steps=0",
+                   "--set", "data.synthetic.eval_size=16", "--set", "model.hidden_size=128",
+                   "--set", "model.num_heads=2", "--set", "model.num_kv_heads=2"], work / "warm.log")
+        if rc:
+            raise RuntimeError(f"the warm-up of the smoke model failed (rc {rc}, {work / 'warm.log'})")
+    return out / "final_model"
+
+
+def _repo_config(name: str) -> Path:
+    p = Path(__file__).resolve().parent.parent / "configs" / name
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: the GPU smoke runs from a checkout of the repository")
+    return p
+
+
+def _smoke_openrlhf_loop(work: Path, backend: str = "openrlhf") -> dict:
+    """OpenRLHF's loop for 2 steps, then a stop (exit 85) after step 3 and a resume to step 4."""
+    import torch
+    import yaml
+
+    from .preemption import EXIT_PREEMPTED, request_flag
+
+    if backend == "megatron" and torch.cuda.device_count() < 2:
+        return {"ok": True, "skipped": "the Megatron actor needs a second GPU for the vLLM engine (it has no sleep "
+                                       "mode, so backend megatron refuses colocation)"}
+    model = _smoke_warm_model(work)
+    try:
+        import flash_attn  # noqa: F401
+        fa = True
+    except ImportError:
+        fa = False
+    cfg_path = work / f"smoke_{backend}.yaml"
+    cfg_path.write_text(yaml.safe_dump(smoke_run_config(model, backend, flash_attn=fa)))
+    out, log = work / f"run_{backend}", work / f"run_{backend}.log"
+    train = [sys.executable, "-m", "hapo_openrlhf.integrations.openrlhf.train", "--config", str(cfg_path),
+             "--output-dir", str(out)]
+    t0 = time.perf_counter()
+    rc1 = _run(train, log)
+    t_two = time.perf_counter() - t0
+    request_flag(out).touch()
+    rc2 = _run([*train, "--set", "trainer.steps=4"], log)
+    request_flag(out).unlink(missing_ok=True)
+    rc3 = _run([*train, "--set", "trainer.steps=4"], log)
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    text = log.read_text(errors="replace")
+    return {"returncodes": [rc1, rc2, rc3], "steps": steps, "two_steps_s": round(t_two, 1), "flash_attn": fa,
+            "ok": rc1 == 0 and rc2 == EXIT_PREEMPTED and rc3 == 0 and steps == [1, 2, 3, 4]
+            and "Loading the checkpoint" in text and (out / "final" / "config.json").exists(),
+            "log": str(log)}
+
+
+def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
+    """The one-GPU acceptance run (docs/status.md). Without CUDA it reports that and stops."""
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"ok": False, "cuda": False, "error": "no CUDA GPU visible: the GPU smoke needs one "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})", "results": []}
+    work = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="hapo_gpu_smoke_"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name, fn in (("fused_head_bf16_vs_naive", _smoke_fused_head), ("weight_grad_bf16_gemm", _smoke_weight_gemm),
+                     ("flash_attn_varlen_vs_padded", _smoke_flash_varlen), ("algos_on_cuda", _smoke_algos),
+                     ("megatron_attention_vs_local", lambda: _smoke_megatron_attention(work)),
+                     ("openrlhf_loop_vllm_sleep_stop_resume", lambda: _smoke_openrlhf_loop(work)),
+                     ("megatron_tp1_loop", lambda: _smoke_openrlhf_loop(work, "megatron"))):
+        t0 = time.perf_counter()
+        try:
+            r = fn()
+            r.setdefault("ok", True)
+        except Exception as e:  # noqa: BLE001 - each step reports its own failure
+            r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        r.update(name=name, wall_s=round(time.perf_counter() - t0, 2))
+        results.append(r)
+    summary = {"ok": all(r["ok"] for r in results), "cuda": True, "device": torch.cuda.get_device_name(0),
+               "torch": torch.__version__, "results": results, "work_dir": str(work)}
+    (work / "gpu_smoke.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _peak(fn):
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, (torch.cuda.max_memory_allocated() - base) / 2**20, time.perf_counter() - t0
+
+
+def _smoke_fused_head(tokens: int = 16384, hidden: int = 1536, vocab: int = 151936) -> dict:
+    """Fused bf16 head vs the naive [T, V] fp32 logits, forward + backward: values, memory, time."""
+    import torch
+
+    from .algos import fused_logprobs_entropy, logprobs_and_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(tokens, hidden, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_(True)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_(True)
+    lab = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+
+    def fused():
+        lp, ent = fused_logprobs_entropy(h, w, lab, chunk_size=1024)
+        (lp.sum() + ent.sum()).backward()
+        return lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone()
+
+    def naive():
+        lp, ent = logprobs_and_entropy((h @ w.t()).float(), lab, chunk_size=tokens)
+        (lp.sum() + ent.sum()).backward()
+        return lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone()
+
+    (a, mem_f, t_f) = _peak(fused)
+    h.grad = w.grad = None
+    (b, mem_n, t_n) = _peak(naive)
+    err = {k: float((x.float() - y.float()).abs().max()) for k, x, y in zip(("logp", "entropy"), a[:2], b[:2])}
+    rel_w = float((a[3].float() - b[3].float()).norm() / b[3].float().norm())
+    return {"tokens": tokens, "peak_mib_fused": round(mem_f), "peak_mib_naive": round(mem_n),
+            "mem_ratio": round(mem_f / mem_n, 3), "time_ratio": round(t_f / t_n, 3), "max_abs_err": err,
+            "weight_grad_rel_err": rel_w, "ok": err["logp"] < 5e-2 and err["entropy"] < 5e-2 and rel_w < 2e-2}
+
+
+def _smoke_weight_gemm() -> dict:
+    """The bf16 weight-gradient GEMM (fp32 output) against fp64, its speed against fp32, and
+    its in-place accumulation (addmm with out_dtype and out=): two chunks added into one
+    [V,H] fp32 buffer equal twice the product and allocate no [V,H] temporary."""
+    import torch
+
+    from .algos.fused import weight_grad_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gz = torch.randn(4096, 8192, device="cuda", generator=g) * 1e-3
+    hh = torch.randn(4096, 2048, device="cuda", generator=g)
+    ref = gz.double().t() @ hh.double()
+    got = weight_grad_gemm(gz, hh, torch.bfloat16)
+    rel = float((got.double() - ref).norm() / ref.norm())
+    # accumulation at a head-like shape: C=1024 tokens, V=32768, H=4096 ([V,H] fp32 = 512 MiB,
+    # the chunk's bf16 casts 72 MiB): the extra memory of two accumulating calls stays below [V,H]
+    gz2 = torch.randn(1024, 32768, device="cuda", generator=g) * 1e-3
+    hh2 = torch.randn(1024, 4096, device="cuda", generator=g)
+    ref2 = gz2.double().t() @ hh2.double()
+    acc = torch.zeros(32768, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for _ in range(2):
+        weight_grad_gemm(gz2, hh2, torch.bfloat16, out=acc)
+    torch.cuda.synchronize()
+    extra_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    rel_acc = float((acc.double() - 2 * ref2).norm() / (2 * ref2).norm())
+    vh_mib = acc.numel() * 4 / 2**20
+    del ref2, acc, gz2, hh2
+    t0 = time.perf_counter()
+    for _ in range(5):
+        weight_grad_gemm(gz, hh, torch.bfloat16)
+    torch.cuda.synchronize()
+    t_bf16 = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(5):
+        weight_grad_gemm(gz, hh, torch.float32)
+    torch.cuda.synchronize()
+    return {"rel_err": rel, "dtype": str(got.dtype), "speedup_vs_fp32": round((time.perf_counter() - t0) / t_bf16, 2),
+            "accumulate_rel_err": rel_acc, "accumulate_extra_mib": round(extra_mib, 1), "vh_fp32_mib": round(vh_mib, 1),
+            "ok": got.dtype == torch.float32 and rel < 1e-2 and rel_acc < 1e-2 and extra_mib < 0.5 * vh_mib}
+
+
+def _smoke_flash_varlen() -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        return {"ok": False, "error": f"flash-attn not importable: {e} (pip install flash-attn==2.8.3 "
+                                      f"--no-build-isolation)"}
+    g = torch.Generator(device="cuda").manual_seed(2)
+    lens = [700, 1500, 300]
+    H, Hkv, D = 8, 2, 64
+    q = [torch.randn(n, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for n in lens]
+    k = [torch.randn(n, Hkv, D, device="cuda", generator=g, dtype=torch.bfloat16) for n in lens]
+    v = [torch.randn(n, Hkv, D, device="cuda", generator=g, dtype=torch.bfloat16) for n in lens]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    packed = flash_attn_varlen_func(torch.cat(q), torch.cat(k), torch.cat(v), cu, cu, max(lens), max(lens), causal=True)
+    err = 0.0
+    for i, n in enumerate(lens):
+        ref = F.scaled_dot_product_attention(q[i].transpose(0, 1)[None], k[i].transpose(0, 1)[None],
+                                             v[i].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+        err = max(err, float((packed[cu[i]:cu[i + 1]] - ref[0].transpose(0, 1)).abs().max()))
+    return {"max_abs_err": err, "ok": err < 2e-2}
+
+
+def _smoke_megatron_attention(work: Path) -> dict:
+    """benchmarks/megatron_attention.py on the GPU (bf16, flash-attn when installed):
+    FlashCoreAttention's peak memory and time vs Megatron's local attention at 8k tokens,
+    THD vs padded log-probs. Needs megatron-core and a source checkout (the script)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "megatron_attention.py"
+    if importlib.util.find_spec("megatron") is None or not script.is_file():
+        return {"ok": True, "skipped": f"needs megatron-core and {script}"}
+    log = work / "megatron_attention.log"
+    rc = _run([sys.executable, str(script), "--seq-len", "8192", "--lengths", "2048,4096,8192", "--hidden", "1024",
+               "--heads", "16", "--kv-heads", "2", "--eq-len", "2048"], log, timeout=900)
+    lines = log.read_text().strip().splitlines() if log.exists() else []
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"ok": False, "error": f"exit {rc}; see {log}"}
+    err = res.get("thd_vs_padded_max_abs_err")
+    mem = res.get("peak_mem_ratio_vs_local")
+    return {**{k: res.get(k) for k in ("peak_mem_ratio_vs_local", "time_ratio_vs_local", "peak_mem_ratio_by_len",
+                                        "thd_vs_padded_max_abs_err", "thd_vs_masked_max_abs_err")},
+            "ok": rc == 0 and mem is not None and mem <= 0.25 and err is not None and err < 5e-2}
+
+
+def _smoke_algos() -> dict:
+    """Every estimator and loss on CUDA tensors (the device-safety test's CPU proxy, for real)."""
+    import torch
+
+    from . import algos
+
+    B, T = 8, 32
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(3)
+    inputs = algos.AdvantageInputs(
+        rewards=torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0], device=dev), response_mask=torch.ones(B, T, device=dev),
+        entropy=torch.rand(B, T, device=dev, generator=g), group_index=torch.arange(2, device=dev).repeat_interleave(4),
+        correct=torch.tensor([1, 0, 0, 1, 1, 1, 0, 0], device=dev, dtype=torch.bool))
+    done = []
+    for name in algos.list_estimators():
+        algos.run_estimator(name, inputs)
+        done.append(name)
+    lp = -torch.rand(B, T, device=dev, generator=g)
+    for name in algos.list_losses():
+        kw = {"kl_cov": {"k_ratio": 0.1}, "clip_cov": {"clip_ratio": 0.1, "cov_lb": -9.0, "cov_ub": 9.0}}.get(name, {})
+        algos.compute_policy_loss(name, lp, lp + 0.01, torch.randn(B, T, device=dev, generator=g),
+                                  torch.ones(B, T, device=dev), entropy=torch.rand(B, T, device=dev, generator=g),
+                                  generator=torch.Generator().manual_seed(0), **kw)
+        done.append(name)
+    return {"ran": done}
+
+
+def smoke_table(summary: dict) -> str:
+    if not summary.get("cuda"):
+        return f"gpu smoke: {summary['error']}"
+    rows = ["| check | ok | s | figures |", "|---|---|---|---|"]
+    for r in summary["results"]:
+        figs = {k: v for k, v in r.items() if k not in ("name", "ok", "wall_s")}
+        rows.append(f"| {r['name']} | {'yes' if r['ok'] else 'NO'} | {r['wall_s']} | {json.dumps(figs)} |")
+    return "\n".join([f"gpu smoke on {summary['device']} (torch {summary['torch']})", *rows])
