@@ -94,3 +94,48 @@ def test_baseline_configs_select_their_algorithms():
         assert not got[plain].dynamic_sampling and not got[plain].overlong.enable
     assert got["cpu_tiny_kl_cov"].loss == "kl_cov"
     assert got["cpu_tiny_quadrant_nhr"].estimator_params["quadrants"] == ("NHR",)
+
+
+def _numeric_keys(cls=None, prefix=""):
+    """Every int / float config key (optional ones included), as dotted names."""
+    import dataclasses
+    import types
+    import typing
+
+    from hapo_openrlhf.config import RunConfig
+
+    cls = cls or RunConfig
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, key = hints[f.name], prefix + f.metadata.get("key", f.name)
+        args = [a for a in typing.get_args(tp) if a is not type(None)] \
+            if typing.get_origin(tp) in (typing.Union, types.UnionType) else [tp]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            yield from _numeric_keys(args[0], key + ".")
+        elif any(a in (int, float) for a in args):
+            yield key
+
+
+NUMERIC_KEYS = sorted(_numeric_keys())
+
+
+def test_the_numeric_key_walk_finds_every_section():
+    sections = {k.split(".")[0] for k in NUMERIC_KEYS}
+    assert {"model", "data", "warmup", "rollout", "algorithm", "optim", "trainer", "eval", "openrlhf", "megatron",
+            "slurm", "seed"} <= sections, sections
+    assert len(NUMERIC_KEYS) > 60
+
+
+@pytest.mark.parametrize("bad", [".inf", "-.inf", ".nan", "[1]", "'x'", "{a: 1}"])
+def test_every_numeric_key_refuses_inf_nan_lists_and_strings_by_name(bad):
+    """Each int / float key of every section, given inf, NaN, a list, a string or a mapping:
+    one ValueError naming that key -- never an OverflowError, a TypeError, or a run."""
+    import re
+
+    from hapo_openrlhf.config import load_config
+
+    cfg = REPO / "configs" / "cpu_tiny.yaml"
+    for key in NUMERIC_KEYS:
+        with pytest.raises(ValueError, match=re.escape(key)) as e:
+            load_config(cfg, [f"{key}={bad}"])
+        assert not re.search(r"\b[A-Z]\w*(Error|Exception)\b", str(e.value)), (key, str(e.value))

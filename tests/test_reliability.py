@@ -262,3 +262,20 @@ def test_resume_applies_an_optimizer_override(tmp_path):
     rows = [r for r in (json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()) if "actor/lr" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]  # training rows (evaluation rows carry no lr)
     assert rows[1]["actor/lr"] == pytest.approx(1e-4) and rows[2]["actor/lr"] == pytest.approx(0.01)
+
+
+def test_an_empty_training_file_under_a_4_gib_address_space_limit_is_named(tmp_path):
+    """No MemoryError and no traceback: the empty file is named before the model is built."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    (tmp_path / "empty.jsonl").write_text("")
+    p = run_cli(["train", "--config", CFG, "--output-dir", str(tmp_path / "out"), "--set",
+                 f"data.train={tmp_path / 'empty.jsonl'}", "--set", "warmup.steps=0"], cwd=tmp_path, preexec_fn=limit)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "MemoryError" not in p.stderr
+    (err,) = [ln for ln in p.stderr.splitlines() if ln.startswith("hapo: error:")]
+    assert "empty.jsonl' yielded no usable problems" in err, err
+    assert not (tmp_path / "out" / "checkpoints").exists()

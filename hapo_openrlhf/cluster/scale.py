@@ -47,7 +47,9 @@ def submit_scaling(config: str, nodes: list[int], opts: SubmitOptions, base: Pat
 def _throughput(metrics_path: Path) -> dict[str, float] | None:
     if not metrics_path.exists():
         return None
-    rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    from ..local.logger import read_jsonl_records
+
+    rows = read_jsonl_records(metrics_path)
     steps = []
     for r in rows:
         if "time/step_s" in r and "response/tokens" in r:

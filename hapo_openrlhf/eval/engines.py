@@ -76,7 +76,7 @@ class VLLMEngine:
         self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        trust_remote_code=False)
         self.tokenizer = self.llm.get_tokenizer()
-        self.max_positions = self.llm.llm_engine.model_config.max_model_len
+        self.max_positions = self.llm.model_config.max_model_len
 
     def generate(self, prompts, spec):
         from vllm import SamplingParams

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from ..algos.quadrants import QUADRANTS
+from ..jsonfile import read_json_object
 from ..report.plots import moving_average, save_png
 from .findings import evaluate_findings
 from .stats import RunStats, load_run, spread
@@ -26,7 +27,7 @@ def is_experiment_dir(path: str | Path) -> bool:
 def load_experiment_runs(exp_dir: str | Path) -> tuple[dict, list[RunStats], list[str]]:
     """(manifest, stats of every finished run of the suites that were run, missing runs)."""
     exp_dir = Path(exp_dir)
-    manifest = json.loads((exp_dir / "experiment.json").read_text())
+    manifest = read_manifest(exp_dir / "experiment.json")
     variants: list[str] = []
     for s in suites_run(manifest):
         variants += [v for v in manifest["suites"][s] if v not in variants]
@@ -40,6 +41,25 @@ def load_experiment_runs(exp_dir: str | Path) -> tuple[dict, list[RunStats], lis
                 continue
             runs.append(load_run(d, v, seed, manifest.get("jobs", {}).get(name, {}).get("wall_s")))
     return manifest, runs, missing
+
+
+def read_manifest(path: Path) -> dict:
+    """``experiment.json`` with the fields the report reads checked: a damaged one is an
+    error naming the file and the field, not a KeyError halfway through the report."""
+    m = read_json_object(path, "the experiment's manifest")
+    suites, seeds, runs = m.get("suites"), m.get("seeds"), m.get("runs")
+    if not (isinstance(suites, dict) and all(isinstance(v, list) for v in suites.values())):
+        raise ValueError(f"{path}: 'suites' must map each suite to its list of variants")
+    if not (isinstance(seeds, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+        raise ValueError(f"{path}: 'seeds' must be a list of integers")
+    if not (isinstance(runs, dict) and all(isinstance(v, str) for v in runs.values())):
+        raise ValueError(f"{path}: 'runs' must map each run name to its directory")
+    if not isinstance(m.get("suites_run", []), list) or not isinstance(m.get("jobs", {}), dict):
+        raise ValueError(f"{path}: 'suites_run' must be a list and 'jobs' an object")
+    missing = sorted({f"{v}/seed_{s}" for vs in suites.values() for v in vs for s in seeds} - set(runs))
+    if missing:
+        raise ValueError(f"{path}: 'runs' lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return m
 
 
 def suites_run(manifest: dict) -> list[str]:

@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from pathlib import Path
 from typing import Any, Callable
 
+from ..jsonfile import read_json_object
 from .spec import Experiment, Job, config_matches
 
 
@@ -80,7 +81,7 @@ def _finished(job: Job) -> dict | None:
             f"{str(job.out)!r} holds a finished run made with a different configuration than the experiment "
             f"asks for now; use another --output-dir, or delete that run directory to redo it"
         )
-    return {"name": job.name, "status": "done", "wall_s": 0.0, "summary": json.loads(summary.read_text()),
+    return {"name": job.name, "status": "done", "wall_s": 0.0, "summary": read_json_object(summary, "the run's summary"),
             "reused": True}
 
 
@@ -108,7 +109,10 @@ def run_experiment(exp: Experiment, suites: list[str],
             results[j.name] = r
     exp.output_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = exp.output_dir / "experiment.json"
-    previous = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    previous = read_json_object(manifest_path, "the experiment's manifest") if manifest_path.exists() else {}
+    if not isinstance(previous.get("suites_run", []), list) or not isinstance(previous.get("jobs", {}), dict):
+        raise ValueError(f"{manifest_path}: 'suites_run' must be a list and 'jobs' an object; move the file aside "
+                         f"to start the manifest afresh (finished runs are found again from their directories)")
     manifest = {**exp.manifest(), "suites_run": sorted(set(previous.get("suites_run", [])) | set(suites)),
                 "jobs": previous.get("jobs", {})}
     t_start = time.perf_counter()

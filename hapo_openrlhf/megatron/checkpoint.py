@@ -55,10 +55,16 @@ def verify(d: Path) -> str | None:
         return None
     try:
         files = json.loads(m.read_text())["files"]
-    except (ValueError, KeyError, OSError) as e:
-        return f"{MANIFEST} unreadable ({e})"
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return f"{MANIFEST} is unreadable or not a JSON object with 'files' ({str(e)[:100]})"
+    if not isinstance(files, dict) or not all(
+            isinstance(n, str) and isinstance(w, dict) and isinstance(w.get("size"), int)
+            and isinstance(w.get("crc32", 0), int) for n, w in files.items()):
+        return f"{MANIFEST} is malformed ('files' must map each file name to its integer size and CRC-32)"
     for name, want in files.items():
         f = d / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"{MANIFEST} names a file outside the checkpoint ({name!r})"
         if not f.is_file():
             return f"{name} is missing"
         if f.stat().st_size != want["size"]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 
+from ..jsonfile import read_json_object
 from .plots import plot_runs
 from .token_credit import render_token_credit
 
@@ -17,8 +17,10 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     for d in map(Path, run_dirs):
         summary = d / "summary.json"
         if summary.exists():
-            s = json.loads(summary.read_text())
-            b, a = s["before"], s["after"]
+            s = read_json_object(summary, "the run's summary")
+            b, a = s.get("before"), s.get("after")
+            if not (isinstance(b, dict) and isinstance(a, dict)):
+                raise ValueError(f"{summary}: 'before' and 'after' must be JSON objects of metrics")
             rows.append(f"<tr><td>{html.escape(d.name)}</td><td>{b.get('eval/accuracy', float('nan')):.3f}</td>"
                         f"<td>{a.get('eval/accuracy', float('nan')):.3f}</td>"
                         f"<td>{b.get('eval/response_len', 0):.1f}</td><td>{a.get('eval/response_len', 0):.1f}</td></tr>")

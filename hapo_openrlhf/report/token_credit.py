@@ -34,8 +34,39 @@ def _row(rec: dict, view: str, hmax: float) -> str:
     return "".join(spans)
 
 
+_NUM = (int, float)
+_LISTS = {"tokens": str, "entropy": _NUM, "multiplier": _NUM, "quadrant": str, "advantage": _NUM,
+          "base_advantage": _NUM}
+
+
+def read_samples(samples_file: str | Path) -> list[dict]:
+    """The records of a trainer's ``samples/step_*.jsonl``; a damaged line (not JSON, not an
+    object, a missing or mistyped field, per-token lists of different lengths) is an error
+    naming file and line."""
+    recs = []
+    for i, line in enumerate(Path(samples_file).read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if not isinstance(r, dict):
+                raise ValueError(f"a JSON {type(r).__name__}, not an object")
+            for k, tp in _LISTS.items():
+                v = r.get(k)
+                if not isinstance(v, list) or not all(isinstance(x, tp) and not isinstance(x, bool) for x in v):
+                    raise ValueError(f"{k!r} must be a list of {'numbers' if tp is _NUM else 'strings'}")
+            if len({len(r[k]) for k in _LISTS if k != "base_advantage"}) != 1:
+                raise ValueError("the per-token lists have different lengths")
+            if not isinstance(r.get("reward"), _NUM) or not isinstance(r.get("row"), int):
+                raise ValueError("'reward' must be a number and 'row' an integer")
+        except ValueError as e:
+            raise ValueError(f"{samples_file}:{i}: corrupt sample record ({e})") from None
+        recs.append(r)
+    return recs
+
+
 def render_token_credit(samples_file: str | Path, out_file: str | Path) -> Path:
-    recs = [json.loads(l) for l in Path(samples_file).read_text().splitlines() if l.strip()]
+    recs = read_samples(samples_file)
     if not recs:
         raise ValueError(f"{samples_file} holds no samples")
     hmax = max((h for r in recs for h in r["entropy"]), default=1.0)

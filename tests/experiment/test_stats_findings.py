@@ -107,3 +107,35 @@ def test_findings_verdicts_follow_the_rule():
 
 def test_findings_need_their_variants():
     assert evaluate_findings([_run("hapo", 1)]) == []
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda m: [], "holds a JSON list, not an object"),
+    (lambda m: {**m, "suites": ["a"]}, "'suites' must map"),
+    (lambda m: {**m, "seeds": ["1"]}, "'seeds' must be a list of integers"),
+    (lambda m: {**m, "runs": {}}, "'runs' lacks"),
+    (lambda m: {**m, "jobs": []}, "'jobs' an object"),
+])
+def test_a_damaged_experiment_manifest_is_named(tmp_path, edit, why):
+    import json
+
+    from hapo_openrlhf.experiment.report import read_manifest
+
+    good = {"seeds": [1, 2], "suites": {"main": ["hapo", "grpo"]}, "suites_run": ["main"], "jobs": {},
+            "runs": {f"{v}/seed_{s}": str(tmp_path / v / str(s)) for v in ("hapo", "grpo") for s in (1, 2)}}
+    p = tmp_path / "experiment.json"
+    p.write_text(json.dumps(good))
+    assert read_manifest(p)["seeds"] == [1, 2]
+    p.write_text(json.dumps(edit(good)))
+    with pytest.raises(ValueError, match=why):
+        read_manifest(p)
+
+
+def test_scale_throughput_names_a_corrupt_metrics_line(tmp_path):
+    from hapo_openrlhf.cluster.scale import _throughput
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"step": 1, "time/step_s": 2.0, "response/tokens": 100}\n[1]\n'
+                 '{"step": 2, "time/step_s": 3.0, "response/tokens": 300}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2: corrupt line"):
+        _throughput(m)

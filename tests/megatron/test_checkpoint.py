@@ -120,3 +120,26 @@ def test_incomplete_checkpoint_is_ignored_and_refused(tmp_path):
     (tmp_path / "step_2" / "common.pt").write_bytes(b"y" * 10)  # same size, other content
     with pytest.raises(ValueError, match="step_2: common.pt does not match its CRC-32"):
         checkpoint.latest(tmp_path)
+
+
+@pytest.mark.parametrize("manifest, why", [
+    ("[]", "unreadable or not a JSON object with 'files'"),
+    ('"x"', "unreadable or not a JSON object with 'files'"),
+    ("{torn", "unreadable or not a JSON object with 'files'"),
+    ('{"files": 5}', "is malformed"),
+    ('{"files": {"common.pt": 10}}', "is malformed"),
+    ('{"files": {"common.pt": {"size": "10"}}}', "is malformed"),
+    ('{"files": {"../../etc/passwd": {"size": 10}}}', "outside the checkpoint"),
+])
+def test_a_malformed_manifest_makes_the_checkpoint_unverifiable_not_a_crash(tmp_path, manifest, why):
+    """hapo_manifest.json of the wrong shape: the step is skipped with the reason, and the
+    next older one that verifies is used (never a KeyError/TypeError mid-resume)."""
+    from hapo_openrlhf.megatron import checkpoint
+
+    for step in (1, 2):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "common.pt").write_bytes(b"x" * 10)
+        checkpoint.write_manifest(tmp_path / f"step_{step}")
+    (tmp_path / "step_2" / checkpoint.MANIFEST).write_text(manifest)
+    assert why in checkpoint.verify(tmp_path / "step_2")
+    assert checkpoint.latest(tmp_path).name == "step_1"

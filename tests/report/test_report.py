@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -56,3 +57,38 @@ def test_report_cli_and_missing_run(two_runs, tmp_path):
     assert res.returncode == 0 and (tmp_path / "r" / "index.html").exists()
     res = run_cli(["report", str(tmp_path / "nope")])
     assert res.returncode == 2 and "a run directory?" in res.stderr
+
+
+_GOOD = {"tokens": ["a", "b"], "entropy": [0.1, 0.2], "multiplier": [1.0, 1.2], "quadrant": ["PHR", ""],
+         "advantage": [0.5, 0.6], "base_advantage": [0.5, 0.5], "reward": 1.0, "row": 0}
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("[1, 2]", "a JSON list, not an object"),
+    ('{"tokens": ["a"]}', "'entropy' must be a list of numbers"),
+    (json.dumps({**_GOOD, "entropy": ["x", 0.2]}), "'entropy' must be a list of numbers"),
+    (json.dumps({**_GOOD, "entropy": [0.1]}), "different lengths"),
+    (json.dumps({**_GOOD, "reward": "high"}), "'reward' must be a number"),
+    ("{torn", "Expecting property name"),
+])
+def test_a_damaged_samples_line_is_named_with_file_and_line(tmp_path, damage, why):
+    from hapo_openrlhf.report.token_credit import read_samples, render_token_credit
+
+    f = tmp_path / "step_1.jsonl"
+    f.write_text(json.dumps(_GOOD) + "\n" + damage + "\n")
+    with pytest.raises(ValueError, match=rf"step_1.jsonl:2: corrupt sample record \(.*{re.escape(why)}"):
+        read_samples(f)
+    f.write_text(json.dumps(_GOOD) + "\n")
+    assert render_token_credit(f, tmp_path / "page.html").read_text().count('class="t"') == 4
+
+
+@pytest.mark.parametrize("summary", ["[]", '{"before": 1, "after": {}}', "{torn"])
+def test_a_damaged_summary_is_named(tmp_path, summary):
+    from hapo_openrlhf.report.html import build_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    (run / "summary.json").write_text(summary)
+    with pytest.raises(ValueError, match="summary.json"):
+        build_report([run], tmp_path / "report")
