@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .safe_load import scan
+
 _STEP = re.compile(r"^step_(\d+)$")
 MANIFEST = "hapo_manifest.json"
 CRC_MAX_BYTES = 64 << 20
@@ -71,7 +73,7 @@ def verify(d: Path) -> str | None:
             return f"{name} has {f.stat().st_size} bytes, {want['size']} were written (truncated or overwritten)"
         if "crc32" in want and file_crc32(f) != want["crc32"]:
             return f"{name} does not match its CRC-32"
-    return None
+    return scan(d)  # the CRC-32 guards against accidents; this against a planted pickle
 
 
 def latest(root: str | Path) -> Path | None:
@@ -157,6 +159,9 @@ def load(path: str | Path, model, optimizer=None, model_params=None) -> dict[str
     path = Path(path)
     if not path.is_dir() or path.name.endswith(".tmp"):
         raise ValueError(f"{str(path)!r} is not a complete checkpoint directory")
+    why = scan(path)
+    if why:
+        raise ValueError(f"checkpoint {str(path)!r} is not loaded: {why}")
     sharded = _sharded(model, optimizer, {}, model_params)
     state = dist_checkpointing.load(sharded, str(path))
     missing, unexpected = model.load_state_dict(state["model"], strict=False)

@@ -143,3 +143,65 @@ def test_a_malformed_manifest_makes_the_checkpoint_unverifiable_not_a_crash(tmp_
     (tmp_path / "step_2" / checkpoint.MANIFEST).write_text(manifest)
     assert why in checkpoint.verify(tmp_path / "step_2")
     assert checkpoint.latest(tmp_path).name == "step_1"
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def _dcp_step(root, step, value):
+    """A DCP checkpoint as megatron-core's torch_dist writes it (tensors + a byte entry), with
+    the project's manifest."""
+    import torch.distributed.checkpoint as dcp
+
+    from hapo_openrlhf.megatron import checkpoint
+
+    d = root / f"step_{step}"
+    dcp.save({"w": torch.full((4,), float(value)), "extra": {"lr": 0.1, "note": "plain data"}},
+             checkpoint_id=str(d), no_dist=True)
+    checkpoint.write_manifest(d)
+    return d
+
+
+@pytest.mark.parametrize("plant", ["metadata", "byte_entry"])
+def test_a_planted_dcp_checkpoint_is_refused_without_running_and_resume_falls_back(tmp_path, plant):
+    """DCP unpickles .metadata with pickle.load and byte entries with torch.load(weights_only=
+    False): a planted newest checkpoint whose manifest verifies must be refused before
+    megatron-core reads it -- the marker is never created -- and the older one is used."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from hapo_openrlhf.megatron import checkpoint
+    from hapo_openrlhf.megatron.safe_load import _read_metadata, scan
+
+    marker = tmp_path / "MARKER"
+    _dcp_step(tmp_path, 1, 1.0)
+    d = _dcp_step(tmp_path, 2, 2.0)
+    assert scan(tmp_path / "step_1") is None and scan(d) is None  # a real DCP checkpoint passes
+    if plant == "metadata":
+        md = _read_metadata(d)
+        (d / ".metadata").write_bytes(pickle.dumps({"meta": md, "x": _RunsCode(marker)}))
+        why = "global posix.system is not a checkpoint data class"
+    else:
+        md = _read_metadata(d)
+        buf = __import__("io").BytesIO()
+        torch.save({"x": _RunsCode(marker)}, buf)
+        (d / "__9_0.distcp").write_bytes(buf.getvalue())
+        md.state_dict_metadata["evil"] = BytesStorageMetadata()
+        md.storage_data[MetadataIndex("evil")] = _StorageInfo("__9_0.distcp", 0, len(buf.getvalue()))
+        (d / ".metadata").write_bytes(pickle.dumps(md))
+        why = "the entry 'evil' in __9_0.distcp holds objects other than tensors"
+    checkpoint.write_manifest(d)  # the attacker rewrites the CRC-32s too
+    assert why in checkpoint.verify(d)
+    assert checkpoint.latest(tmp_path).name == "step_1"
+    with pytest.raises(ValueError, match="is not loaded"):
+        checkpoint.load(d, model=None)
+    assert not marker.exists()
