@@ -1,5 +1,6 @@
 """Shared by the end-to-end tests: launch ``shim/run_e2e.py`` (OpenRLHF's loop on CPU)."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -11,6 +12,39 @@ from tests.conftest import REPO
 HERE = Path(__file__).resolve().parent
 RUN = HERE / "shim" / "run_e2e.py"
 CFG = HERE / "e2e_tiny.yaml"
+
+
+E2E_SLOTS = 2  # OpenRLHF launches at once across xdist workers: each is a Ray cluster of ~6 GB
+
+
+@contextlib.contextmanager
+def e2e_slot():
+    """One of ``E2E_SLOTS`` places for an OpenRLHF launch, shared by this run's xdist workers
+    (a flock on one of N files): three Ray clusters with their vLLM engines at once came
+    to 17 GB of this machine's 24 and left the CPUs thrashing."""
+    import fcntl
+    import time
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:  # one process: nothing runs beside it
+        yield
+        return
+    base = Path("/tmp") / f"hapo-e2e-slots-{run}"
+    base.mkdir(exist_ok=True)
+    while True:
+        for i in range(E2E_SLOTS):
+            f = open(base / f"slot{i}", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            try:
+                yield
+            finally:
+                f.close()
+            return
+        time.sleep(1)
 
 
 def run_e2e(out, dump, sets, engine="cpu", **env):
@@ -28,7 +62,8 @@ def run_e2e(out, dump, sets, engine="cpu", **env):
     args = [python, str(RUN), str(CFG), str(out), "--engine", engine]
     for s in sets:
         args += ["--set", s]
-    return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1200)
+    with e2e_slot():
+        return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1200)
 
 
 def jsonl(path):
