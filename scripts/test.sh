@@ -22,13 +22,15 @@ python -m pip install --quiet torch==2.13.0
 # pytest-xdist; OpenRLHF itself goes in with --no-deps: it hard-requires flash-attn (a CUDA build).
 python -m pip install --quiet -e ".[dev]"
 python -m pip install --quiet --no-deps openrlhf==0.11.2
-# DeepSpeed JIT-builds its CPU shared-memory comm op the first time a DeepSpeed process starts
-# (80 s on 2 cores): build it here, with the installs, not inside the first end-to-end test
-python - >/dev/null 2>&1 <<'PY' || say "DeepSpeed's shm comm op did not pre-build: the first DeepSpeed test will build it"
+# DeepSpeed JIT-builds two CPU ops the first time a DeepSpeed process needs them: its
+# shared-memory comm op and the fused Adam the OpenRLHF actor's ZeRO optimizer uses (80 s each
+# on 2 cores alone, many minutes under the suite's load): build them here, with the installs
+python - >/dev/null 2>&1 <<'PY' || say "DeepSpeed's CPU ops did not pre-build: the first DeepSpeed tests will build them"
 from deepspeed.accelerator import get_accelerator
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if builder is not None:
-    builder.load()
+for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None:
+        builder.load()
 PY
 # the OpenRLHF and Megatron tests must run, never skip (their conftest.py files)
 export HAPO_REQUIRE_OPENRLHF=1 HAPO_REQUIRE_MEGATRON=1
