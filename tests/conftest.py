@@ -45,11 +45,11 @@ def _require_vllm():
 
 
 # The longest tests, longest first (measured with HAPO_TEST_TIMELINE and
-# benchmarks/test_timeline.py; docs/performance.md, "Test suite"). pytest-xdist hands tests
-# out in collection order (each worker's first chunk is a quarter of its share), so these
-# all start on the first worker, one after another, while the others run the rest.
-LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_timeout_then_resubmit", "test_preempt_checkpoint_requeue",
-                 "test_e2e_megatron.py::", "test_scale_submits_and_collects", "test_vllm_engine_evaluates",
+# benchmarks/test_timeline.py; docs/performance.md, "Test suite"). Collected first; under
+# xdist dealt round-robin over the workers' first chunks (_spread_for_xdist), so the three
+# OpenRLHF e2e tests start on three different workers.
+LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_e2e_megatron.py::", "test_timeout_then_resubmit",
+                 "test_preempt_checkpoint_requeue", "test_scale_submits_and_collects", "test_vllm_engine_evaluates",
                  "test_experiment_cli_smoke", "test_seed_array", "test_corrupt_newest_checkpoint",
                  "test_sigkill_then_resume", "test_tp2_checkpoint_resumes_exactly")
 
@@ -58,9 +58,32 @@ def _long_rank(nodeid: str) -> int:
     return next((i for i, key in enumerate(LONGEST_FIRST) if key in nodeid), len(LONGEST_FIRST))
 
 
+def _spread_for_xdist(items: list, workers: int) -> list:
+    """Longest first, dealt round-robin over the workers' first chunks: xdist's ``--dist
+    load`` sends worker k the k-th run of ``len // workers // 4`` consecutive tests first
+    (xdist/scheduler/load.py, ``schedule``), so sorted longest first they would all land on
+    the first worker and run one after another while the others go idle (measured:
+    docs/performance.md, "Test suite"). The rest follow in collection order."""
+    chunk = max(len(items) // workers // 4, 2)
+    long = [it for it in items if _long_rank(it.nodeid) < len(LONGEST_FIRST)]
+    rest = [it for it in items if _long_rank(it.nodeid) == len(LONGEST_FIRST)]
+    chunks: list[list] = [[] for _ in range(workers)]
+    for i, it in enumerate(long):
+        chunks[i % workers].append(it)
+    out = []
+    for c in chunks:
+        take = max(chunk - len(c), 0)
+        out += c + rest[:take]
+        rest = rest[take:]
+    return out + rest
+
+
 def pytest_collection_modifyitems(config, items):
     _require_vllm()
     items.sort(key=lambda item: _long_rank(item.nodeid))  # stable: everything else keeps its order
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1 and config.getvalue("dist") == "load":
+        items[:] = _spread_for_xdist(items, workers)
 
 
 @pytest.hookimpl(wrapper=True)
