@@ -26,7 +26,8 @@ class SamplingSpec:
 class Engine(Protocol):
     name: str  # recorded in results.json
     tokenizer: object
-    max_positions: int | None  # prompt + generated tokens the model takes (None: no limit known)
+    max_prompt_tokens: int | None  # the longest prompt it can take (None: no limit known)
+    prompt_limit: str  # what sets that limit, for the error message
 
     def generate(self, prompts: list[str], spec: SamplingSpec) -> list[list[tuple[str, int]]]: ...
 
@@ -45,21 +46,23 @@ class HFEngine:
 
         self.tokenizer = load_tokenizer(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        # Hugging Face generate runs past max_position_embeddings (RoPE has no hard end; the
+        # tiny models have 256 positions and real benchmark prompts are longer), but its
+        # attention builds [n, n] fp32 scores and masks: refuse a prompt whose square does not
+        # fit in the memory this process may use (RAM, or a lower address-space limit)
+        mem, why = _memory_limit()
+        self.max_prompt_tokens = int((mem / 16) ** 0.5)
+        self.prompt_limit = f"{why} of {mem / 2**30:.1f} GiB (its [n, n] attention scores)"
 
     def generate(self, prompts, spec):
         from ..local.rollout import generate
 
         out = []
         for prompt, seed in zip(prompts, spec.seeds, strict=True):
-            max_new = spec.max_new_tokens
-            if self.max_positions:  # as vLLM: generation stops at the model's last position
-                n_prompt = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-                max_new = max(1, min(max_new, self.max_positions - n_prompt))
             with torch.random.fork_rng():
                 torch.manual_seed(seed)
                 ro = generate(self.model, self.tokenizer, [prompt], n=spec.n, temperature=spec.temperature,
-                              top_p=spec.top_p, max_new_tokens=max_new)
+                              top_p=spec.top_p, max_new_tokens=spec.max_new_tokens)
             out.append(list(zip(ro.responses, ro.response_mask_BR.sum(-1).tolist())))
         return out
 
@@ -76,7 +79,8 @@ class VLLMEngine:
         self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        trust_remote_code=False)
         self.tokenizer = self.llm.get_tokenizer()
-        self.max_positions = self.llm.model_config.max_model_len
+        self.max_prompt_tokens = self.llm.model_config.max_model_len - 1
+        self.prompt_limit = f"vLLM's max_model_len of {self.max_prompt_tokens + 1} positions"
 
     def generate(self, prompts, spec):
         from vllm import SamplingParams
@@ -85,6 +89,18 @@ class VLLMEngine:
                                  max_tokens=spec.max_new_tokens, seed=seed) for seed in spec.seeds]  # per request
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[(c.text, len(c.token_ids)) for c in o.outputs] for o in outs]
+
+
+def _memory_limit() -> tuple[float, str]:
+    """(bytes, what) this process may allocate: physical memory, or a lower RLIMIT_AS."""
+    import os
+    import resource
+
+    mem, why = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "the machine's memory"
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY and soft < mem:
+        mem, why = float(soft), "the address-space limit (ulimit -v)"
+    return mem, why
 
 
 def looks_local(model_path: str) -> bool:

@@ -115,19 +115,18 @@ def _append(path: Path, records: list[dict]) -> None:
 
 
 def check_prompt_lengths(engine: Engine, bench: Benchmark, prompts: list[str]) -> None:
-    """Every prompt of a benchmark must leave the model room to answer: checked by token
-    count before anything is generated, so a 1 MB prompt is a named error, not a multi-GB
-    attention allocation, and no other problem's compute is spent first. As in vLLM, a
-    prompt that fits gets at most the remaining positions (``max_new_tokens`` is capped)."""
-    limit = getattr(engine, "max_positions", None)
+    """Every prompt of a benchmark must fit what the engine can take: checked by token count
+    before anything is generated, so a 1 MB prompt is a named error, not a multi-GB
+    allocation, and no other problem's compute is spent first."""
+    limit = getattr(engine, "max_prompt_tokens", None)
     if not limit:
         return
     for i, text in enumerate(prompts):
         n = len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if n >= limit:
-            raise ValueError(f"benchmark {bench.name!r}: problem {i} ({text[:60]!r}...) is a {n}-token prompt, which "
-                             f"leaves no room to answer in the model's {limit} positions; drop the problem (--limit, "
-                             f"or edit the file) or use a model with a longer context")
+        if n > limit:
+            raise ValueError(f"benchmark {bench.name!r}: problem {i} ({text[:60]!r}...) is a {n}-token prompt, over "
+                             f"the {limit} tokens this engine can take ({engine.prompt_limit}); drop the problem "
+                             f"(--limit, or edit the file)")
 
 
 def eval_benchmark(engine: Engine, bench: Benchmark, s: EvalSettings, out_dir: Path, verifier: MathVerifier,
