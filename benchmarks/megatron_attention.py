@@ -86,7 +86,7 @@ def run_one(args, attention: str, length: int) -> dict:
     """Forward + backward of one row of ``length`` tokens: peak extra MB and seconds."""
     import torch
 
-    from hapo_openrlhf.megatron.model import logprobs_and_entropy
+    from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
 
     _setup()
     model = _model(args, attention)
@@ -126,7 +126,7 @@ def run_equivalence(args) -> dict:
     local attention, same weights)."""
     import torch
 
-    from hapo_openrlhf.megatron.model import logprobs_and_entropy
+    from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
 
     _setup()
     flash, local = _model(args, "flash"), _model(args, "local")

@@ -58,7 +58,10 @@ def main() -> None:
     for _, a, b, node in sorted(last[1], key=lambda r: r[1]):
         if b - a > 20:
             print(f"  {a - t0:6.0f}..{b - t0:6.0f}  {b - a:6.1f} s  {node}")
-    print(json.dumps({"wall_s": round(t1 - t0, 1), "tests": len(rows), "busy_s": {k: round(v) for k, v in busy.items()},
+    failed = [n for _, _, _, n in rows if n.startswith("FAILED ")]
+    if failed:
+        print(f"\n{len(failed)} failed:\n  " + "\n  ".join(failed))
+    print(json.dumps({"wall_s": round(t1 - t0, 1), "tests": len(rows), "failed": len(failed), "busy_s": {k: round(v) for k, v in busy.items()},
                       "over_60s": {n: round(b - a) for _, a, b, n in rows if b - a > 60}}))
 
 

@@ -350,12 +350,17 @@ class MegatronConfig:
     # local: megatron-core's DotProductAttention ([S, S] scores and an explicit mask; for comparison)
     attention: str = "flash"
     layer_spec: str = "local"  # local | te (Transformer Engine's spec; needs transformer-engine, untested here)
+    # fused: log-probs and entropy from the hidden states and the head shard, chunk by chunk (no
+    # [T, V/TP] logits; megatron/head.py); logits: Megatron's output layer, then the vocabulary-
+    # parallel reductions (for comparison); auto: fused with attention: flash, logits with local
+    head: str = "auto"
 
     def __post_init__(self):
         _require(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1,
                  "megatron.tensor_parallel and pipeline_parallel must be >= 1")
         _require(self.attention in ("flash", "local"), f"megatron.attention must be flash or local, got {self.attention!r}")
         _require(self.layer_spec in ("local", "te"), f"megatron.layer_spec must be local or te, got {self.layer_spec!r}")
+        _require(self.head in ("auto", "fused", "logits"), f"megatron.head must be auto, fused or logits, got {self.head!r}")
         _require(self.context_parallel == 1,
                  "megatron.context_parallel > 1 is not supported: hapo's Megatron schedule does not split sequences "
                  "across context-parallel ranks (docs/megatron.md); use tensor/pipeline parallelism, packing and "

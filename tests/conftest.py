@@ -81,9 +81,26 @@ def _spread_for_xdist(items: list, workers: int) -> list:
 def pytest_collection_modifyitems(config, items):
     _require_vllm()
     items.sort(key=lambda item: _long_rank(item.nodeid))  # stable: everything else keeps its order
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
-    if workers > 1 and config.getvalue("dist") == "load":
-        items[:] = _spread_for_xdist(items, workers)
+    if _xdist_load_workers(config) > 1:
+        items[:] = _spread_for_xdist(items, _xdist_load_workers(config))
+
+
+def _xdist_load_workers(config) -> int:
+    """The worker count when this is an xdist worker under ``--dist load`` (the order it
+    collects in is the order xdist deals out), else 0. A worker's own ``config`` says
+    ``dist == "no"`` (xdist/remote.py resets it), so the controller's command line
+    (``workerinput["mainargv"]``) tells the mode; ``-n`` alone means ``load``."""
+    wi = getattr(config, "workerinput", None)
+    if not wi:
+        return 0
+    argv = list(wi.get("mainargv", []))
+    mode = "load"
+    for i, a in enumerate(argv):
+        if a == "--dist" and i + 1 < len(argv):
+            mode = argv[i + 1]
+        elif a.startswith("--dist="):
+            mode = a.split("=", 1)[1]
+    return int(wi.get("workercount", 0)) if mode == "load" else 0
 
 
 @pytest.hookimpl(wrapper=True)
@@ -100,8 +117,17 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        failed = "FAILED " if getattr(item, "_hapo_failed", False) else ""
         with open(path, "a") as f:
-            f.write(f"{worker} {start:.2f} {time.time():.2f} {item.nodeid}\n")
+            f.write(f"{worker} {start:.2f} {time.time():.2f} {failed}{item.nodeid}\n")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        item._hapo_failed = True  # the timeline marks it
+    return report
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Megatron-core GPTModel for the Qwen2 family, and its log-prob + entropy forward.
+"""Megatron-core GPTModel for the Qwen2 family (its log-prob + entropy forward is
+``schedule.logprobs_and_entropy``; the head that computes them, ``head``).
 
 megatron-core is imported lazily (the ``megatron`` extra); the caller initialises
 ``torch.distributed`` and ``megatron.core.parallel_state`` first.
@@ -8,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..algos.entropy import DEFAULT_CHUNK
-from ..algos.vocab_parallel import vocab_parallel_logprobs_entropy
+from . import head as heads
 from .convert import check_parallel_layout, padded_vocab_size
 
 
@@ -76,12 +76,16 @@ def layer_spec(attention: str = "flash", spec: str = "local"):
 
 
 def build_qwen2_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, params_dtype=torch.float32,
-                          vocab_multiple: int = 128, attention: str = "flash", spec: str = "local", **overrides):
+                          vocab_multiple: int = 128, attention: str = "flash", spec: str = "local", head: str = "auto",
+                          **overrides):
     """A GPTModel stage for this rank; load weights with
     ``model.load_state_dict(hf_to_megatron(...), strict=False)`` (only ``_extra_state``
     keys may be missing).
 
-    ``attention`` / ``spec``: :func:`layer_spec`. With PP > 1 the config sets
+    ``attention`` / ``spec``: :func:`layer_spec`. ``head``: ``megatron.head``
+    (:func:`~.head.resolve`): ``fused`` installs the fused vocabulary-parallel head on the
+    last stage (:func:`~.head.install`; the stage returns hidden states), ``logits`` keeps
+    Megatron's output layer (logits shards). With PP > 1 the config sets
     ``variable_seq_lengths`` (packed micro-batches differ in length). The norms are cast
     to ``params_dtype`` (megatron-core's torch norms are built in fp32, which in a bf16
     model falls back to torch's unfused norm); the optimizer keeps fp32 masters of them."""
@@ -103,6 +107,8 @@ def build_qwen2_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int =
             m.to(params_dtype)
     if not cfg.perform_initialization:
         mark_tensor_parallel_weights(model)
+    if heads.resolve(head, attention) == "fused":
+        heads.install(model)
     return model
 
 
@@ -152,30 +158,3 @@ def default_layout(model) -> str:
         if isinstance(m, DotProductAttention):
             return "masked"
     return "thd"
-
-
-def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,
-                         temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, tp_group=None,
-                         tp_rank: int = 0, layout: str | None = None, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token log-probs and entropy [B, S-1] (fp32) of a single-stage (or last-stage
-    with ``pp == 1``) GPTModel whose output layer is vocabulary-parallel: each TP rank
-    reduces its own vocabulary shard (``vocab_parallel_logprobs_entropy``), the full
-    vocabulary is never gathered. ``layout``: ``schedule.RowLayout`` (default: the
-    model's, :func:`default_layout`); ``pad_to``: pad the model input's token count to
-    a multiple of this (sequence parallelism needs TP)."""
-    from .schedule import RowLayout
-
-    lay = RowLayout.of(attention_mask, layout or default_layout(model), pad_to)
-    inputs = lay.model_inputs(input_ids)
-    logits = model(**inputs)  # [B or 1, S or T, V / tp]
-    return lay.logprobs_entropy(logits, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,
-                                chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
-
-
-def shard_logprobs_entropy(logits: torch.Tensor, input_ids: torch.Tensor, *, vocab_size: int, temperature: float,
-                           chunk_size: int, tp_group, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token log-probs and entropy [B, S-1] from this rank's output shard
-    ``logits [B, S, V / tp]`` (the shift and the shard's vocabulary offset in one place)."""
-    return vocab_parallel_logprobs_entropy(
-        logits[:, :-1], input_ids[:, 1:], vocab_start=tp_rank * logits.shape[-1], vocab_size=vocab_size,
-        group=tp_group, temperature=temperature, chunk_size=chunk_size)

@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..algos.entropy import DEFAULT_CHUNK
-from .model import attention_inputs, default_layout, shard_logprobs_entropy
+from . import head as heads
+from .model import attention_inputs, default_layout
 
 # loss_fn(logp [B, S-1], entropy [B, S-1], micro_batch) -> (scalar loss, {metric: float tensor})
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -123,15 +124,18 @@ class RowLayout:
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=Lm, max_seqlen_kv=Lm)
         return {"input_ids": flat[None], "position_ids": pos[None], "attention_mask": None, "packed_seq_params": packed}
 
-    def logprobs_entropy(self, logits: torch.Tensor, model_ids: torch.Tensor, *, vocab_size: int,
-                         temperature: float, chunk_size: int, tp_group, tp_rank: int):
-        """This rank's output shard -> next-token log-probs and entropy [B, S-1] in the
-        caller's layout (zeros where a row has no next real token)."""
+    def logprobs_entropy(self, out: torch.Tensor, model_ids: torch.Tensor, *, vocab_size: int,
+                         temperature: float, chunk_size: int, tp_group, tp_rank: int, weight=None):
+        """The last stage's output (this rank's logits shard, or with ``weight`` the hidden
+        states for the fused head: ``head.next_token_logprobs_entropy``) -> next-token
+        log-probs and entropy [B, S-1] in the caller's layout (zeros where a row has no
+        next real token)."""
         B, S = self.shape
-        # thd: [1, T, V/tp], value t predicts packed token t + 1 (unused across a sequence boundary);
-        # padded: [B, L, V/tp]; masked: the caller's own rows
-        lp, en = shard_logprobs_entropy(logits, model_ids, vocab_size=vocab_size, temperature=temperature,
-                                        chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
+        # thd: [1, T, *], value t predicts packed token t + 1 (unused across a sequence boundary);
+        # padded: [B, L, *]; masked: the caller's own rows
+        lp, en = heads.next_token_logprobs_entropy(out, model_ids, weight=weight, vocab_size=vocab_size,
+                                                   temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
+                                                   tp_rank=tp_rank)
         if self.layout == "masked":
             return lp, en
         src, dst = self._maps()
@@ -142,6 +146,23 @@ class RowLayout:
             return out.index_copy(0, dst, v.reshape(-1).index_select(0, src)).view(B, S - 1)
 
         return place(lp), place(en)
+
+
+def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,
+                         temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, tp_group=None,
+                         tp_rank: int = 0, layout: str | None = None, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs and entropy [B, S-1] (fp32) of a single-stage GPTModel (or
+    the last stage with ``pp == 1``), from vocabulary shards: the full vocabulary is
+    never gathered, and with the fused head (``head.install``) no logits shard exists
+    either. ``layout``: :class:`RowLayout` (default: the model's,
+    :func:`~.model.default_layout`); ``pad_to``: pad the model input's token count to a
+    multiple of this (sequence parallelism needs TP)."""
+    lay = RowLayout.of(attention_mask, layout or default_layout(model), pad_to)
+    inputs = lay.model_inputs(input_ids)
+    out = model(**inputs)  # [B or 1, S or T, V / tp], or the hidden states [.., H] for the fused head
+    weight = heads.output_weight(model) if heads.is_installed(model) else None
+    return lay.logprobs_entropy(out, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,
+                                chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight)
 
 
 def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn | None, *,
@@ -189,8 +210,10 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
         output = model(**inputs)
 
         def loss_func(logits: torch.Tensor, non_loss_data: bool = False):
+            # with the fused head the last stage's "logits" are its final hidden states
+            weight = heads.output_weight(model) if heads.is_installed(model) else None
             lp, en = lay.logprobs_entropy(logits, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,
-                                          chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
+                                          chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight)
             if loss_fn is None:  # forward only: hand the values back
                 return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), (lp.detach(), en.detach())
             loss, metrics = loss_fn(lp, en, mb)

@@ -60,7 +60,8 @@ def _no_square_worker(rank, out):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from hapo_openrlhf.megatron.attention import FlashCoreAttention
-    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model, logprobs_and_entropy
+    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
+    from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
 
     from .test_convert import tiny_qwen2
 

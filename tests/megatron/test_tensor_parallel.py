@@ -35,16 +35,19 @@ def _hf_reference(model, ids, am, w_lp, w_en):
     return lp.detach(), en.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, tied, out, layout="thd"):
+def _worker(rank, world, tied, out, layout="thd", head="auto"):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
-    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model, logprobs_and_entropy
+    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
+    from hapo_openrlhf.megatron.head import is_installed, resolve
+    from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
 
     init_megatron(tp=world)
     hf = tiny_qwen2(tied, layers=2)
-    model = build_qwen2_gpt_model(hf.config, tp=world, attention="local" if layout == "masked" else "flash")
+    model = build_qwen2_gpt_model(hf.config, tp=world, attention="local" if layout == "masked" else "flash", head=head)
     load_hf_into(model, hf, tp=world, tp_rank=rank)
+    assert is_installed(model) == (resolve(head, "local" if layout == "masked" else "flash") == "fused")
     ids, am, w_lp, w_en = _batch()
     if layout != "masked":
         am[0, -2:] = 0  # right padding too (a response shorter than the batch's)
@@ -70,7 +73,8 @@ def _worker(rank, world, tied, out, layout="thd"):
         torch.testing.assert_close(lp2, lp.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(en2, en.detach(), rtol=1e-5, atol=1e-5)
         for n, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, grads[n.replace("module.", "")], rtol=1e-4, atol=1e-6, msg=n)
+            torch.testing.assert_close(p.grad, grads[n.replace("module.", "")], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, n=n: f"{n}: {m}")
     everyone = [None] * world
     dist.all_gather_object(everyone, grads)
     if rank == 0:
@@ -86,12 +90,53 @@ def _worker(rank, world, tied, out, layout="thd"):
         torch.save({"ok": True, "n_grads": len(merged)}, out)
 
 
-@pytest.mark.parametrize("world, tied, layout", [(1, True, "thd"), (2, True, "thd"), (2, False, "thd"),
-                                                 (2, True, "padded"), (1, False, "masked")])
-def test_tp_logprobs_entropy_and_grads_equal_hf(tmp_path, world, tied, layout):
+@pytest.mark.parametrize("world, tied, layout, head", [
+    (1, True, "thd", "auto"), (2, True, "thd", "auto"), (2, False, "thd", "auto"), (2, True, "padded", "auto"),
+    (1, False, "masked", "auto"), (2, True, "thd", "logits"), (2, False, "masked", "fused")])
+def test_tp_logprobs_entropy_and_grads_equal_hf(tmp_path, world, tied, layout, head):
     """Packed (THD, flash-style varlen attention), right-aligned padded (causal, no mask)
-    and Megatron's own masked DotProductAttention all equal Hugging Face."""
+    and Megatron's own masked DotProductAttention all equal Hugging Face, through the fused
+    vocabulary-parallel head (``auto`` with flash attention) and the logits head, tied
+    and untied, with the vocabulary padded (259 -> 384 or 512 rows) and T = 0.8."""
     out = tmp_path / "ok.pt"
-    spawn(_worker, world, world, tied, str(out), layout)
+    spawn(_worker, world, world, tied, str(out), layout, head)
     res = torch.load(out)
     assert res["ok"] and res["n_grads"] == 26 + (not tied)  # embed, final norm, 2 x 12 per layer, lm_head
+
+
+def _largest_worker(rank, world, out):
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
+    from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
+
+    from ..conftest import largest_tensor_numel
+
+    init_megatron(tp=world)
+    hf = tiny_qwen2(True, layers=1)
+    sizes = {}
+    for head in ("logits", "fused"):
+        model = build_qwen2_gpt_model(hf.config, tp=world, head=head)
+        load_hf_into(model, hf, tp=world, tp_rank=rank)
+        ids = torch.randint(0, 259, (4, 60), generator=torch.Generator().manual_seed(2))
+
+        def step():
+            lp, en = logprobs_and_entropy(model, ids, torch.ones_like(ids), vocab_size=259, chunk_size=16,
+                                          tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank)
+            (lp.sum() + en.sum()).backward()
+
+        sizes[head] = largest_tensor_numel(step)
+        sizes["vocab_shard"] = model.embedding.word_embeddings.weight.shape[0]  # tied: the head
+    if rank == 0:
+        torch.save(sizes, out)
+
+
+def test_fused_head_through_the_model_never_builds_a_logits_shard(tmp_path):
+    """TP=2, 4 packed rows of 60 tokens: the logits head's largest tensor is the
+    [T, V/TP] shard; through the fused head no tensor reaches T x V/TP elements."""
+    out = tmp_path / "sizes.pt"
+    spawn(_largest_worker, 2, 2, str(out))
+    sizes = torch.load(out)
+    t_v = 240 * sizes["vocab_shard"]
+    assert sizes["logits"] >= t_v
+    assert sizes["fused"] < t_v, sizes  # its largest is the MLP activation [T, 2 x ffn / TP]

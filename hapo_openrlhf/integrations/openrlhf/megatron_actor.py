@@ -197,7 +197,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         model = build_qwen2_gpt_model(self.hf_config, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank,
                                       params_dtype=self.params_dtype, vocab_multiple=int(m["vocab_multiple"]),
                                       attention=m.get("attention", "flash"), spec=m.get("layer_spec", "local"),
-                                      **overrides)
+                                      head=m.get("head", "auto"), **overrides)
         # micro-batch layout (megatron.schedule): packed THD with openrlhf.packing_samples, else
         # right-aligned padded rows (FlashCoreAttention) or Megatron's masked local attention
         self.layout = ("thd" if args.ds.packing_samples else
