@@ -46,8 +46,8 @@ def _require_vllm():
 
 # The longest tests, longest first (measured with HAPO_TEST_TIMELINE and
 # benchmarks/test_timeline.py; docs/performance.md, "Test suite"). Collected first; under
-# xdist dealt round-robin over the workers' first chunks (_spread_for_xdist), so the three
-# OpenRLHF e2e tests start on three different workers.
+# xdist the three OpenRLHF e2e tests run in series on one worker and the others are dealt
+# over the other workers' first chunks (_spread_for_xdist).
 LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_e2e_megatron.py::", "test_timeout_then_resubmit",
                  "test_preempt_checkpoint_requeue", "test_scale_submits_and_collects", "test_vllm_engine_evaluates",
                  "test_experiment_cli_smoke", "test_seed_array", "test_corrupt_newest_checkpoint",
@@ -58,18 +58,24 @@ def _long_rank(nodeid: str) -> int:
     return next((i for i, key in enumerate(LONGEST_FIRST) if key in nodeid), len(LONGEST_FIRST))
 
 
+E2E = ("test_e2e.py::", "test_e2e_async.py::", "test_e2e_megatron.py::")
+
+
 def _spread_for_xdist(items: list, workers: int) -> list:
-    """Longest first, dealt round-robin over the workers' first chunks: xdist's ``--dist
-    load`` sends worker k the k-th run of ``len // workers // 4`` consecutive tests first
-    (xdist/scheduler/load.py, ``schedule``), so sorted longest first they would all land on
-    the first worker and run one after another while the others go idle (measured:
-    docs/performance.md, "Test suite"). The rest follow in collection order."""
+    """The OpenRLHF end-to-end tests, one after another, open the first worker's chunk;
+    the other long tests are dealt round-robin over the other workers' chunks, longest
+    first; the rest follow in collection order. xdist's ``--dist load`` sends worker k the
+    k-th run of ``len // workers // 4`` consecutive tests first (xdist/scheduler/load.py,
+    ``schedule``). Measured (docs/performance.md, "Test suite"): all long tests on one
+    worker ran 45+ minutes in series; the three e2e tests on three workers at once (each a
+    Ray cluster, vLLM or DeepSpeed) thrashed the two cores, 74 tests done in 19 minutes."""
     chunk = max(len(items) // workers // 4, 2)
-    long = [it for it in items if _long_rank(it.nodeid) < len(LONGEST_FIRST)]
-    rest = [it for it in items if _long_rank(it.nodeid) == len(LONGEST_FIRST)]
-    chunks: list[list] = [[] for _ in range(workers)]
+    e2e = [it for it in items if any(k in it.nodeid for k in E2E)]
+    long = [it for it in items if it not in e2e and _long_rank(it.nodeid) < len(LONGEST_FIRST)]
+    rest = [it for it in items if it not in e2e and _long_rank(it.nodeid) == len(LONGEST_FIRST)]
+    chunks: list[list] = [list(e2e)] + [[] for _ in range(workers - 1)]
     for i, it in enumerate(long):
-        chunks[i % workers].append(it)
+        chunks[1 + i % (workers - 1)].append(it)
     out = []
     for c in chunks:
         take = max(chunk - len(c), 0)

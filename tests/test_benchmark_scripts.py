@@ -52,3 +52,20 @@ def test_megatron_attention_script_reports_memory_time_and_thd_agreement(tmp_pat
     assert res["time_ratio_vs_local"] > 0
     assert res["thd_vs_padded_max_abs_err"] < 1e-4 and res["thd_vs_masked_max_abs_err"] < 1e-4
     assert plot.stat().st_size > 0
+
+
+def test_megatron_head_script_reports_ratios_and_agreement_at_tp2(tmp_path):
+    """Two gloo ranks, a vocabulary that does not divide by TP (padded): the fused head's
+    values and gradients agree with the logits path's, and the JSON carries the ratios
+    docs/performance.md quotes (their size is only meaningful at full size)."""
+    plot = tmp_path / "head.png"
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "megatron_head.py"), "--tokens", "96", "--vocab", "3001",
+         "--hidden", "32", "--chunk", "16", "--lengths", "96", "--plot", str(plot)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["tp"] == 2 and res["max_rel_err"] < 1e-5
+    assert res["peak_mem_ratio_vs_unfused"] > 0 and res["time_ratio_vs_unfused"] > 0
+    assert set(res["peak_mem_ratio_by_tokens"]) == {"96"} and plot.stat().st_size > 0

@@ -1,5 +1,5 @@
-"""The suite's own xdist layout (tests/conftest.py): the longest tests are dealt over the
-workers' first chunks, and a worker recognises ``--dist load`` from the controller's
+"""The suite's own xdist layout (tests/conftest.py): the OpenRLHF e2e tests run in series
+on one worker, the other long tests open the other workers' first chunks, and a worker recognises ``--dist load`` from the controller's
 command line (its own config says ``dist == "no"``: the check that silently never fired
 before, leaving every long test on one worker)."""
 
@@ -19,13 +19,14 @@ def test_a_worker_sees_the_load_mode_from_the_controllers_argv():
     assert _xdist_load_workers(SimpleNamespace()) == 0  # not a worker
 
 
-def test_long_tests_open_every_workers_first_chunk():
-    long = [SimpleNamespace(nodeid=f"tests/x/{k}slow[{i}]") for i, k in enumerate(LONGEST_FIRST[:8])]
+def test_e2e_tests_run_in_series_and_other_long_tests_open_the_other_chunks():
+    long = [SimpleNamespace(nodeid=f"tests/x/{k}slow[{i}]") for i, k in enumerate(LONGEST_FIRST[:9])]
     short = [SimpleNamespace(nodeid=f"tests/y.py::test_{i}") for i in range(200)]
     out = _spread_for_xdist(long + short, 4)
-    assert sorted(id(i) for i in out) == sorted(id(i) for i in long + short)  # nothing lost or doubled
-    chunk = 208 // 4 // 4  # xdist/scheduler/load.py: len // workers // 4, over all 208 items
+    assert sorted(i.nodeid for i in out) == sorted(i.nodeid for i in long + short)  # nothing lost or doubled
+    chunk = 209 // 4 // 4  # xdist/scheduler/load.py: len // workers // 4, over all 209 items
     firsts = [out[k * chunk:(k + 1) * chunk] for k in range(4)]
-    for k, c in enumerate(firsts):  # two long tests start each worker's chunk, longest first
-        assert [i.nodeid for i in c[:2]] == [long[k].nodeid, long[k + 4].nodeid]
-        assert all(i in short for i in c[2:])
+    assert [i.nodeid for i in firsts[0][:3]] == [i.nodeid for i in long[:3]]  # the three e2e files, in series
+    for k in (1, 2, 3):  # the other six long tests, two per other worker, longest first
+        assert [i.nodeid for i in firsts[k][:2]] == [long[3 + k - 1].nodeid, long[3 + k + 2].nodeid]
+    assert all(i in short for c in firsts for i in c[3 if c is firsts[0] else 2:])

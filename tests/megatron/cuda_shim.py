@@ -25,14 +25,40 @@ def install() -> None:
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _TorchWithCpuForCuda("torch")
+    # the distributed optimizer: its base class and the grad-norm code build scalars with
+    # device="cuda" (optimizer.py: found_inf, _dummy_overflow_buf, _scale_one; clip_grads.py;
+    # utils.py: local_multi_tensor_l2_norm, the fallback without Apex / Transformer Engine)
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    for mod in (optimizer, clip_grads, distrib_optimizer, utils):
+        mod.torch = _TorchWithCpuForCuda("torch")
+    # ... and accepts a parameter only if its type() is 'torch.cuda.{Float,Half,BFloat16}Tensor'
+    # (distrib_optimizer.py _build_model_and_main_param_groups, optimizer.py, clip_grads.py)
+    _type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *a, **k: (_type(self, *a, **k) if a or k
+                                               else _type(self).replace("torch.", "torch.cuda.", 1))
+
+
+def _cpu(device):
+    return "cpu" if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda") else device
 
 
 class _TorchWithCpuForCuda(types.ModuleType):
-    """``torch`` for one module's namespace, with ``zeros(..., device="cuda")`` on the CPU."""
+    """``torch`` for one module's namespace, with ``zeros / tensor / empty (..., device="cuda")``
+    on the CPU."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+        return torch.zeros(*args, device=_cpu(device), **kwargs)
+
+    @staticmethod
+    def tensor(*args, device=None, **kwargs):
+        return torch.tensor(*args, device=_cpu(device), **kwargs)
+
+    @staticmethod
+    def empty(*args, device=None, **kwargs):
+        return torch.empty(*args, device=_cpu(device), **kwargs)

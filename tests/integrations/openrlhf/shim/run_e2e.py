@@ -31,6 +31,10 @@ def main() -> int:
                     help="cpu: the shim's Hugging Face rollout engine; vllm: OpenRLHF's real vLLM engines")
     a = ap.parse_args()
     hapo_cpu_shim.install_driver(a.engine)
+    # no idle Python workers prestarted for the driver (Ray starts num_cpus of them; every
+    # actor here has a runtime_env, so none of them could ever be used: measured, 2-4 idle
+    # processes per launch importing Ray on the suite's two cores)
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     import ray
 
     from hapo_openrlhf.integrations.openrlhf.train import main as train_main

@@ -1,0 +1,132 @@
+"""Megatron-core's own ``DistributedDataParallel`` and ``DistributedOptimizer`` for a
+GPTModel stage (``megatron.distributed_optimizer``; docs/megatron.md).
+
+What they replace in ``optim.MainParams``:
+
+* **Gradients** go into DDP's contiguous fp32 ``main_grad`` buffers
+  (``grad_reduce_in_fp32``): Megatron's own hooks add each backward's ``param.grad``
+  into them, so a step of many micro-batches accumulates in fp32 as before.
+* **Data-parallel reduction**: with the distributed optimizer a reduce-scatter (each
+  rank keeps the reduced gradient of its 1/DP shard of the buffer), else an all-reduce,
+  then ``finalize_model_grads`` (tied embeddings across pipeline stages, sequence-parallel
+  norms). hapo's losses divide by ``global count / dp_size`` and the model config sets
+  ``calculate_per_token_loss`` (DDP then sums over DP), so the sum is scaled by 1/DP:
+  the gradient of the whole step, as before.
+* **Optimizer state**: fp32 master weights (for a bf16 model) and Adam's moments exist
+  only for this rank's shard, 12 / DP bytes per parameter instead of 12; the grad norm
+  and clipping are computed over the shards (squares summed over DP and model parallel
+  groups), and after the step every rank all-gathers the updated bf16 parameters, so
+  the model -- and the weight sync to vLLM and the final save -- sees full weights.
+* Megatron's optimizer applies no weight decay to biases and norm weights (its
+  ``_get_param_groups``); ``MainParams``' AdamW decays every parameter. Identical when
+  ``weight_decay`` is 0, which every shipped config uses.
+
+megatron-core is imported lazily (the ``megatron`` extra). On CPU / gloo it runs with the
+test-only shim (tests/megatron/cuda_shim.py, whose lines docs/megatron.md lists);
+overlapped reduction and parameter gathering need CUDA streams and are off here
+(``hapo doctor --gpu-smoke`` runs one distributed-optimizer step on a GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# megatron.optimizer_sharding: how the distributed optimizer's state is checkpointed, and
+# which layout changes a resume may make (megatron-core's DistributedOptimizer
+# .sharded_state_dict; named explicitly: 0.19 deprecates the implicit default)
+SHARDINGS = {
+    # each rank writes its own buffer shards, in parallel: resume may change DP only
+    "dp_reshardable": "data-parallel size only",
+    # DP rank 0 gathers each TP x PP shard's state into per-parameter tensors: any layout
+    "fully_reshardable": "any tensor, pipeline and data-parallel layout",
+}
+
+
+def wrap(model, *, distributed_optimizer: bool, bucket_size: int | None = None):
+    """``model`` (a GPTModel stage) inside Megatron's ``DistributedDataParallel`` with fp32
+    gradient buffers; no overlap (CUDA streams) -- the buffers are reduced in
+    :meth:`MegatronOptimizer.step`."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+        use_distributed_optimizer=distributed_optimizer, check_for_nan_in_grad=False, bucket_size=bucket_size)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+class MegatronOptimizer:
+    """Megatron's optimizer (``DistributedOptimizer`` when the DDP wrapper was built with
+    ``distributed_optimizer``, else its mixed-precision optimizer) over one DDP-wrapped
+    stage: AdamW, fp32 masters for a bf16 model, gradient clipping at ``clip_grad``
+    (0: none). :attr:`torch_optimizers` are the torch AdamW instances underneath, for an
+    LR scheduler."""
+
+    def __init__(self, ddp_model, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 clip_grad: float = 1.0) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.model = ddp_model
+        dtype = ddp_model.module.config.params_dtype
+        cfg = OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=float(betas[0]),
+            adam_beta2=float(betas[1]), adam_eps=eps, bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
+            use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer,
+            clip_grad=max(float(clip_grad), 0.0))
+        self.optimizer = get_megatron_optimizer(cfg, [ddp_model])
+        self.distributed = bool(ddp_model.ddp_config.use_distributed_optimizer)
+
+    @property
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> float:
+        """Reduce the accumulated gradients (collective over DP and the embedding group),
+        clip, step, gather the updated parameters; returns the grad norm before clipping."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        dp = ps.get_data_parallel_world_size()
+        if dp > 1:  # the losses are per-replica shares of the global mean: average, not sum
+            self.model.scale_gradients(1.0 / dp)
+        ok, norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("Megatron's optimizer skipped the step (a non-finite gradient)")
+        self.zero_grad()
+        return float(norm) if norm is not None else 0.0
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: Adam's moments and, for a bf16 model,
+        the fp32 master weights (the distributed optimizer's shards, or whole)."""
+        seen, total = set(), 0
+
+        def add(t):
+            nonlocal total
+            if isinstance(t, torch.Tensor) and t.numel() > 1 and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+
+        for opt in self.torch_optimizers:
+            for state in opt.state.values():
+                for v in state.values():
+                    add(v)
+            if any(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"]) and \
+                    self.model.module.config.params_dtype != torch.float32:
+                for g in opt.param_groups:
+                    for p in g["params"]:
+                        add(p)
+        return total
+
+    def sharded_state_dict(self, model_sharded_state_dict, *, sharding: str, is_loading: bool = False) -> dict[str, Any]:
+        """The optimizer's sharded state for ``megatron.core.dist_checkpointing``, in the
+        named ``sharding`` (:data:`SHARDINGS`)."""
+        if sharding not in SHARDINGS:
+            raise ValueError(f"megatron.optimizer_sharding must be one of {sorted(SHARDINGS)}, got {sharding!r}")
+        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                                 metadata={"distrib_optim_sharding_type": sharding})

@@ -1,0 +1,144 @@
+"""Megatron's own DistributedDataParallel + DistributedOptimizer (hapo_openrlhf.megatron.ddp)
+on gloo: two AdamW steps with gradient clipping equal the Hugging Face model stepped by
+torch's AdamW, at DP=1 and DP=2, and at TP=2 x DP=2 and PP=2 x DP=2; each rank's
+optimizer state is its 1/DP shard."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ._dist import init_megatron, load_hf_into, spawn
+from .test_convert import tiny_qwen2
+
+# Adam's eps: with torch's 1e-8 the first step is lr * sign(g) even where g is fp32 noise
+# (|g| ~ 1e-9, e.g. near-cancelling attention gradients), so two exact implementations
+# differ by up to 2 lr there; at 1e-4 a gradient error moves a weight by at most lr / eps
+# times it, and the comparison is well conditioned
+ROWS, S, STEPS, LR, CLIP, EPS = 4, 10, 2, 1e-3, 1.0, 1e-4
+
+
+def _data(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 259, (ROWS, S), generator=g)
+    am = torch.ones(ROWS, S, dtype=torch.long)
+    am[1, :3] = 0  # left padding, as rollouts are
+    am[3, -2:] = 0  # and a short response
+    w = torch.randn(ROWS, S - 1, generator=g)
+    return ids, am, w
+
+
+def _valid(am):
+    return (am[:, :-1] * am[:, 1:]).bool()
+
+
+def hf_reference(tied: bool):
+    """(HF state dict after STEPS, grad norms, losses): fp32 Qwen2, torch AdamW, clipping."""
+    hf = tiny_qwen2(tied, layers=2)
+    opt = torch.optim.AdamW(hf.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    norms, losses = [], []
+    for step in range(STEPS):
+        ids, am, w = _data(step)
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        logits = hf(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        m = _valid(am)
+        loss = -(lp * w)[m].sum() / m.sum()
+        opt.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)))
+        losses.append(float(loss))
+        opt.step()
+    return {k: v.detach().clone() for k, v in hf.state_dict().items()}, norms, losses
+
+
+def _worker(rank, tp, pp, tied, dtype, out):
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.convert import megatron_to_hf
+    from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
+    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
+    from hapo_openrlhf.megatron.schedule import forward_backward
+
+    init_megatron(tp=tp, pp=pp)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    hf = tiny_qwen2(tied, layers=2)
+    pdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = build_qwen2_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=pp_rank, params_dtype=pdt,
+                                  perform_initialization=False)
+    load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
+    model = model.to(pdt)
+    ddp = wrap(model, distributed_optimizer=True)
+    opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP)
+    opt.zero_grad()
+    norms, losses = [], []
+    for step in range(STEPS):
+        ids, am, w = _data(step)
+        n_global = int(_valid(am).sum())
+        rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
+        mbs = [{"input_ids": ids[r:r + 1], "attention_mask": am[r:r + 1], "w": w[r:r + 1]}
+               for r in range(rows.start, rows.stop)]
+
+        def loss_fn(lp, en, mb):  # this replica's share of the global mean, times DP (hapo's convention)
+            return -(lp * mb["w"] * _valid(mb["attention_mask"])).sum() / n_global * dp, {}
+
+        res = forward_backward(ddp, mbs, loss_fn, vocab_size=259)
+        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp if res else 0.0, dtype=torch.float64)
+        dist.all_reduce(loss)  # the last stage of each replica holds its share
+        losses.append(float(loss) / tp)  # every TP rank of a replica's last stage reported it
+        norms.append(opt.step())
+    sd = {k: v.detach().float().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dp_rank, pp_rank, tp_rank, sd, opt.state_bytes()))
+    if rank == 0:
+        shards = {(p, t): s for d, p, t, s, _ in everyone if d == 0}
+        merged = megatron_to_hf(shards, hf.config, tp=tp, pp=pp)
+        torch.save({"hf": merged, "norms": norms, "losses": losses, "dp": dp,
+                    "state_bytes": max(b for *_, b in everyone)}, out)
+
+
+def _run(tmp_path, world, tp=1, pp=1, tied=True, dtype="fp32"):
+    out = tmp_path / f"w{world}-tp{tp}-pp{pp}-{dtype}.pt"
+    spawn(_worker, world, tp, pp, tied, dtype, str(out))
+    return torch.load(out)
+
+
+def _assert_matches_reference(got, ref, tied, atol=1e-6):
+    ref_sd, ref_norms, ref_losses = ref
+    start = tiny_qwen2(tied, layers=2).state_dict()
+    moved = max(float((ref_sd[n] - start[n]).abs().max()) for n in ref_sd)
+    assert moved > 1e3 * atol  # the steps moved the weights far beyond the tolerance
+    for n, v in ref_sd.items():
+        if tied and n == "lm_head.weight":
+            continue
+        torch.testing.assert_close(got["hf"][n], v, rtol=0, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+    assert got["norms"] == pytest.approx(ref_norms, rel=1e-5)
+    assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_distributed_optimizer_dp2_equals_dp1_and_hf_adamw(tmp_path, tied):
+    """Two steps (clipping active: the norms are > 1): DP=2 and DP=1 both equal the Hugging
+    Face model under torch's AdamW -- weights to 1e-6 in fp32, grad norm and loss to 1e-5."""
+    ref = hf_reference(tied)
+    assert min(ref[1]) > CLIP  # the clipping path is exercised
+    one, two = _run(tmp_path, 1, tied=tied), _run(tmp_path, 2, tied=tied)
+    assert (one["dp"], two["dp"]) == (1, 2)
+    _assert_matches_reference(one, ref, tied)
+    _assert_matches_reference(two, ref, tied)
+
+
+def test_distributed_optimizer_state_is_sharded_over_dp(tmp_path):
+    """bf16 model: fp32 masters + Adam moments per rank at DP=2 are <= 0.55 of DP=1's."""
+    one, two = _run(tmp_path, 1, dtype="bf16"), _run(tmp_path, 2, dtype="bf16")
+    n_params = sum(v.numel() for k, v in tiny_qwen2(True, layers=2).state_dict().items() if k != "lm_head.weight")
+    assert one["state_bytes"] >= 12 * n_params  # master 4 + moments 8 bytes per parameter, whole
+    assert two["state_bytes"] <= 0.55 * one["state_bytes"], (two["state_bytes"], one["state_bytes"])
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_distributed_optimizer_with_model_parallel_dp2(tmp_path, tp, pp):
+    """Four gloo ranks, TP=2 x DP=2 and PP=2 x DP=2 (tied embeddings across stages): the
+    same two steps, the same weights, norms and losses."""
+    ref = hf_reference(True)
+    _assert_matches_reference(_run(tmp_path, 4, tp=tp, pp=pp), ref, True)
