@@ -131,6 +131,8 @@ def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
     for name, fn in (("fused_head_bf16_vs_naive", _smoke_fused_head), ("weight_grad_bf16_gemm", _smoke_weight_gemm),
                      ("flash_attn_varlen_vs_padded", _smoke_flash_varlen), ("algos_on_cuda", _smoke_algos),
                      ("megatron_attention_vs_local", lambda: _smoke_megatron_attention(work)),
+                     ("megatron_fused_vocab_head_vs_logits", _smoke_megatron_head),
+                     ("megatron_distributed_optimizer_step", lambda: _smoke_distributed_optimizer(work)),
                      ("openrlhf_loop_vllm_sleep_stop_resume", lambda: _smoke_openrlhf_loop(work)),
                      ("megatron_tp1_loop", lambda: _smoke_openrlhf_loop(work, "megatron"))):
         t0 = time.perf_counter()
@@ -281,6 +283,104 @@ def _smoke_megatron_attention(work: Path) -> dict:
     return {**{k: res.get(k) for k in ("peak_mem_ratio_vs_local", "time_ratio_vs_local", "peak_mem_ratio_by_len",
                                         "thd_vs_padded_max_abs_err", "thd_vs_masked_max_abs_err")},
             "ok": rc == 0 and mem is not None and mem <= 0.25 and err is not None and err < 5e-2}
+
+
+def _smoke_megatron_head(tokens: int = 8192, hidden: int = 1536, vocab: int = 151936) -> dict:
+    """The Megatron back end's fused vocabulary-parallel head (megatron/head.py, one rank
+    holding the whole vocabulary) against the logits path (bf16 output-layer matmul, then
+    the vocabulary-parallel reductions), forward + backward with both outputs carrying
+    gradient: peak memory, time, values and gradients. benchmarks/megatron_head.py
+    measures the same at TP=2 on CPU/gloo."""
+    import torch
+
+    from .algos.vocab_parallel import vocab_parallel_logprobs_entropy
+    from .megatron.head import fused_vocab_parallel_logprobs_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(tokens, hidden, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_(True)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_(True)
+    lab = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    a, b = torch.randn(tokens, device="cuda", generator=g), torch.randn(tokens, device="cuda", generator=g)
+
+    def run(fused: bool):
+        h.grad = w.grad = None
+        if fused:
+            lp, en = fused_vocab_parallel_logprobs_entropy(h, w, lab, vocab_start=0, vocab_size=vocab, chunk_size=1024)
+        else:
+            lp, en = vocab_parallel_logprobs_entropy(h @ w.t(), lab, vocab_start=0, vocab_size=vocab, chunk_size=1024)
+        (lp * a + en * b).sum().backward()
+        return lp.detach(), en.detach(), h.grad.float(), w.grad.float()
+
+    (x, mem_f, t_f) = _peak(lambda: run(True))
+    (y, mem_n, t_n) = _peak(lambda: run(False))
+    rel = {k: float((p - q).norm() / q.norm().clamp(min=1e-30)) for k, p, q in zip(("logp", "entropy", "h", "w"), x, y)}
+    return {"tokens": tokens, "peak_mib_fused": round(mem_f), "peak_mib_logits": round(mem_n),
+            "mem_ratio": round(mem_f / max(mem_n, 1e-9), 3), "time_ratio": round(t_f / t_n, 3), "rel_err": rel,
+            "ok": mem_f / max(mem_n, 1e-9) <= 0.5 and all(v < 2e-2 for v in rel.values())}
+
+
+def _smoke_distributed_optimizer(work: Path) -> dict:
+    """One step of Megatron's DistributedDataParallel (overlapped gradient reduction, CUDA
+    streams) + DistributedOptimizer on a tiny bf16 Qwen2 GPTModel on this GPU, in a child
+    process (its own NCCL group): a finite grad norm, every parameter moved."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        return {"ok": True, "skipped": "needs megatron-core (the megatron extra)"}
+    log = work / "distributed_optimizer.log"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1"}
+    rc = _run([sys.executable, "-c", "from hapo_openrlhf.gpu_smoke import _ddp_step_child; _ddp_step_child()"], log,
+              timeout=600, env=env)
+    lines = log.read_text().strip().splitlines() if log.exists() else []
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"ok": False, "error": f"exit {rc}; see {log}"}
+    return {**res, "ok": rc == 0 and res.get("finite") and res.get("moved") == res.get("params")}
+
+
+def _ddp_step_child() -> None:
+    print(json.dumps(_ddp_step("cuda")), flush=True)
+
+
+def _ddp_step(device: str = "cuda") -> dict:
+    """The body of :func:`_smoke_distributed_optimizer` (``device="cpu"``: gloo, no overlap,
+    for tests/megatron/test_ddp.py under the CPU shim; torch.distributed is set up from
+    the environment unless it already is)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from transformers import Qwen2Config
+
+    from .megatron.ddp import MegatronOptimizer, wrap
+    from .megatron.model import build_qwen2_gpt_model
+    from .megatron.schedule import forward_backward
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    ps.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = build_qwen2_gpt_model(cfg, params_dtype=torch.bfloat16, use_cpu_initialization=not cuda).to(device)
+    ddp = wrap(model, distributed_optimizer=True, overlap_grad_reduce=cuda)
+    # lr 5e-2: Adam's first step is lr x sign(g), above bf16's 2^-7 spacing at 1.0 (norm weights)
+    opt = MegatronOptimizer(ddp, lr=5e-2, clip_grad=1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 1024, (4, 128), device=device)
+    mbs = [{"input_ids": ids[i:i + 2], "attention_mask": torch.ones_like(ids[i:i + 2])} for i in (0, 2)]
+    opt.zero_grad()
+    forward_backward(ddp, mbs, lambda lp, en, mb: (-lp.sum() / (4 * 127), {}), vocab_size=1024)
+    norm = opt.step()
+    moved = sum(int(not torch.equal(before[n], p)) for n, p in model.named_parameters())
+    res = {"grad_norm": norm, "finite": bool(torch.isfinite(torch.tensor(norm))), "moved": moved,
+           "params": len(before), "state_bytes": opt.state_bytes()}
+    ps.destroy_model_parallel()
+    return res
 
 
 def _smoke_algos() -> dict:

@@ -15,6 +15,12 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+# Ray starts its worker processes -- every actor of the OpenRLHF e2e runs and the cluster
+# tests: trainer, policy, vLLM engine -- at nice 15 (its worker_niceness default), so beside
+# the other test processes at nice 0 they got ~3% of a core each: an e2e launch's vLLM
+# engine took 12 minutes to import (measured, docs/performance.md "Test suite"). Tests run
+# them at the same priority as everything else.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import torch  # noqa: E402
 

@@ -44,14 +44,15 @@ SHARDINGS = {
 }
 
 
-def wrap(model, *, distributed_optimizer: bool, bucket_size: int | None = None):
+def wrap(model, *, distributed_optimizer: bool, bucket_size: int | None = None, overlap_grad_reduce: bool = False):
     """``model`` (a GPTModel stage) inside Megatron's ``DistributedDataParallel`` with fp32
-    gradient buffers; no overlap (CUDA streams) -- the buffers are reduced in
-    :meth:`MegatronOptimizer.step`."""
+    gradient buffers; the buffers are reduced in :meth:`MegatronOptimizer.step`.
+    ``overlap_grad_reduce`` (CUDA streams; only ``hapo doctor --gpu-smoke`` runs it) starts
+    each bucket's reduction during the backward instead."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=False,
         use_distributed_optimizer=distributed_optimizer, check_for_nan_in_grad=False, bucket_size=bucket_size)
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 

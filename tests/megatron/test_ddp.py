@@ -142,3 +142,24 @@ def test_distributed_optimizer_with_model_parallel_dp2(tmp_path, tp, pp):
     same two steps, the same weights, norms and losses."""
     ref = hf_reference(True)
     _assert_matches_reference(_run(tmp_path, 4, tp=tp, pp=pp), ref, True)
+
+
+def _smoke_worker(rank, out):
+    from hapo_openrlhf.gpu_smoke import _ddp_step
+
+    from .cuda_shim import install
+
+    install()
+    torch.save(_ddp_step("cpu"), out)
+
+
+def test_distributed_optimizer_gpu_smoke_step_runs_on_cpu(tmp_path):
+    """The body of `hapo doctor --gpu-smoke`'s distributed-optimizer step (there: CUDA,
+    NCCL, overlapped reduction) runs here under the CPU shim: a finite norm, every
+    parameter moved, the bf16 model's masters and moments counted."""
+    out = tmp_path / "smoke.pt"
+    spawn(_smoke_worker, 1, str(out))
+    res = torch.load(out)
+    # 2 layers x 7 (norms, fused QKV weight and bias, proj, fc1, fc2) + embedding, final norm, head
+    assert res["finite"] and res["grad_norm"] > 0 and res["moved"] == res["params"] == 17
+    assert res["state_bytes"] > 0

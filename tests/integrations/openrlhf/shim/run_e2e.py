@@ -35,6 +35,9 @@ def main() -> int:
     # actor here has a runtime_env, so none of them could ever be used: measured, 2-4 idle
     # processes per launch importing Ray on the suite's two cores)
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    # Ray's workers (every actor here) run at nice 15 by default: starved beside the other
+    # test processes (tests/conftest.py sets this too)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
     from hapo_openrlhf.integrations.openrlhf.train import main as train_main
