@@ -53,13 +53,14 @@ def _rank(rank: int, world: int, port: int, method: str, args, out: str, keep: b
     T, V, H = args.length, args.vocab, args.hidden
     Vp = -(-V // world) * world  # the vocabulary padded to a multiple of TP, as Megatron pads it
     Vr = Vp // world
-    g = torch.Generator().manual_seed(0)  # every rank draws the same full tensors, keeps its shard
-    h = (torch.randn(T, H, generator=g) * 0.05).to(dtype).requires_grad_(True)
-    w_full = torch.randn(Vp, H, generator=g) * 0.02
-    w = w_full[rank * Vr:(rank + 1) * Vr].clone().to(dtype).requires_grad_(True)
-    del w_full
+    g = torch.Generator().manual_seed(0)  # every rank draws the same hidden states, labels, weights
+    h = torch.randn(T, H, generator=g).mul_(0.05).to(dtype).requires_grad_(True)  # in place: no transient copy
     lab = torch.randint(0, V, (T,), generator=g)
     a, b = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    # this rank's head shard, drawn alone: a full [Vp, H] draw here would set the RSS high-water
+    # mark above what the heads use, and hide their peak
+    w = torch.randn(Vr, H, generator=torch.Generator().manual_seed(1000 + rank)).mul_(0.02).to(dtype)
+    w.requires_grad_(True)
     kw = dict(vocab_start=rank * Vr, vocab_size=V, group=dist.group.WORLD, chunk_size=args.chunk)
     dist.barrier()
     base = _rss_mb()
