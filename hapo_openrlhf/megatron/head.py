@@ -42,18 +42,12 @@ import torch
 import torch.distributed as dist
 
 from ..algos.fused import weight_grad_gemm
-from ..algos.vocab_parallel import vocab_parallel_logprobs_entropy
+from ..algos.vocab_parallel import _all_reduce, vocab_parallel_logprobs_entropy
 
 # megatron.head in the config (docs/configs.md): fused (this module) or logits (the output
 # layer's [T, V/TP] shard, then algos.vocab_parallel; kept for comparison); auto = fused with
 # megatron.attention: flash, logits with Megatron's local attention
 HEADS = ("auto", "fused", "logits")
-
-
-def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None or (dist.is_available() and dist.is_initialized()):
-        dist.all_reduce(x, op=op, group=group)
-    return x
 
 
 def _chunk_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, temperature: float) -> torch.Tensor:
