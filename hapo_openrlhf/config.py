@@ -354,6 +354,13 @@ class MegatronConfig:
     # [T, V/TP] logits; megatron/head.py); logits: Megatron's output layer, then the vocabulary-
     # parallel reductions (for comparison); auto: fused with attention: flash, logits with local
     head: str = "auto"
+    # Megatron's DistributedOptimizer (fp32 masters and Adam moments sharded over data parallelism,
+    # megatron/ddp.py): null (default) = on when DP > 1; false = every rank holds the whole state
+    distributed_optimizer: bool | None = None
+    # how the distributed optimizer's state is checkpointed, and so which layout a resume may change:
+    # dp_reshardable (each rank writes its shards in parallel; resume at another DP size only) or
+    # fully_reshardable (gathered per parameter on save; resume under any TP x PP x DP)
+    optimizer_sharding: str = "dp_reshardable"
 
     def __post_init__(self):
         _require(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1,
@@ -361,6 +368,12 @@ class MegatronConfig:
         _require(self.attention in ("flash", "local"), f"megatron.attention must be flash or local, got {self.attention!r}")
         _require(self.layer_spec in ("local", "te"), f"megatron.layer_spec must be local or te, got {self.layer_spec!r}")
         _require(self.head in ("auto", "fused", "logits"), f"megatron.head must be auto, fused or logits, got {self.head!r}")
+        _require(self.distributed_optimizer in (None, True, False),
+                 f"megatron.distributed_optimizer must be true, false or null (on when DP > 1), "
+                 f"got {self.distributed_optimizer!r}")
+        _require(self.optimizer_sharding in ("dp_reshardable", "fully_reshardable"),
+                 f"megatron.optimizer_sharding must be dp_reshardable or fully_reshardable, "
+                 f"got {self.optimizer_sharding!r}")
         _require(self.context_parallel == 1,
                  "megatron.context_parallel > 1 is not supported: hapo's Megatron schedule does not split sequences "
                  "across context-parallel ranks (docs/megatron.md); use tensor/pipeline parallelism, packing and "

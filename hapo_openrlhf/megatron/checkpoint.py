@@ -1,11 +1,15 @@
-"""Megatron distributed (sharded) checkpoints of the model, a torch optimizer's
-state and the trainer state, written atomically.
+"""Megatron distributed (sharded) checkpoints of the model, Megatron's optimizer
+(``ddp.MegatronOptimizer``) and the trainer state, written atomically.
 
 Every rank writes its own shards through ``megatron.core.dist_checkpointing``
-(the ``torch_dist`` format: resharding on load is Megatron's). Optimizer moments
-are saved as sharded tensors laid out like their parameters
-(``optim_state_to_sharding_state``); the step count and the trainer state
-(step, data position, RNG, ...) are common state written once. A checkpoint is
+(the ``torch_dist`` format: resharding on load is Megatron's). The optimizer's state is
+its own ``sharded_state_dict``: the distributed optimizer's in the sharding type it was
+built with (``dp_reshardable``: each rank's buffer shards, resumable at another DP size
+only; ``fully_reshardable``: per-parameter tensors, resumable under any TP x PP x DP),
+the replicated optimizer's per parameter, laid out like the model. The trainer state
+(step, data position, scheduler, ...) is common state written once. ``hapo_layout.json``
+records the layout and optimizer format that wrote the checkpoint; :func:`load` refuses,
+by name, a resume the format cannot make (before reading any tensor). A checkpoint is
 written to ``step_N.tmp/`` and renamed to ``step_N/`` by rank 0 after every rank
 has finished, so a directory named ``step_N`` is always complete; a crash mid-save
 leaves only a ``.tmp`` directory, which ``latest`` ignores. Before the rename rank 0
@@ -25,7 +29,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .safe_load import scan
@@ -97,39 +100,70 @@ def latest(root: str | Path) -> Path | None:
     return None
 
 
-def _sharded(model, optimizer, trainer_state: dict[str, Any] | None, model_params=None):
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        optim_state_to_sharding_state,
-    )
+LAYOUT = "hapo_layout.json"
 
-    model_sd = model.sharded_state_dict()
+
+def _stage(model):
+    """The GPTModel stage inside Megatron's DDP wrapper (or ``model`` itself)."""
+    return model.module if hasattr(model, "ddp_config") else model
+
+
+def _layout(optimizer) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+            "data_parallel": ps.get_data_parallel_world_size(),
+            "optimizer": optimizer.checkpoint_format if optimizer is not None else None}
+
+
+def check_resumable(path: Path, optimizer) -> None:
+    """Refuse, naming the reason, a checkpoint this optimizer and layout cannot resume."""
+    here = _layout(optimizer)
+    f = path / LAYOUT
+    if not f.is_file():
+        if optimizer is not None:
+            raise ValueError(f"checkpoint {str(path)!r} has no {LAYOUT}: it was written before hapo used Megatron's "
+                             f"optimizer (torch AdamW state) and its optimizer state cannot be resumed; start from its "
+                             f"weights instead (convert them to Hugging Face layout)")
+        return
+    try:
+        saved = json.loads(f.read_text())
+        fmt = saved["optimizer"]
+        shape = {k: int(saved[k]) for k in ("tensor_parallel", "pipeline_parallel", "data_parallel")}
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ValueError(f"checkpoint {str(path)!r}: {LAYOUT} is unreadable ({str(e)[:100]})") from None
+    if optimizer is None:
+        return
+    if fmt is None:
+        raise ValueError(f"checkpoint {str(path)!r} holds no optimizer state (saved without an optimizer)")
+    if fmt != here["optimizer"]:
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds optimizer state in the format {fmt!r} but this run's optimizer is "
+            f"{here['optimizer']!r}: resume with the same megatron.distributed_optimizer and "
+            f"megatron.optimizer_sharding as the run that saved it")
+    if fmt == "distributed/dp_reshardable":
+        moved = [k for k in ("tensor_parallel", "pipeline_parallel") if shape[k] != here[k]]
+        if moved:
+            raise ValueError(
+                f"checkpoint {str(path)!r} was saved with megatron.optimizer_sharding: dp_reshardable at TP "
+                f"{shape['tensor_parallel']} x PP {shape['pipeline_parallel']}, which can resume at another "
+                f"data-parallel size only, not at TP {here['tensor_parallel']} x PP {here['pipeline_parallel']} "
+                f"(save with optimizer_sharding: fully_reshardable to change {' and '.join(moved)})")
+
+
+def _sharded(model, optimizer, trainer_state: dict[str, Any] | None, *, is_loading: bool) -> dict[str, Any]:
+    model_sd = _stage(model).sharded_state_dict()
     out: dict[str, Any] = {"model": model_sd, "trainer": trainer_state or {}}
     if optimizer is not None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        mparams = params if model_params is None else list(model_params)
-        masters = any(a is not b for a, b in zip(params, mparams, strict=True))
-        osd = optimizer.state_dict()
-        # a fresh optimizer has no state yet: give it zero moments to load into
-        for i, p in enumerate(params):
-            if i not in osd["state"]:
-                osd["state"][i] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
-                                   "step": torch.zeros(())}
-            if masters:  # fp32 master weights, sharded like the model parameter they shadow
-                osd["state"][i]["master"] = p.detach()
-        steps = {i: float(s.get("step", 0)) for i, s in osd["state"].items()}
-        id_map = get_param_id_to_sharded_param_map(model_sd, mparams)
-        optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
-        out["optimizer"] = osd
-        out["optimizer_step"] = max(steps.values(), default=0.0)
+        out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
     return out
 
 
-def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict[str, Any] | None = None,
-         model_params=None) -> Path:
-    """Write ``root/step_{step}`` from every rank of the job (a collective call). When the
-    optimizer steps fp32 master copies (``optim.MainParams``), pass the model parameters
-    they shadow, in the optimizer's order, as ``model_params``: the masters are saved too."""
+def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict[str, Any] | None = None) -> Path:
+    """Write ``root/step_{step}`` from every rank of the job (a collective call): the model
+    stage, ``optimizer`` (a ``ddp.MegatronOptimizer``: its fp32 masters and moments) and
+    ``trainer_state``."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -139,9 +173,11 @@ def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(model, optimizer, trainer_state, model_params), str(tmp))
+    dist_checkpointing.save(_sharded(model, optimizer, trainer_state, is_loading=False), str(tmp))
+    layout = _layout(optimizer)
     dist.barrier()
     if dist.get_rank() == 0:
+        (tmp / LAYOUT).write_text(json.dumps(layout))
         write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -150,10 +186,10 @@ def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict
     return final
 
 
-def load(path: str | Path, model, optimizer=None, model_params=None) -> dict[str, Any]:
-    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``, with its
-    fp32 masters when ``model_params`` is given); returns the trainer state. The tensor
-    parallel size may differ from the one that saved it (Megatron reshards on load)."""
+def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
+    """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); returns
+    the trainer state. The model reshards on load under any TP x PP (Megatron's); the
+    optimizer state as its format allows (:func:`check_resumable` refuses the rest)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -162,22 +198,12 @@ def load(path: str | Path, model, optimizer=None, model_params=None) -> dict[str
     why = scan(path)
     if why:
         raise ValueError(f"checkpoint {str(path)!r} is not loaded: {why}")
-    sharded = _sharded(model, optimizer, {}, model_params)
-    state = dist_checkpointing.load(sharded, str(path))
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    check_resumable(path, optimizer)
+    state = dist_checkpointing.load(_sharded(model, optimizer, {}, is_loading=True), str(path))
+    missing, unexpected = _stage(model).load_state_dict(state["model"], strict=False)
     bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
     if bad:
         raise ValueError(f"checkpoint {str(path)!r} does not match the model: {bad[:5]}")
     if optimizer is not None:
-        osd = state["optimizer"]
-        step = torch.tensor(float(state["optimizer_step"]))
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        for i, s in osd["state"].items():
-            s["step"] = step.clone()
-            master = s.pop("master", None)
-            if master is not None:
-                with torch.no_grad():
-                    params[i].copy_(master)
-        groups = optimizer.state_dict()["param_groups"]
-        optimizer.load_state_dict({"state": osd["state"], "param_groups": groups})
+        optimizer.load_state_dict(state["optimizer"])
     return state["trainer"]

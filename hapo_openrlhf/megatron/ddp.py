@@ -1,7 +1,8 @@
-"""Megatron-core's own ``DistributedDataParallel`` and ``DistributedOptimizer`` for a
-GPTModel stage (``megatron.distributed_optimizer``; docs/megatron.md).
+"""Megatron-core's own ``DistributedDataParallel`` and optimizer for a GPTModel stage:
+the Megatron actor's optimizer (``megatron.distributed_optimizer``,
+``megatron.optimizer_sharding``; docs/megatron.md).
 
-What they replace in ``optim.MainParams``:
+What they do:
 
 * **Gradients** go into DDP's contiguous fp32 ``main_grad`` buffers
   (``grad_reduce_in_fp32``): Megatron's own hooks add each backward's ``param.grad``
@@ -17,9 +18,11 @@ What they replace in ``optim.MainParams``:
   and clipping are computed over the shards (squares summed over DP and model parallel
   groups), and after the step every rank all-gathers the updated bf16 parameters, so
   the model -- and the weight sync to vLLM and the final save -- sees full weights.
-* Megatron's optimizer applies no weight decay to biases and norm weights (its
-  ``_get_param_groups``); ``MainParams``' AdamW decays every parameter. Identical when
-  ``weight_decay`` is 0, which every shipped config uses.
+  Without the distributed optimizer (``megatron.distributed_optimizer: false``) the
+  buffers are all-reduced and every rank holds the whole state (Megatron's
+  mixed-precision optimizer), 12 bytes per parameter.
+* Weight decay skips biases and 1-D (norm) weights (Megatron's ``_get_param_groups``),
+  as OpenRLHF's DeepSpeed actor does (``get_optimizer_grouped_parameters``).
 
 megatron-core is imported lazily (the ``megatron`` extra). On CPU / gloo it runs with the
 test-only shim (tests/megatron/cuda_shim.py, whose lines docs/megatron.md lists);
@@ -44,6 +47,11 @@ SHARDINGS = {
 }
 
 
+def use_distributed_optimizer(setting: bool | None, dp_size: int) -> bool:
+    """``megatron.distributed_optimizer``: ``None`` (the default) means on when DP > 1."""
+    return dp_size > 1 if setting is None else bool(setting)
+
+
 def wrap(model, *, distributed_optimizer: bool, bucket_size: int | None = None, overlap_grad_reduce: bool = False):
     """``model`` (a GPTModel stage) inside Megatron's ``DistributedDataParallel`` with fp32
     gradient buffers; the buffers are reduced in :meth:`MegatronOptimizer.step`.
@@ -62,12 +70,17 @@ class MegatronOptimizer:
     ``distributed_optimizer``, else its mixed-precision optimizer) over one DDP-wrapped
     stage: AdamW, fp32 masters for a bf16 model, gradient clipping at ``clip_grad``
     (0: none). :attr:`torch_optimizers` are the torch AdamW instances underneath, for an
-    LR scheduler."""
+    LR scheduler. ``sharding`` (:data:`SHARDINGS`) is how the distributed optimizer's state
+    is checkpointed; the replicated optimizer's state is saved per parameter, like the
+    model, and reshards with it."""
 
     def __init__(self, ddp_model, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 clip_grad: float = 1.0) -> None:
+                 clip_grad: float = 1.0, sharding: str = "dp_reshardable") -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if sharding not in SHARDINGS:
+            raise ValueError(f"megatron.optimizer_sharding must be one of {sorted(SHARDINGS)}, got {sharding!r}")
+        self.sharding = sharding
         self.model = ddp_model
         dtype = ddp_model.module.config.params_dtype
         cfg = OptimizerConfig(
@@ -77,6 +90,20 @@ class MegatronOptimizer:
             clip_grad=max(float(clip_grad), 0.0))
         self.optimizer = get_megatron_optimizer(cfg, [ddp_model])
         self.distributed = bool(ddp_model.ddp_config.use_distributed_optimizer)
+        # Megatron's param groups carry wd_mult (0 for biases and 1-D weights) and lr_mult, which
+        # only its own OptimizerParamScheduler applies; the torch groups start at the config's
+        # weight_decay for every group. Apply them here (the LR schedule then scales each group's lr)
+        for opt in self.torch_optimizers:
+            for group in opt.param_groups:
+                group["weight_decay"] = float(weight_decay) * float(group.get("wd_mult", 1.0))
+                group["lr"] = float(lr) * float(group.get("lr_mult", 1.0))
+        self.zero_grad()
+
+    @property
+    def checkpoint_format(self) -> str:
+        """What a checkpoint of this optimizer holds: ``distributed/<sharding>`` or
+        ``replicated`` (per-parameter state in model space)."""
+        return f"distributed/{self.sharding}" if self.distributed else "replicated"
 
     @property
     def torch_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -124,10 +151,38 @@ class MegatronOptimizer:
                         add(p)
         return total
 
-    def sharded_state_dict(self, model_sharded_state_dict, *, sharding: str, is_loading: bool = False) -> dict[str, Any]:
-        """The optimizer's sharded state for ``megatron.core.dist_checkpointing``, in the
-        named ``sharding`` (:data:`SHARDINGS`)."""
-        if sharding not in SHARDINGS:
-            raise ValueError(f"megatron.optimizer_sharding must be one of {sorted(SHARDINGS)}, got {sharding!r}")
-        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
-                                                 metadata={"distrib_optim_sharding_type": sharding})
+    def sharded_state_dict(self, model_sharded_state_dict, *, is_loading: bool = False) -> dict[str, Any]:
+        """The optimizer's sharded state for ``megatron.core.dist_checkpointing`` (the
+        distributed optimizer's in :attr:`sharding`, named explicitly: megatron-core 0.19
+        deprecates the implicit default)."""
+        if is_loading:
+            self._init_empty_state()
+        metadata = {"distrib_optim_sharding_type": self.sharding} if self.distributed else None
+        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+
+    def _init_empty_state(self) -> None:
+        """Give a fresh optimizer zero moments and step 0 to load into. megatron-core 0.16.1
+        with torch's AdamW (no Apex / Transformer Engine) reads one common ``step`` from the
+        per-parameter state when it builds the state dict to load into
+        (``DistributedOptimizer.state_dict``: ``assert len(steps) == 1``), and its
+        ``init_state_fn`` sets none: before the first step that state is empty."""
+        for opt in self.torch_optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if not opt.state[p]:
+                        opt.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                            step=torch.zeros((), dtype=torch.float32))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
+        self.optimizer.load_state_dict(state)
+        if self.distributed:
+            # megatron-core 0.16.1, torch's AdamW: the distributed optimizer keeps Adam's step in
+            # its param groups, hands one shared tensor to every parameter's state, then (the
+            # dp_reshardable loader) copies into it the step this rank held before the load (0):
+            # give each parameter its own tensor holding the saved step
+            for opt in self.torch_optimizers:
+                for group in opt.param_groups:
+                    if "step" in group:
+                        for p in group["params"]:
+                            opt.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)

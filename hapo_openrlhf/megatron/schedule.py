@@ -173,7 +173,8 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     group. Returns, on the last pipeline stage, one entry per micro-batch: the metrics
     dict (with ``loss``), or with ``loss_fn=None`` the ``(logp, entropy)`` pair (the
     old-log-prob pass); other stages get an empty list. Gradients accumulate into the
-    parameters (``optim.MainParams`` hooks them into fp32) unless ``forward_only``.
+    parameters (with Megatron's DDP wrapper, ``ddp.wrap``: into its fp32 buffers) unless
+    ``forward_only``.
 
     ``layout`` (module docstring; default :func:`~.model.default_layout`): ``thd`` and
     ``padded`` need the model built with ``attention="flash"``; ``masked`` with Megatron's
@@ -259,15 +260,16 @@ def token_budget_batches(lengths: list[int], max_tokens: int) -> list[list[int]]
 def allreduce_tied_embedding_grads(model) -> None:
     """With tied embeddings and PP > 1 the first stage's embedding and the last stage's
     head are two copies of one weight: sum their gradients over Megatron's embedding group
-    (what its DDP wrapper does in ``finalize_model_grads``) so both copies take the same
-    step. A no-op otherwise. Call after ``forward_backward``, before the optimizer step
-    (``optim.MainParams.step`` does this on its fp32 main grads)."""
+    (what its DDP wrapper does in ``finalize_model_grads``; ``ddp.MegatronOptimizer.step``)
+    so both copies take the same step, for a model stepped without that wrapper. A no-op
+    otherwise. Call after ``forward_backward``, before the optimizer step."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from .optim import tied_weight
-
-    weight = tied_weight(model)
+    weight = None
+    if getattr(model, "share_embeddings_and_output_weights", False) and ps.get_pipeline_model_parallel_world_size() > 1 \
+            and (ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True)):
+        weight = model.shared_embedding_or_output_weight()
     if weight is None:
         return
     if weight.grad is None:

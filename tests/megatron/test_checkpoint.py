@@ -1,6 +1,8 @@
-"""Megatron distributed checkpoints at TP=2: train 2 steps, save, resume in fresh
-processes, train 2 more == 4 uninterrupted steps (losses and every weight, bitwise);
-the same checkpoint also resumes at TP=1 (resharded on load)."""
+"""Megatron distributed checkpoints at TP=2 (Megatron's DDP and replicated optimizer at
+DP=1): train 2 steps, save, resume in fresh processes, train 2 more == 4 uninterrupted
+steps (losses, every weight and Adam moment, bitwise); the same checkpoint also resumes
+at TP=1 (model and optimizer state resharded on load). The distributed optimizer's
+checkpoints: tests/megatron/test_ddp.py."""
 
 import json
 
@@ -27,6 +29,7 @@ def _step_data(step):
 def _worker(rank, ckpt_root, phase, out, tp=TP):
     """phase 'full': 4 steps; 'first': 2 steps then save; 'resume': load then steps 3-4."""
     from hapo_openrlhf.megatron import checkpoint
+    from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
     from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
     from hapo_openrlhf.megatron.schedule import forward_backward
 
@@ -37,10 +40,11 @@ def _worker(rank, ckpt_root, phase, out, tp=TP):
         load_hf_into(model, hf, tp=tp, tp_rank=rank)
     # a large epsilon keeps AdamW's update linear in tiny gradients, so fp32 summation order (TP=2 vs the
     # resharded TP=1 run) cannot flip the sign of a near-zero element's step
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-3)
+    ddp = wrap(model, distributed_optimizer=False)
+    opt = MegatronOptimizer(ddp, lr=1e-3, weight_decay=0.01, eps=1e-3, clip_grad=0.0)
     start, losses = 0, []
     if phase == "resume":
-        state = checkpoint.load(checkpoint.latest(ckpt_root), model, opt)
+        state = checkpoint.load(checkpoint.latest(ckpt_root), ddp, opt)
         start, losses = state["step"], list(state["losses"])
     stop = 2 if phase == "first" else 4
     for step in range(start, stop):
@@ -50,16 +54,17 @@ def _worker(rank, ckpt_root, phase, out, tp=TP):
         def loss_fn(lp, en, mb):
             return compute_policy_loss("ppo", lp, old, adv, mask, normalizer=n)[0], {}
 
-        opt.zero_grad(set_to_none=True)
-        stats = forward_backward(model, [{"input_ids": ids, "attention_mask": am}], loss_fn, vocab_size=259)
+        stats = forward_backward(ddp, [{"input_ids": ids, "attention_mask": am}], loss_fn, vocab_size=259)
         opt.step()
         losses.append(float(stats[0]["loss"]))
     if phase == "first":
-        checkpoint.save(ckpt_root, 2, model, opt, {"step": 2, "losses": losses})
+        checkpoint.save(ckpt_root, 2, ddp, opt, {"step": 2, "losses": losses})
     if phase != "first":
+        inner = opt.torch_optimizers[0]
         torch.save({"losses": losses, "weights": {k: v.clone() for k, v in model.state_dict().items()
                                                   if not k.endswith("_extra_state")},
-                    "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()]},
+                    "exp_avg": [inner.state[p]["exp_avg"].clone() for g in inner.param_groups for p in g["params"]],
+                    "steps": {float(st["step"]) for st in inner.state.values()}},
                    f"{out}.{rank}")
 
 
@@ -87,6 +92,7 @@ def test_tp2_checkpoint_resumes_exactly(tmp_path):
         assert full["weights"].keys() == resumed["weights"].keys()
         for k in full["weights"]:
             assert torch.equal(full["weights"][k], resumed["weights"][k]), k
+        assert len(full["exp_avg"]) == len(resumed["exp_avg"]) > 0 and resumed["steps"] == {4.0}
         for a, b in zip(full["exp_avg"], resumed["exp_avg"]):
             assert torch.equal(a, b)
 

@@ -92,6 +92,8 @@ def _worker(rank, tp, pp, tied, dtype, out):
     dist.all_gather_object(everyone, (dp_rank, pp_rank, tp_rank, sd, opt.state_bytes()))
     if rank == 0:
         shards = {(p, t): s for d, p, t, s, _ in everyone if d == 0}
+        for d, p, t, s, _ in everyone:  # every replica gathered the updated parameters, not only DP rank 0
+            assert all(torch.equal(v, shards[(p, t)][k]) for k, v in s.items()), (d, p, t)
         merged = megatron_to_hf(shards, hf.config, tp=tp, pp=pp)
         torch.save({"hf": merged, "norms": norms, "losses": losses, "dp": dp,
                     "state_bytes": max(b for *_, b in everyone)}, out)
@@ -163,3 +165,99 @@ def test_distributed_optimizer_gpu_smoke_step_runs_on_cpu(tmp_path):
     # 2 layers x 7 (norms, fused QKV weight and bias, proj, fc1, fc2) + embedding, final norm, head
     assert res["finite"] and res["grad_norm"] > 0 and res["moved"] == res["params"] == 17
     assert res["state_bytes"] > 0
+
+
+def _resume_worker(rank, tp, sharding, ckpt, phase, out):
+    """phase 'full': 4 steps; 'first': 2 steps, save; 'resume': load, steps 3-4. A bf16
+    model (fp32 masters in the optimizer), the weights of the saved steps' HF start."""
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron import checkpoint
+    from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
+    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
+    from hapo_openrlhf.megatron.schedule import forward_backward
+
+    init_megatron(tp=tp)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    hf = tiny_qwen2(True, layers=2)
+    model = build_qwen2_gpt_model(hf.config, tp=tp, params_dtype=torch.bfloat16, perform_initialization=False)
+    if phase != "resume":  # a resumed run must get every weight and state from disk
+        load_hf_into(model, hf, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank())
+    model = model.to(torch.bfloat16)
+    ddp = wrap(model, distributed_optimizer=True)
+    opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP, weight_decay=0.01, sharding=sharding)
+    start, losses = 0, []
+    if phase == "resume":
+        try:
+            state = checkpoint.load(checkpoint.latest(ckpt), ddp, opt)
+        except ValueError as e:
+            torch.save({"refused": str(e)}, f"{out}.{rank}")
+            return
+        start, losses = state["step"], list(state["losses"])
+    for step in range(start, 2 if phase == "first" else 4):
+        ids, am, w = _data(step % 2)
+        n_global = int(_valid(am).sum())
+        rows = range(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
+        mbs = [{"input_ids": ids[r:r + 1], "attention_mask": am[r:r + 1], "w": w[r:r + 1]} for r in rows]
+
+        def loss_fn(lp, en, mb):
+            return -(lp.float() * mb["w"] * _valid(mb["attention_mask"])).sum() / n_global * dp, {}
+
+        res = forward_backward(ddp, mbs, loss_fn, vocab_size=259)
+        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp, dtype=torch.float64)
+        dist.all_reduce(loss)  # the step's loss (the trainer state is common: written once)
+        losses.append((float(loss), opt.step()))
+    if phase == "first":
+        checkpoint.save(ckpt, 2, ddp, opt, {"step": 2, "losses": losses})
+    inner = opt.torch_optimizers[0]
+    torch.save({"losses": losses, "dp": dp,
+                "weights": {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
+                "masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
+                "steps": {float(st["step"]) for st in inner.state.values()},
+                "moments": [inner.state[p][k].clone() for g in inner.param_groups for p in g["params"]
+                            for k in ("exp_avg", "exp_avg_sq")]}, f"{out}.{rank}")
+
+
+def test_distributed_optimizer_checkpoint_resumes_bitwise_and_at_another_dp(tmp_path):
+    """bf16 model, DP=2, ``dp_reshardable``: 2 steps, save, resume in fresh processes, 2
+    more == 4 uninterrupted steps, bitwise (weights, fp32 master shards, Adam moments,
+    losses and grad norms). The same checkpoint resumes at DP=1 (the state regathered),
+    equal up to reduction order; at TP=2 the format cannot resume: a named refusal."""
+    from hapo_openrlhf.megatron import checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    spawn(_resume_worker, 2, 1, "dp_reshardable", str(ckpt), "full", str(tmp_path / "full"))
+    spawn(_resume_worker, 2, 1, "dp_reshardable", str(ckpt), "first", str(tmp_path / "first"))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2"]
+    layout = __import__("json").loads((ckpt / "step_2" / checkpoint.LAYOUT).read_text())
+    assert layout == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2,
+                      "optimizer": "distributed/dp_reshardable"}
+    spawn(_resume_worker, 2, 1, "dp_reshardable", str(ckpt), "resume", str(tmp_path / "resumed"))
+    for r in range(2):
+        full, resumed = torch.load(tmp_path / f"full.{r}"), torch.load(tmp_path / f"resumed.{r}")
+        assert full["losses"] == resumed["losses"] and len(full["losses"]) == 4
+        for k, v in full["weights"].items():
+            assert v.dtype == torch.bfloat16 and torch.equal(v, resumed["weights"][k]), k
+        assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(full["masters"], resumed["masters"]))
+        assert all(torch.equal(a, b) for a, b in zip(full["moments"], resumed["moments"]))
+
+    # DP=2 -> DP=1: one rank holds the whole state, regathered from the two shards
+    spawn(_resume_worker, 1, 1, "dp_reshardable", str(ckpt), "resume", str(tmp_path / "dp1"))
+    full, first, dp1 = (torch.load(tmp_path / f"{n}.0") for n in ("full", "first", "dp1"))
+    assert dp1["dp"] == 1 and dp1["losses"][:2] == full["losses"][:2]
+    assert [x for st in dp1["losses"][2:] for x in st] == pytest.approx(
+        [x for st in full["losses"][2:] for x in st], rel=1e-4)  # steps 3-4: loss and grad norm
+    assert dp1["steps"] == {4.0} and full["steps"] == {4.0}  # Adam's step count came back from the checkpoint
+    for k, v in full["weights"].items():  # steps 3-4 moved weights by ~lr; the runs agree to a bf16 rounding
+        a, b = dp1["weights"][k].float(), v.float()
+        assert not torch.equal(b, first["weights"][k].float()) or k.endswith("bias"), k
+        bad = (a - b).abs() > 2 ** -8 * b.abs() + 1e-6
+        assert int(bad.sum()) <= max(2, b.numel() // 1000), (k, int(bad.sum()), b.numel())
+
+    # TP=2 from a dp_reshardable checkpoint: refused by name before anything is read
+    spawn(_resume_worker, 2, 2, "dp_reshardable", str(ckpt), "resume", str(tmp_path / "tp2"))
+    why = torch.load(tmp_path / "tp2.0")["refused"]
+    assert "dp_reshardable" in why and "another data-parallel size only" in why and "fully_reshardable" in why
+    # a run with the other sharding type: refused by name too
+    spawn(_resume_worker, 1, 1, "fully_reshardable", str(ckpt), "resume", str(tmp_path / "fully"))
+    assert "megatron.optimizer_sharding" in torch.load(tmp_path / "fully.0")["refused"]

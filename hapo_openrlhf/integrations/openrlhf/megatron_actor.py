@@ -10,23 +10,27 @@ engines, hapo's experience maker and its loss are unchanged:
                             ordered tp-pp-dp, so each data-parallel replica is
                             ``TP x PP`` consecutive Ray actors: OpenRLHF's
                             "duplicate actors"), a Qwen2 ``GPTModel`` stage loaded
-                            from the Hugging Face checkpoint, AdamW, the LR
-                            schedule, hapo's loss, resume, the vLLM sync group.
+                            from the Hugging Face checkpoint inside Megatron's
+                            DDP (fp32 grad buffers), Megatron's optimizer (the
+                            distributed one at DP > 1), the LR schedule, hapo's
+                            loss, resume, the vLLM sync group.
 ``forward``                 old log-probs through the Megatron schedule (forward
                             only), plus the behaviour entropy kept for
                             ``pop_behaviour_entropy``; both from vocabulary shards.
 ``append`` / ``fit``        the replay buffer and the PPO epochs: per optimizer
                             step, the global token count, ``forward_backward`` with
-                            hapo's loss on the last stage, gradient finalisation
-                            (tied embeddings, sequence parallel, data parallel),
-                            clipping, AdamW (over fp32 masters for a bf16
-                            model), the scheduler.
+                            hapo's loss on the last stage into DDP's fp32 buffers,
+                            Megatron's step (DP reduce-scatter or all-reduce, tied
+                            embeddings, grad norm and clipping over the shards,
+                            AdamW on fp32 masters, parameter all-gather), the
+                            scheduler.
 ``broadcast_to_vllm``       streamed: per layer, TP all-gather on the device,
                             Hugging Face layout, point-to-point to rank 0 ->
                             bf16 (the engines' dtype) -> OpenRLHF's weight-sync
                             group (NCCL or Ray collective).
 ``save_checkpoint`` /       Megatron distributed checkpoints under
-``get_checkpoint_states``   ``ckpt.path/_actor/step_N`` with OpenRLHF's
+``get_checkpoint_states``   ``ckpt.path/_actor/step_N`` (the optimizer's sharded
+                            state in ``megatron.optimizer_sharding``) with OpenRLHF's
                             ``client_states`` (data position, step, best metric).
 ``save_model``              the trained model in Hugging Face layout.
 ==========================  ====================================================
@@ -62,7 +66,6 @@ from openrlhf.trainer.ppo_utils.experience import (
 from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-from ...megatron.optim import MainParams
 from .actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV
 
@@ -155,6 +158,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
 
         from ...megatron.checkpoint import latest, load
         from ...megatron.convert import hf_to_megatron
+        from ...megatron.ddp import MegatronOptimizer, use_distributed_optimizer, wrap
         from ...megatron.model import build_qwen2_gpt_model
 
         self.strategy = strategy
@@ -213,17 +217,27 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         self.model = model.to(_device())
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
+        # Megatron's DDP (fp32 grad buffers) and optimizer: fp32 masters for a bf16 model, and with
+        # the distributed optimizer masters + moments sharded over DP (megatron/ddp.py)
+        self.distributed_optimizer = use_distributed_optimizer(m.get("distributed_optimizer"), self.dp_size)
+        self.ddp = wrap(self.model, distributed_optimizer=self.distributed_optimizer)
         adam = args.actor.adam
-        self.main = MainParams(self.model)  # fp32 masters when the model is bf16
-        self.optimizer = torch.optim.AdamW(self.main.optimizer_params, lr=adam.lr, betas=tuple(adam.betas),
-                                           eps=adam.eps, weight_decay=adam.weight_decay,
-                                           **({"fused": True} if cuda else {}))  # fused: no foreach temporaries
+        self.optimizer = MegatronOptimizer(self.ddp, lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps,
+                                           weight_decay=adam.weight_decay, clip_grad=float(args.actor.max_norm),
+                                           sharding=m.get("optimizer_sharding", "dp_reshardable"))
+        if dist.get_rank() == 0:
+            from ...megatron.head import is_installed
+
+            print(f"Megatron actor: TP {self.tp} x PP {self.pp} x DP {self.dp_size}, {self.params_dtype}, "
+                  f"head {'fused' if is_installed(self.model) else 'logits'}, "
+                  f"optimizer {self.optimizer.checkpoint_format}", flush=True)
         name = args.actor.lr_scheduler
-        self.scheduler = get_scheduler(
-            name, self.optimizer, num_warmup_steps=math.ceil(max_steps * args.actor.lr_warmup_ratio),
+        self.schedulers = [get_scheduler(
+            name, opt, num_warmup_steps=math.ceil(max_steps * args.actor.lr_warmup_ratio),
             num_training_steps=max_steps,
             scheduler_specific_kwargs=({"min_lr_rate": args.actor.min_lr_ratio}
                                        if name in {"cosine_with_min_lr", "cosine_warmup_with_min_lr"} else {}))
+            for opt in self.optimizer.torch_optimizers]
         self.loss_fn = loss_from_config(hcfg)
         self.temperature = float(args.rollout.temperature)
         self.entropy_chunk = int(hcfg["algorithm"]["entropy_chunk_size"])
@@ -240,8 +254,9 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         if found is not None:
             if dist.get_rank() == 0:
                 print(f"Loading the checkpoint: {found}", flush=True)
-            state = load(found, self.model, self.optimizer, model_params=self.main.params)
-            self.scheduler.load_state_dict(state["scheduler"])
+            state = load(found, self.ddp, self.optimizer)
+            for sched, sd in zip(self.schedulers, state["scheduler"], strict=True):
+                sched.load_state_dict(sd)
             self.checkpoint_states = state["client_states"]
 
         if self.vllm_engines is not None and dist.get_rank() == 0:
@@ -379,11 +394,12 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 f.write(json.dumps({"layout": self.layout, "budget": self.token_budget,
                                     "tokens": [int(e.attention_mask.sum()) for e in window],
                                     "rows": [int(e.attention_mask.shape[0]) for e in window]}) + "\n")
-        out = forward_backward(self.model, self._micro_batches(window), loss_fn, vocab_size=self.vocab_size,
+        out = forward_backward(self.ddp, self._micro_batches(window), loss_fn, vocab_size=self.vocab_size,
                                temperature=self.temperature, chunk_size=self.entropy_chunk, layout=self.layout)
-        lr = self.scheduler.get_last_lr()[0]
-        norm = self.main.step(self.optimizer, float(self.args.actor.max_norm))
-        self.scheduler.step()
+        lr = self.schedulers[0].get_last_lr()[0]
+        norm = self.optimizer.step()  # reduce over DP, clip at actor.max_norm, AdamW, gather parameters
+        for sched in self.schedulers:
+            sched.step()
         stats = {"actor_grad_norm": norm, "actor_lr": lr}
         if out:  # last stage: the step's loss and the token-weighted PPO statistics (this replica)
             tokens = sum(float(o["tokens"]) for o in out)
@@ -533,10 +549,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         args = self.args
         root = self.ckpt_root / "best" if m.group(1) else self.ckpt_root
         if not args.ckpt.disable_ds:
-            state = {"client_states": dict(client_states or {}), "scheduler": self.scheduler.state_dict(),
+            state = {"client_states": dict(client_states or {}),
+                     "scheduler": [sched.state_dict() for sched in self.schedulers],
                      "tag": tag, "metric_key": metric_key, "metric_value": metric_value}
-            save(root, int(m.group(2)), self.model, self.optimizer, trainer_state=state,
-                 model_params=self.main.params)
+            save(root, int(m.group(2)), self.ddp, self.optimizer, trainer_state=state)
             if dist.get_rank() == 0:
                 self._prune(root, int(args.ckpt.max_num))
         if args.ckpt.save_hf:

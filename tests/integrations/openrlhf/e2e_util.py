@@ -150,8 +150,8 @@ def check_rollout_logprobs_are_the_engines(dump, engine, n_rows):
     Returns the rows."""
     import pytest
 
-    rows = jsonl(Path(dump) / "rollout_logprobs_rank0.jsonl")
-    assert len(rows) == n_rows
+    rows = [r for f in sorted(Path(dump).glob("rollout_logprobs_rank*.jsonl")) for r in jsonl(f)]
+    assert len(rows) == n_rows  # every rank's rows (data parallel: each trains its share)
     assert all(r["rollout"] and all(v <= 0 for v in r["rollout"]) for r in rows)
     if engine != "vllm":
         return rows

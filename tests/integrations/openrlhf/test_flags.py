@@ -116,7 +116,11 @@ def test_megatron_configs_are_shipped_and_checked():
                           ("megatron.layer_spec=tex", "local or te"),
                           ("algorithm.kl_coef=0.01", "kl_coef must be 0"),
                           ("openrlhf.colocate_all=true", "NCCL refuses"),
-                          ("megatron.params_dtype=fp16", "bf16 or fp32")]:
+                          ("megatron.params_dtype=fp16", "bf16 or fp32"),
+                          ("megatron.head=vocab", "auto, fused or logits"),
+                          ("megatron.distributed_optimizer=1", "expected true/false"),
+                          ("megatron.optimizer_sharding=fully_sharded_model_space",
+                           "dp_reshardable or fully_reshardable")]:
         with pytest.raises(ValueError, match=msg):
             load_config(base, override.split(","))
     # what the Megatron back end now runs: packed THD micro-batches by a token budget; SP with TE's spec

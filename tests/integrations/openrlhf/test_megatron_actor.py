@@ -135,14 +135,16 @@ def _worker(rank, world, port, args, model_dir, per_rank, out_dir):
 
 def _reference(cfg, args, model_dir, per_rank, dp, gas):
     """HF model + HapoPolicyLoss + AdamW on the same rows, window by window."""
+    from openrlhf.utils.deepspeed.deepspeed_utils import get_optimizer_grouped_parameters
     from transformers import AutoModelForCausalLM
 
     from hapo_openrlhf.integrations.openrlhf.actor import loss_from_config
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     adam = args.actor.adam
-    opt = torch.optim.AdamW(model.parameters(), lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps,
-                            weight_decay=adam.weight_decay)
+    # OpenRLHF's DeepSpeed actor's parameter groups: no weight decay on biases and norm weights
+    opt = torch.optim.AdamW(get_optimizer_grouped_parameters(model, adam.weight_decay), lr=adam.lr,
+                            betas=tuple(adam.betas), eps=adam.eps)
     loss_fn = loss_from_config(args.hapo)
     T_temp = cfg.rollout.temperature
     n_mb = len(per_rank[0])
@@ -261,7 +263,11 @@ def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
     else:
         states = actor.get_checkpoint_states()
     status = train(batches[1])
-    torch.save({"status": status, "states": states, "masters": [m.detach().clone() for m in actor.main.masters],
+    inner = actor.optimizer.torch_optimizers[0]
+    torch.save({"status": status, "states": states,
+                "masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
+                "moments": [inner.state[p][k].clone() for g in inner.param_groups for p in g["params"]
+                            for k in ("exp_avg", "exp_avg_sq")],
                 "weights": {k: v.clone() for k, v in actor.model.state_dict().items() if not k.endswith("_extra_state")}},
                Path(out_dir) / f"{phase}{rank}.pt")
     dist.destroy_process_group()
@@ -284,6 +290,7 @@ def test_bf16_actor_checkpoint_resumes_exactly(tmp_path):
         assert resumed["states"] == {"global_step": 1, "data_loader_state_dict": {"consumed": 8}}
         assert first["status"] == resumed["status"]  # loss, grad norm, lr (scheduler resumed)
         assert all(m.dtype == torch.float32 and torch.equal(a, m) for a, m in zip(first["masters"], resumed["masters"]))
+        assert all(torch.equal(a, m) for a, m in zip(first["moments"], resumed["moments"]))
         for k, v in first["weights"].items():
             assert torch.equal(v, resumed["weights"][k]), k
         assert any(v.dtype == torch.bfloat16 for v in first["weights"].values())
