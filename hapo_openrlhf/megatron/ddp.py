@@ -174,15 +174,34 @@ class MegatronOptimizer:
                                             step=torch.zeros((), dtype=torch.float32))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
-        self.optimizer.load_state_dict(state)
-        if self.distributed:
-            # megatron-core 0.16.1, torch's AdamW: the distributed optimizer keeps Adam's step in
-            # its param groups, hands one shared tensor to every parameter's state, then (the
-            # dp_reshardable loader) copies into it the step this rank held before the load (0):
-            # give each parameter its own tensor holding the saved step
-            for opt in self.torch_optimizers:
-                for group in opt.param_groups:
-                    if "step" in group:
-                        for p in group["params"]:
-                            opt.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+        """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`.
+
+        The distributed optimizer's part works around megatron-core 0.16.1 with torch's
+        AdamW (no Apex / Transformer Engine, on GPUs without them too), whose per-parameter
+        ``step`` is a state entry but not a buffer shard. Upstream's ``load_state_dict``
+        hands one shared ``step`` tensor to every parameter; its tensor loaders then copy
+        every state key from the checkpoint: ``dp_reshardable`` copies in the step this rank
+        held before the load (0: Adam's bias correction restarts), ``fully_reshardable``
+        finds no ``step`` in the checkpoint (``KeyError``). So the param groups (which carry
+        the saved step) load first, ``step`` leaves the state while the shards load, and
+        each parameter then gets its own tensor holding the saved step."""
+        if not self.distributed:
+            self.optimizer.load_state_dict(state)
+            return
+        inners = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        states = [state] if len(inners) == 1 else [state[k] for k in sorted(state)]
+        loaders = {"dp_reshardable": "load_parameter_state_from_dp_reshardable",
+                   "fully_reshardable": "load_parameter_state_from_fully_reshardable"}
+        for inner, st in zip(inners, states, strict=True):
+            st = dict(st)
+            param_state, kind = st.pop("param_state"), st.pop("param_state_sharding_type")
+            if kind not in loaders:
+                raise ValueError(f"the checkpoint's distributed optimizer state is {kind!r}, not one of {sorted(loaders)}")
+            inner.load_state_dict(st)  # param groups (with Adam's step); no param_state: no tensors yet
+            torch_opt = inner.optimizer
+            for per_param in torch_opt.state.values():
+                per_param.pop("step", None)
+            getattr(inner, loaders[kind])(param_state)  # masters and moments of this rank's shard
+            for group in torch_opt.param_groups:
+                for p in group["params"]:
+                    torch_opt.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
