@@ -142,10 +142,15 @@ def compute_policy_loss(
     return loss, metrics
 
 
+K3_MAX = 10.0  # verl's kl_penalty "low_var_kl" / "k3": the estimate is clamped to [-10, 10]
+
+
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    """Schulman's k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0,
+    as verl computes it: the log-ratio clamped to [-20, 20], the estimate to at most
+    ``K3_MAX`` (where the clamp binds the token's KL gradient is zero)."""
     d = (ref_logprobs - logprobs).clamp(-20, 20)
-    return d.exp() - d - 1
+    return (d.exp() - d - 1).clamp(max=K3_MAX)
 
 
 def _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip):
@@ -222,7 +227,8 @@ def kl_cov(
     token_weight=None, k_ratio: float = 2e-4, kl_coef_cov: float = 1.0,
 ):
     """KL-Cov (Cui et al. 2025): unclipped PG; the top k_ratio of valid tokens by
-    cov(A, logp) also get kl_coef_cov * |logp - logp_old|. (int(k*N) tokens, as verl.)"""
+    cov(A, logp) also get kl_coef_cov * |logp - logp_old|: max(1, int(k*N)) tokens, as verl
+    and the authors' code select them (k_ratio 0 selects none: plain unclipped PG)."""
     log_ratio = (logprobs - old_logprobs).clamp(-20, 20)
     ratio = log_ratio.exp()
     pg = -advantages * ratio
@@ -232,7 +238,8 @@ def kl_cov(
     a = advantages.detach().flatten()[flat_idx]
     lp = logprobs.detach().flatten()[flat_idx]
     cov = (a - a.mean()) * (lp - lp.mean())
-    k = int(k_ratio * flat_idx.numel())
+    n = flat_idx.numel()
+    k = min(n, max(1, int(k_ratio * n))) if k_ratio > 0 and n > 0 else 0
     chosen = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
     if k > 0:
         chosen[flat_idx[torch.topk(cov, k).indices]] = True

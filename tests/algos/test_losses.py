@@ -83,6 +83,16 @@ def test_k3_kl_hand_computed_and_added():
     assert met["actor/kl_ref"] == pytest.approx((math.e - 2) / 2)
 
 
+def test_k3_kl_is_clamped_at_10_like_verl_and_has_no_gradient_there():
+    """verl's low_var_kl: exp(d) - d - 1 with d = ref - logp in [-20, 20], clamped to 10.
+    d = 3: e^3 - 4 = 16.09 -> 10 (no gradient); d = 2: e^2 - 3 = 4.389 (gradient 1 - e^2)."""
+    lp = torch.tensor([[-3.0, -2.0]], requires_grad=True)
+    kl = k3_kl(lp, torch.zeros(1, 2))
+    assert kl[0].tolist() == pytest.approx([10.0, math.exp(2) - 3])
+    kl.sum().backward()
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 1 - math.exp(2)])
+
+
 def test_entro_reg_subtracts_beta_entropy_with_gradient():
     lp = torch.zeros(1, 2)
     ent = torch.tensor([[1.0, 3.0]], requires_grad=True)
@@ -109,6 +119,12 @@ def test_kl_cov_penalises_top_covariance_tokens():
     assert loss.item() in (pytest.approx(base + 0.5 / 4), pytest.approx(base))
     loss0, met0 = compute_policy_loss("kl_cov", lp, old, adv, m, k_ratio=0.0)
     assert loss0.item() == pytest.approx(base) and met0["actor/kl_cov_frac"] == 0.0
+    # verl's max(1, int(k N)): k = 2e-4 of 4 tokens (int 0) still selects one token
+    _, met_small = compute_policy_loss("kl_cov", lp, old, adv, m, k_ratio=2e-4)
+    assert met_small["actor/kl_cov_frac"] == pytest.approx(0.25)
+    # and int(k N) beyond one: k = 0.6 of 4 -> int(2.4) = 2 tokens, the two of covariance 2
+    loss2, met2 = compute_policy_loss("kl_cov", lp, old, adv, m, k_ratio=0.6)
+    assert met2["actor/kl_cov_frac"] == pytest.approx(0.5) and loss2.item() == pytest.approx(base + 0.5 / 4)
 
 
 def test_clip_cov_detaches_a_random_in_band_token():
