@@ -182,11 +182,16 @@ def check_model(cfg: RunConfig) -> Check:
             from .jsonfile import check_safetensors, read_json_object
 
             try:
-                read_json_object(local / "config.json", "the model's config")
+                meta = read_json_object(local / "config.json", "the model's config")
                 for f in sorted(local.glob("*.safetensors")):
                     check_safetensors(f)
+                if cfg.backend == "megatron":
+                    from .megatron.convert import check_model_type
+
+                    check_model_type(meta.get("model_type"))
             except ValueError as e:
-                return Check("model", FAIL, str(e), "re-copy or re-save the model directory")
+                return Check("model", FAIL, str(e), "re-copy or re-save the model directory, or choose a supported "
+                                                    "model / back end")
         return Check("model", FAIL if missing else OK, f"{local}" + (f" lacks {missing}" if missing else ""),
                      "point model.path at a Hugging Face model directory")
     if p.startswith(("/", "./", "../", "~", "runs/")) or p.count("/") != 1:

@@ -89,3 +89,24 @@ def test_an_output_dir_that_is_a_file_and_a_damaged_model_are_reported(tmp_path)
                  "--set", f"model.path={model}"])
     failed = {c["name"]: c["message"] for c in json.loads(p.stdout)["checks"] if c["status"] == FAIL}
     assert "model.safetensors is incomplete or corrupt" in failed["model"]
+
+
+def test_megatron_refuses_an_unsupported_model_family_by_name(tmp_path):
+    """backend: megatron implements Qwen2's layout: a Llama checkpoint is refused by the
+    doctor (from its config.json) and at model build, naming the supported model_type."""
+    from transformers import LlamaConfig
+
+    from hapo_openrlhf.megatron.convert import check_model_type
+    from hapo_openrlhf.megatron.model import qwen2_transformer_config
+
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    p = run_cli(["doctor", "--config", "configs/qwen25_math_7b_hapo_megatron.yaml", "--json", "--static",
+                 "--output-dir", str(tmp_path / "o"), "--set", f"model.path={model}"])
+    failed = {c["name"]: c["message"] for c in json.loads(p.stdout)["checks"] if c["status"] == FAIL}
+    assert "supports Hugging Face model_type qwen2" in failed["model"] and "'llama'" in failed["model"]
+    check_model_type("qwen2")
+    with pytest.raises(ValueError, match="supports Hugging Face model_type qwen2 .*got 'llama'"):
+        qwen2_transformer_config(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                             num_key_value_heads=2, num_hidden_layers=2))

@@ -43,6 +43,20 @@ def _dims(hf_config):
     return H, nq, nkv, d
 
 
+# Hugging Face model_type values the Megatron converter and model builder implement: Qwen2's
+# layout (QKV bias, no QK-norm, RMSNorm, SwiGLU, RoPE); the paper's models are Qwen2-architecture
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+
+
+def check_model_type(model_type) -> None:
+    """Refuse, by name, a model family the Megatron back end does not implement (today a
+    Qwen3 or Llama checkpoint would otherwise fail mid-conversion on a missing QKV bias)."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"backend: megatron supports Hugging Face model_type {', '.join(SUPPORTED_MODEL_TYPES)} "
+                         f"(Qwen2 / Qwen2.5), got {model_type!r}; use backend: openrlhf (DeepSpeed, any Hugging "
+                         f"Face causal LM) for other families")
+
+
 def check_parallel_layout(hf_config, tp: int, pp: int) -> None:
     _, nq, nkv, _ = _dims(hf_config)
     L, F = hf_config.num_hidden_layers, hf_config.intermediate_size

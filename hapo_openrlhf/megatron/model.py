@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import head as heads
-from .convert import check_parallel_layout, padded_vocab_size
+from .convert import check_model_type, check_parallel_layout, padded_vocab_size
 
 
 def qwen2_transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtype=torch.float32, **overrides):
@@ -20,6 +20,7 @@ def qwen2_transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtyp
     ``sequence_parallel=True``) on GPUs."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    check_model_type(getattr(hf_config, "model_type", None))
     check_parallel_layout(hf_config, tp, pp)
     H, nq = hf_config.hidden_size, hf_config.num_attention_heads
     kw = dict(
