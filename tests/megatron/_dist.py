@@ -2,21 +2,16 @@
 bring up Megatron's parallel state on them (with the CPU shim)."""
 
 import os
-import socket
+import tempfile
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, worker, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _entry(rank, worker, world, store, args):
+    # a file rendezvous, not a free TCP port picked in advance: under xdist another worker's
+    # Ray, Slurm or gloo job can take that port between the pick and rank 0's bind
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         worker(rank, *args)
     finally:
@@ -25,7 +20,8 @@ def _entry(rank, worker, world, port, args):
 
 def spawn(worker, nprocs: int, *args) -> None:
     """Run ``worker(rank, *args)`` on ``nprocs`` gloo ranks (a module-level function)."""
-    mp.spawn(_entry, args=(worker, nprocs, _free_port(), args), nprocs=nprocs, join=True)
+    with tempfile.TemporaryDirectory(prefix="hapo-gloo-") as d:
+        mp.spawn(_entry, args=(worker, nprocs, os.path.join(d, "store"), args), nprocs=nprocs, join=True)
 
 
 def init_megatron(tp: int = 1, pp: int = 1, seed: int = 7) -> None:
