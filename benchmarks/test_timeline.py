@@ -1,7 +1,8 @@
 """Where the test suite's wall time goes: reads the timeline that tests/conftest.py writes
-when HAPO_TEST_TIMELINE=FILE is set (one "worker start end nodeid" line per test) and prints
-the wall time, each worker's busy time and test count, the longest tests, and the tests
-each worker ran in its last stretch (the tail that decides the wall time).
+when HAPO_TEST_TIMELINE=FILE is set (one "worker start end cpu=SECONDS nodeid" line per test)
+and prints the wall time, each worker's busy time and test count, the longest tests, the
+tests that used the most CPU, and the tests the last worker ran in its last stretch (the
+tail that decides the wall time).
 
     HAPO_TEST_TIMELINE=/tmp/timeline.txt bash scripts/test.sh
     python benchmarks/test_timeline.py /tmp/timeline.txt [--top 25]
@@ -16,15 +17,19 @@ import json
 from collections import defaultdict
 
 
-def load(path: str) -> list[tuple[str, float, float, str]]:
-    rows = []
+def load(path: str) -> tuple[list[tuple[str, float, float, str]], dict[str, float]]:
+    """The rows (worker, start, end, nodeid) and each test's CPU seconds where recorded."""
+    rows, cpu = [], {}
     with open(path) as f:
         for ln in f:
             w, a, b, node = ln.rstrip("\n").split(" ", 3)
+            if node.startswith("cpu="):
+                c, node = node.split(" ", 1)
+                cpu[node] = float(c[4:])
             rows.append((w, float(a), float(b), node))
     if not rows:
         raise SystemExit(f"{path}: no tests recorded")
-    return rows
+    return rows, cpu
 
 
 def main() -> None:
@@ -32,7 +37,7 @@ def main() -> None:
     ap.add_argument("timeline")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    rows = load(args.timeline)
+    rows, cpu = load(args.timeline)
     t0, t1 = min(r[1] for r in rows), max(r[2] for r in rows)
     per = defaultdict(list)
     for r in rows:
@@ -46,6 +51,12 @@ def main() -> None:
     print(f"\nlongest {args.top} tests (start..end from the first test's start):")
     for w, a, b, node in sorted(rows, key=lambda r: r[1] - r[2])[: args.top]:
         print(f"  {b - a:7.1f} s  {w:5s} {a - t0:6.0f}..{b - t0:6.0f}  {node}")
+    if cpu:
+        total = sum(cpu.values())
+        print(f"\nCPU (worker + waited-for subprocesses; Slurm jobs and Ray actors of a still-running "
+              f"cluster not counted): {total:.0f} s; the {args.top} largest:")
+        for node, c in sorted(cpu.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"  {c:7.1f} s  {node}")
     # concurrency: how many workers are inside a test, sampled every 10 s
     print("\nworkers inside a test, every 60 s:")
     line = []
@@ -62,7 +73,8 @@ def main() -> None:
     if failed:
         print(f"\n{len(failed)} failed:\n  " + "\n  ".join(failed))
     print(json.dumps({"wall_s": round(t1 - t0, 1), "tests": len(rows), "failed": len(failed), "busy_s": {k: round(v) for k, v in busy.items()},
-                      "over_60s": {n: round(b - a) for _, a, b, n in rows if b - a > 60}}))
+                      "over_60s": {n: round(b - a) for _, a, b, n in rows if b - a > 60},
+                      "cpu_s": round(sum(cpu.values()))}))
 
 
 if __name__ == "__main__":

@@ -142,6 +142,9 @@ class OverlongConfig:
     cache_len: int = 8
 
 
+BEHAVIOURS = ("raw", "processed")
+
+
 @dataclass(frozen=True)
 class ISCorrectionConfig:
     """Rollout/training mismatch correction (``algos.is_correction``; OpenRLHF 0.11.2's
@@ -152,6 +155,11 @@ class ISCorrectionConfig:
     mode: str = "mask"
     gating: str = "ratio"
     threshold: tuple[float, ...] = (0.5, 5.0)
+    # which engine log-probs stand for the behaviour policy (docs/method.md 6b): "raw", the
+    # full-vocabulary log-prob at the rollout temperature (what the trainer's old log-prob is,
+    # so an on-policy log-ratio is 0 up to numerics); "processed", the sampler's, renormalised
+    # over the top-p nucleus (OpenRLHF 0.11.2's choice: biased by log P(nucleus) under top-p)
+    behaviour: str = "raw"
 
     def __post_init__(self):
         from .algos.is_correction import ISCorrection
@@ -161,6 +169,13 @@ class ISCorrectionConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(str(e)) from None
         object.__setattr__(self, "threshold", spec.threshold)
+        _require(self.behaviour in BEHAVIOURS,
+                 f"algorithm.is_correction.behaviour must be one of {BEHAVIOURS}, got {self.behaviour!r}")
+
+    def loss_spec(self) -> dict:
+        """What the loss applies (``algos.is_correction.ISCorrection``): everything but ``behaviour``,
+        which picks the engine's log-probs (flags.engine_logprobs_mode)."""
+        return {"level": self.level, "mode": self.mode, "gating": self.gating, "threshold": list(self.threshold)}
 
     @property
     def enabled(self) -> bool:

@@ -117,21 +117,28 @@ def _xdist_load_workers(config) -> int:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """HAPO_TEST_TIMELINE=FILE: append "worker start end nodeid" per test (setup to teardown),
-    to see where the suite's wall time goes (benchmarks/test_timeline.py reads it)."""
+    """HAPO_TEST_TIMELINE=FILE: append "worker start end cpu=SECONDS nodeid" per test (setup
+    to teardown; CPU of the worker and of the subprocesses it waited for -- not of Slurm
+    jobs or daemons), to see where the suite's wall and CPU time go
+    (benchmarks/test_timeline.py reads it)."""
     path = os.environ.get("HAPO_TEST_TIMELINE")
     if not path:
         return (yield)
+    import resource
     import time
 
-    start = time.time()
+    def cpu() -> float:  # this process and the subprocesses it waited for (CLI runs, spawned ranks, launches)
+        a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+    start, cpu0 = time.time(), cpu()
     try:
         return (yield)
     finally:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         failed = "FAILED " if getattr(item, "_hapo_failed", False) else ""
         with open(path, "a") as f:
-            f.write(f"{worker} {start:.2f} {time.time():.2f} {failed}{item.nodeid}\n")
+            f.write(f"{worker} {start:.2f} {time.time():.2f} cpu={cpu() - cpu0:.1f} {failed}{item.nodeid}\n")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -69,3 +69,19 @@ def test_megatron_head_script_reports_ratios_and_agreement_at_tp2(tmp_path):
     assert res["tp"] == 2 and res["max_rel_err"] < 1e-5
     assert res["peak_mem_ratio_vs_unfused"] > 0 and res["time_ratio_vs_unfused"] > 0
     assert set(res["peak_mem_ratio_by_tokens"]) == {"96"} and plot.stat().st_size > 0
+
+
+def test_timeline_script_reads_wall_busy_and_cpu(tmp_path):
+    """benchmarks/test_timeline.py on a hand-made timeline (the format tests/conftest.py
+    writes, and the older one without CPU): wall, busy time per worker, total CPU, failures."""
+    f = tmp_path / "t.txt"
+    f.write_text("gw0 100.00 160.00 cpu=50.5 tests/a.py::test_x\n"
+                 "gw1 110.00 130.00 cpu=3.0 FAILED tests/b.py::test_y[1 2]\n"
+                 "gw0 160.00 170.00 tests/c.py::test_old_format\n")
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "test_timeline.py"), str(f), "--top", "2"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["wall_s"] == 70.0 and res["tests"] == 3 and res["failed"] == 1
+    assert res["busy_s"] == {"gw0": 70, "gw1": 20} and res["cpu_s"] == 54
+    assert "50.5 s  tests/a.py::test_x" in out.stdout

@@ -1,15 +1,11 @@
 """Vocab-parallel log-probs and entropy == the full-vocabulary computation (values and
 gradients), in one process and across 2 gloo ranks holding uneven vocabulary shards."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hapo_openrlhf.algos.vocab_parallel import vocab_parallel_logprobs_entropy
+from tests.megatron._dist import spawn
 
 N, V, T = 37, 11, 0.7  # V = 11 splits 6 + 5 across two ranks; chunk 8 does not divide N
 
@@ -64,28 +60,20 @@ def test_bad_shapes_are_named():
         vocab_parallel_logprobs_entropy(torch.zeros(3, 5), torch.full((3,), 4), vocab_start=0, vocab_size=4)
 
 
-def _worker(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        logits, labels, w_lp, w_en = _case()
-        bounds = [0, 6, V]
-        _check_shard(logits, labels, w_lp, w_en, bounds[rank], bounds[rank + 1])
-        _check_shard(logits, labels, w_lp, w_en, bounds[rank], bounds[rank + 1], pad=1)  # 12 = 6 + 6, one padding id
-        # a rank whose whole shard is padding
-        _check_shard(logits, labels, w_lp, w_en, *((0, V) if rank == 0 else (V, V)), pad=3 * rank)
-        # bf16 shards: fp32 accumulation, still close to the fp64 reference
-        lp, en = vocab_parallel_logprobs_entropy(logits[:, bounds[rank]:bounds[rank + 1]].bfloat16(), labels,
-                                                 vocab_start=bounds[rank], temperature=T, chunk_size=5)
-        ref_lp, ref_en = _reference(logits.bfloat16().float(), labels, T)
-        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(en.double(), ref_en, rtol=1e-4, atol=1e-4)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank):
+    logits, labels, w_lp, w_en = _case()
+    bounds = [0, 6, V]
+    _check_shard(logits, labels, w_lp, w_en, bounds[rank], bounds[rank + 1])
+    _check_shard(logits, labels, w_lp, w_en, bounds[rank], bounds[rank + 1], pad=1)  # 12 = 6 + 6, one padding id
+    # a rank whose whole shard is padding
+    _check_shard(logits, labels, w_lp, w_en, *((0, V) if rank == 0 else (V, V)), pad=3 * rank)
+    # bf16 shards: fp32 accumulation, still close to the fp64 reference
+    lp, en = vocab_parallel_logprobs_entropy(logits[:, bounds[rank]:bounds[rank + 1]].bfloat16(), labels,
+                                             vocab_start=bounds[rank], temperature=T, chunk_size=5)
+    ref_lp, ref_en = _reference(logits.bfloat16().float(), labels, T)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(en.double(), ref_en, rtol=1e-4, atol=1e-4)
 
 
 def test_two_gloo_ranks_equal_full_vocabulary():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port), nprocs=2, join=True)
+    spawn(_worker, 2)

@@ -52,9 +52,11 @@ def fingerprint(sequences: torch.Tensor, attention_mask: torch.Tensor) -> str:
 
 def loss_from_config(hapo_cfg: dict) -> HapoPolicyLoss:
     a = hapo_cfg["algorithm"]
+    isc = a.get("is_correction")
+    if isc is not None:  # "behaviour" picks the engine's log-probs (flags.engine_logprobs_mode), not the loss
+        isc = {k: v for k, v in isc.items() if k != "behaviour"}
     return HapoPolicyLoss(a["loss"], dict(a["loss_params"]), a["aggregation"],
-                          norm_constant=float(hapo_cfg["rollout"]["max_new_tokens"]),
-                          is_correction=a.get("is_correction"))
+                          norm_constant=float(hapo_cfg["rollout"]["max_new_tokens"]), is_correction=isc)
 
 
 class BehaviourEntropyStore:

@@ -64,10 +64,39 @@ def _f(x: float) -> str:
     return repr(float(x))
 
 
+def engine_logprobs_mode(cfg: RunConfig) -> str | None:
+    """vLLM's ``logprobs_mode`` for the rollout engines (None: the correction is off and
+    OpenRLHF asks for no log-probs). OpenRLHF 0.11.2 always passes ``processed_logprobs``
+    (``train_ppo_ray``): log-softmax after temperature *and* top-p, i.e. renormalised over the
+    nucleus S, so log mu(a) = log pi_T(a) - log P(S). ``algorithm.is_correction.behaviour``
+    picks (docs/method.md 6b):
+
+    * ``processed``: upstream's ``processed_logprobs``;
+    * ``raw``: the full-vocabulary log-prob at the rollout temperature, as the trainer
+      computes its old log-probs. vLLM's ``raw_logprobs`` are taken *before* temperature, so
+      they are that only at temperature 1; at another temperature with top-p 1 nothing is
+      truncated and ``processed_logprobs`` are exactly it. Temperature != 1 with top-p < 1
+      has no vLLM mode that gives it: refused, naming the keys."""
+    isc, r = cfg.algorithm.is_correction, cfg.rollout
+    if not isc.enabled:
+        return None
+    if isc.behaviour == "processed":
+        return "processed_logprobs"
+    if r.temperature == 1.0:
+        return "raw_logprobs"
+    if r.top_p == 1.0:
+        return "processed_logprobs"
+    raise ValueError(f"algorithm.is_correction.behaviour=raw needs rollout.temperature 1.0 or rollout.top_p 1.0 "
+                     f"(got {r.temperature} and {r.top_p}): vLLM returns full-vocabulary log-probs before "
+                     f"temperature (raw_logprobs) or after temperature and top-p (processed_logprobs), never "
+                     f"both scaled and untruncated; set behaviour: processed to use the nucleus-renormalised ones")
+
+
 def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
     """``[PROGRAM, --flag, value, ...]``: the argv OpenRLHF's ``train_ppo_ray`` main parses."""
     if cfg.backend not in ("openrlhf", "megatron"):
         raise ValueError(f"OpenRLHF flags are for backend openrlhf or megatron, not {cfg.backend!r}")
+    engine_logprobs_mode(cfg)  # refuses a behaviour vLLM cannot serve before anything starts
     if not cfg.model.path:
         raise ValueError(f"backend {cfg.backend} needs model.path (a Hugging Face model directory or hub id)")
     paths = RunPaths(Path(out or cfg.output_dir))

@@ -127,10 +127,30 @@ def policy_actor_class(backend: str):
     return HapoPolicyModelActor
 
 
+def with_logprobs_mode(create: Callable, mode: str | None) -> Callable:
+    """``create_vllm_engines`` with its ``logprobs_mode`` argument replaced by ``mode`` where
+    OpenRLHF asks for log-probs (it passes ``"processed_logprobs"`` whenever the correction
+    is on, None otherwise; flags.engine_logprobs_mode picks ours). Everything else passes
+    through, bound to upstream's own signature (a renamed parameter fails here, by name)."""
+    sig = inspect.signature(create)
+    if "logprobs_mode" not in sig.parameters:
+        raise RuntimeError(f"{create.__qualname__} has no logprobs_mode parameter (OpenRLHF version changed?)")
+
+    @functools.wraps(create)
+    def _create(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        if bound.arguments.get("logprobs_mode") is not None:
+            bound.arguments["logprobs_mode"] = mode
+        return create(*bound.args, **bound.kwargs)
+
+    return _create
+
+
 @contextlib.contextmanager
-def installed(backend: str = "openrlhf"):
+def installed(backend: str = "openrlhf", logprobs_mode: str | None = None):
     """Point OpenRLHF's driver-side names at the hapo subclasses (restored on exit):
-    the policy actor (DeepSpeed or Megatron) and the controller."""
+    the policy actor (DeepSpeed or Megatron), the controller, and -- where the correction
+    asks the engines for log-probs -- the engines' ``logprobs_mode`` (:func:`with_logprobs_mode`)."""
     import openrlhf.cli.train_ppo_ray as cli
     import openrlhf.trainer.ppo_trainer as pt
     import openrlhf.trainer.ppo_trainer_async as pta
@@ -138,13 +158,15 @@ def installed(backend: str = "openrlhf"):
     from .trainer import HapoPPOTrainer
     from .trainer_async import HapoPPOTrainerAsync
 
-    saved = (cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync)
+    saved = (cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync, cli.create_vllm_engines)
     cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync = (policy_actor_class(backend), HapoPPOTrainer,
                                                                 HapoPPOTrainerAsync)
+    if logprobs_mode is not None:
+        cli.create_vllm_engines = with_logprobs_mode(cli.create_vllm_engines, logprobs_mode)
     try:
         yield
     finally:
-        cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync = saved
+        cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync, cli.create_vllm_engines = saved
 
 
 def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None:
@@ -152,8 +174,10 @@ def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None
 
     if args.critic.model_name_or_path:
         raise ValueError("hapo estimators are critic-free; OpenRLHF was asked for a critic")
+    from .flags import engine_logprobs_mode
+
     args.hapo = {**cfg.to_dict(), "output_dir": str(out or cfg.output_dir)}
-    with installed(cfg.backend):
+    with installed(cfg.backend, engine_logprobs_mode(cfg)):
         cli.train(args)
 
 

@@ -170,6 +170,7 @@ def test_print_command_is_the_argv(tmp_path):
     ('openrlhf.extra_args=["--no.such_option"]', "--no.such_option is not an option of OpenRLHF"),
     ("algorithm.is_correction={level: seq, mode: clip}", "requires is_correction_level=token"),
     ("algorithm.is_correction={level: token, gating: tv, threshold: [0.5, 2]}", "takes an upper bound only"),
+    ("algorithm.is_correction={level: token, behaviour: sampled}", "behaviour must be one of \\('raw', 'processed'\\)"),
 ])
 def test_bad_cluster_settings_are_named(override, msg):
     with pytest.raises(ValueError, match=msg):
@@ -211,6 +212,64 @@ def test_is_correction_section_reaches_openrlhf_and_hapos_loss(tmp_path, spec, w
             list(loss.is_correction.threshold)) == want
     off = build_argv(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml"), tmp_path)
     assert not any(t.startswith("--algo.advantage.is_correction") for t in off)
+
+
+@pytest.mark.parametrize("sets, want", [
+    ([], None),  # correction off: OpenRLHF asks for no log-probs
+    (["algorithm.is_correction={level: token}", "rollout.top_p=0.95"], "raw_logprobs"),  # the default, T 1
+    (["algorithm.is_correction={level: token, behaviour: processed}", "rollout.top_p=0.95"], "processed_logprobs"),
+    # T != 1 with nothing truncated: processed = the full vocabulary at T
+    (["algorithm.is_correction={level: token}", "rollout.temperature=0.7", "rollout.top_p=1.0"], "processed_logprobs"),
+    (["algorithm.is_correction={level: token, behaviour: processed}", "rollout.temperature=0.7"], "processed_logprobs"),
+])
+def test_behaviour_picks_vllms_logprobs_mode(sets, want):
+    from hapo_openrlhf.integrations.openrlhf.flags import engine_logprobs_mode
+
+    assert engine_logprobs_mode(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", sets)) == want
+
+
+def test_raw_behaviour_at_another_temperature_under_top_p_is_refused_by_name(tmp_path):
+    cfg = load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", [
+        "algorithm.is_correction={level: token}", "rollout.temperature=0.7", "rollout.top_p=0.95"])
+    with pytest.raises(ValueError, match="behaviour=raw needs rollout.temperature 1.0 or rollout.top_p 1.0"):
+        build_argv(cfg, tmp_path)
+    p = run_cli(["train", "--config", "configs/qwen25_math_7b_hapo.yaml", "--print-command", "--set",
+                 "algorithm.is_correction={level: token}", "--set", "rollout.temperature=0.7", "--set",
+                 "rollout.top_p=0.95"])
+    assert p.returncode == 2 and "algorithm.is_correction.behaviour=raw needs" in p.stderr
+
+
+def test_logprobs_mode_seam_on_upstreams_create_vllm_engines():
+    """train.installed swaps only the logprobs_mode OpenRLHF passes (processed_logprobs when
+    the correction is on, None when off), bound by upstream's real signature; restored after."""
+    import inspect
+
+    import openrlhf.cli.train_ppo_ray as cli
+    from openrlhf.trainer.ray.vllm_engine import create_vllm_engines
+
+    from hapo_openrlhf.integrations.openrlhf.train import installed, with_logprobs_mode
+
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(inspect.signature(create_vllm_engines).bind(*args, **kwargs).arguments)
+
+    fake.__signature__ = inspect.signature(create_vllm_engines)
+    wrapped = with_logprobs_mode(fake, "raw_logprobs")
+    # as train_ppo_ray calls it: 12 positional arguments, then keywords
+    wrapped(1, 1, "m", 7, False, False, True, 64, None, 0.9, False, "processed_logprobs", agent_func_path=None,
+            remote_rm_url="r.py", max_images_per_prompt=0)
+    wrapped(1, 1, "m", 7, False, False, True, 64, None, 0.9, False, None, remote_rm_url="r.py")
+    assert [c["logprobs_mode"] for c in calls] == ["raw_logprobs", None]
+    assert calls[0]["remote_rm_url"] == "r.py" and calls[0]["max_model_len"] == 64
+    with pytest.raises(RuntimeError, match="no logprobs_mode parameter"):
+        with_logprobs_mode(lambda a, b: None, "raw_logprobs")
+    saved = cli.create_vllm_engines
+    with installed("openrlhf", "raw_logprobs"):
+        assert cli.create_vllm_engines is not saved and cli.create_vllm_engines.__wrapped__ is saved
+    with installed("openrlhf", None):  # correction off: upstream's own function
+        assert cli.create_vllm_engines is saved
+    assert cli.create_vllm_engines is saved
 
 
 @pytest.mark.parametrize("backend", ["openrlhf", "megatron"])

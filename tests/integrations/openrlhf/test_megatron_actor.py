@@ -185,8 +185,9 @@ BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=2
     ("tp2_local_attention", ["megatron.tensor_parallel=2", "megatron.attention=local"], False),  # Megatron's own
 ])
 def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied):
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
+
+    from tests.megatron._dist import start
 
     cfg, args = _args(tmp_path, sets)
     model_dir = _tiny_model_dir(tmp_path / "model", tied)
@@ -198,7 +199,7 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied):
     per_rank = [data[(r // mp_size) * k: (r // mp_size + 1) * k] for r in range(2)]
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(_worker, args=(2, _free_port(), args, model_dir, per_rank, str(out)), nprocs=2, join=True)
+    start(_worker, 2, (2, _free_port(), args, model_dir, per_rank, str(out)))
 
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     got = [torch.load(out / f"rank{r}.pt") for r in range(2)]
@@ -274,7 +275,7 @@ def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
 
 
 def test_bf16_actor_checkpoint_resumes_exactly(tmp_path):
-    import torch.multiprocessing as mp
+    from tests.megatron._dist import start
 
     cfg, args = _args(tmp_path, ["megatron.tensor_parallel=2", "megatron.params_dtype=bf16"])
     model_dir = _tiny_model_dir(tmp_path / "model", False)
@@ -283,7 +284,7 @@ def test_bf16_actor_checkpoint_resumes_exactly(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     for phase in ("first", "resume"):
-        mp.spawn(_resume_worker, args=(2, _free_port(), args, model_dir, batches, str(out), phase), nprocs=2, join=True)
+        start(_resume_worker, 2, (2, _free_port(), args, model_dir, batches, str(out), phase))
     assert sorted(p.name for p in (Path(args.ckpt.path) / "_actor").iterdir()) == ["step_1"]
     for r in range(2):
         first, resumed = torch.load(out / f"first{r}.pt"), torch.load(out / f"resume{r}.pt")

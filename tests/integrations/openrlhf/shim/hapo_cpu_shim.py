@@ -156,7 +156,8 @@ def _rollout_base():
 class CpuRolloutActorImpl(_rollout_base()):
     """OpenRLHF's rollout actor with Hugging Face ``generate`` in place of vLLM."""
 
-    async def __init__(self, model: str, seed: int = 0, remote_rm_url=None, max_model_len: int = 2048, **_kw):
+    async def __init__(self, model: str, seed: int = 0, remote_rm_url=None, max_model_len: int = 2048,
+                       logprobs_mode=None, **_kw):
         import torch
         from openrlhf.utils.agent import SingleTurnAgentExecutor
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -166,6 +167,7 @@ class CpuRolloutActorImpl(_rollout_base()):
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.params = dict(self.model.named_parameters())
         self.seed = seed
+        self.logprobs_mode = logprobs_mode or "raw_logprobs"  # vLLM's default
         self.calls = 0
         self._mm_pad_token_ids = None
         self._group = None
@@ -200,11 +202,20 @@ class CpuRolloutActorImpl(_rollout_base()):
         finish = "stop" if (new and new[-1] == eos) else "length"
         text = self.tokenizer.decode(new, skip_special_tokens=sampling_params.skip_special_tokens)
         logprobs = None
-        if sampling_params.logprobs is not None and new:  # vLLM's processed_logprobs: after temperature
+        if sampling_params.logprobs is not None and new:
+            from hapo_openrlhf.algos.nucleus import nucleus_logprobs
+
             full = torch.tensor([prompt_token_ids + new])
             with torch.no_grad():
-                z = self.model(full).logits[0, len(prompt_token_ids) - 1: -1].float() / sampling_params.temperature
-            lp = torch.log_softmax(z, -1).gather(-1, torch.tensor(new)[:, None])[:, 0].tolist()
+                z = self.model(full).logits[0, len(prompt_token_ids) - 1: -1].float()
+            if self.logprobs_mode == "raw_logprobs":  # vLLM's: before temperature and top-p
+                all_lp = torch.log_softmax(z, -1)
+            elif self.logprobs_mode == "processed_logprobs":  # after temperature and top-p (renormalised)
+                all_lp = nucleus_logprobs(z / sampling_params.temperature, sampling_params.top_p)
+            else:
+                raise ValueError(f"the CPU rollout engine serves raw_logprobs and processed_logprobs, "
+                                 f"not {self.logprobs_mode}")
+            lp = all_lp.gather(-1, torch.tensor(new)[:, None])[:, 0].tolist()
             logprobs = [{t: SimpleNamespace(logprob=v)} for t, v in zip(new, lp)]
         return SimpleNamespace(outputs=[SimpleNamespace(token_ids=new, text=text, finish_reason=finish,
                                                         logprobs=logprobs)])
@@ -256,5 +267,5 @@ def create_cpu_engines(num_engines, tensor_parallel_size, pretrain, seed, full_d
         raise ValueError("the CPU rollout engine supports tensor_parallel_size 1 and single-turn rewards only")
     actor = ray.remote(CpuRolloutActorImpl)
     return [actor.options(num_cpus=0, num_gpus=0).remote(model=pretrain, seed=seed + i, remote_rm_url=remote_rm_url,
-                                                         max_model_len=max_model_len)
+                                                         max_model_len=max_model_len, logprobs_mode=logprobs_mode)
             for i in range(num_engines)]

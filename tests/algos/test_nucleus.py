@@ -1,0 +1,72 @@
+"""The top-p nucleus (algos.nucleus) against hand-computed cases and against
+transformers' own TopPLogitsWarper, and the mismatch-correction weight under both
+``behaviour`` modes, including a sampled token outside the nucleus."""
+
+import math
+
+import pytest
+import torch
+
+from hapo_openrlhf.algos.is_correction import is_correction_weights
+from hapo_openrlhf.algos.nucleus import nucleus_logmass, nucleus_logprobs, nucleus_mask
+
+# probabilities 0.5, 0.3, 0.15, 0.05: at top-p 0.8 the ascending cumsum is 0.05, 0.2, 0.5, 1.0;
+# 0.05 and 0.2 are <= 0.2, so the nucleus is {0.5, 0.3}, P(S) = 0.8
+P = torch.tensor([0.5, 0.3, 0.15, 0.05])
+
+
+def test_hand_computed_nucleus_and_its_log_mass():
+    z = P.log()[None]
+    assert nucleus_mask(z, 0.8).tolist() == [[True, True, False, False]]
+    assert float(nucleus_logmass(z, 0.8)) == pytest.approx(math.log(0.8), abs=1e-6)
+    lp = nucleus_logprobs(z, 0.8)[0]
+    assert lp[:2].tolist() == pytest.approx([math.log(0.5 / 0.8), math.log(0.3 / 0.8)], abs=1e-6)
+    assert lp[2:].tolist() == [float("-inf")] * 2
+    # top-p 1: the whole vocabulary; a tiny top-p still keeps the most probable token
+    assert bool(nucleus_mask(z, 1.0).all()) and float(nucleus_logmass(z, 1.0)) == 0.0
+    assert nucleus_mask(z, 1e-6).tolist() == [[True, False, False, False]]
+    assert float(nucleus_logmass(z, 1e-6)) == pytest.approx(math.log(0.5), abs=1e-6)
+
+
+def test_nucleus_equals_transformers_top_p_warper_and_chunking_is_exact():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(37, 50, generator=g) * 3
+    for top_p in (0.5, 0.9, 0.95):
+        kept = torch.isfinite(TopPLogitsWarper(top_p)(None, z.clone()))
+        assert torch.equal(nucleus_mask(z, top_p), kept), top_p
+        want = torch.logsumexp(torch.log_softmax(z, -1).masked_fill(~kept, float("-inf")), -1)
+        torch.testing.assert_close(nucleus_logmass(z, top_p, chunk_size=5), want)
+        torch.testing.assert_close(nucleus_logmass(z.view(37, 1, 50), top_p, chunk_size=1000), want.view(37, 1))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="top_p must be in"):
+        nucleus_mask(torch.zeros(2, 3), 0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        nucleus_logmass(torch.zeros(2, 3), 0.9, chunk_size=0)
+    with pytest.raises(ValueError, match="vocabulary dimension"):
+        nucleus_logmass(torch.zeros(2, 0), 0.9)
+
+
+def test_correction_weight_raw_is_one_processed_is_the_nucleus_mass():
+    """On-policy (trainer == engine weights), token-level TIS [0, 2]: with raw behaviour
+    log-probs the weight is 1; with processed ones it is P(S) for tokens inside the nucleus.
+    A token outside the nucleus cannot be sampled by top-p: its processed log-prob is
+    -inf, which the correction refuses by name (it would be an engine or alignment fault)."""
+    z = torch.stack([P.log(), torch.tensor([0.9, 0.05, 0.03, 0.02]).log()])  # two positions
+    tokens = torch.tensor([1, 0])
+    old = torch.log_softmax(z, -1).gather(-1, tokens[:, None]).T  # [1, 2] full vocabulary
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    spec = {"level": "token", "mode": "clip", "gating": "ratio", "threshold": [0.0, 2.0]}
+    w_raw, m_raw = is_correction_weights(old, old.clone(), mask, spec)
+    assert w_raw.tolist() == [[1.0, 1.0]] and m_raw["actor/vllm_kl"] == 0.0
+    processed = nucleus_logprobs(z, 0.8).gather(-1, tokens[:, None]).T
+    w_proc, m_proc = is_correction_weights(old, processed, mask, spec)
+    # position 0: nucleus {0.5, 0.3}, P(S) 0.8; position 1: 0.9 alone covers 0.8, P(S) 0.9
+    assert w_proc.tolist()[0] == pytest.approx([0.8, 0.9], abs=1e-6)
+    assert m_proc["actor/vllm_kl"] == pytest.approx(-(math.log(0.8) + math.log(0.9)) / 2, abs=1e-6)
+    outside = nucleus_logprobs(z, 0.8).gather(-1, torch.tensor([[3], [0]])).T  # token 3 at position 0
+    with pytest.raises(ValueError, match="non-finite rollout log-probs"):
+        is_correction_weights(old, outside, mask, spec)
