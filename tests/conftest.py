@@ -52,8 +52,8 @@ def _require_vllm():
 
 # The longest tests, longest first (measured with HAPO_TEST_TIMELINE and
 # benchmarks/test_timeline.py; docs/performance.md, "Test suite"). Collected first; under
-# xdist the three OpenRLHF e2e tests run in series on one worker and the others are dealt
-# over the other workers' first chunks (_spread_for_xdist).
+# xdist the three OpenRLHF e2e tests are dealt over two workers (in series on each) and the
+# others over the other workers' first chunks (_spread_for_xdist).
 LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_e2e_megatron.py::", "test_timeout_then_resubmit",
                  "test_preempt_checkpoint_requeue", "test_scale_submits_and_collects", "test_vllm_engine_evaluates",
                  "test_experiment_cli_smoke", "test_seed_array", "test_corrupt_newest_checkpoint",
@@ -68,20 +68,24 @@ E2E = ("test_e2e.py::", "test_e2e_async.py::", "test_e2e_megatron.py::")
 
 
 def _spread_for_xdist(items: list, workers: int) -> list:
-    """The OpenRLHF end-to-end tests, one after another, open the first worker's chunk;
-    the other long tests are dealt round-robin over the other workers' chunks, longest
-    first; the rest follow in collection order. xdist's ``--dist load`` sends worker k the
-    k-th run of ``len // workers // 4`` consecutive tests first (xdist/scheduler/load.py,
+    """The OpenRLHF end-to-end tests open the first two workers' chunks, dealt alternately
+    (test_e2e + test_e2e_megatron on one, test_e2e_async on the other: ~650 s and ~530 s
+    measured), each worker running its share in series; the other long tests are dealt
+    round-robin over the remaining workers' chunks, longest first; the rest follow in
+    collection order. xdist's ``--dist load`` sends worker k the k-th run of
+    ``len // workers // 4`` consecutive tests first (xdist/scheduler/load.py,
     ``schedule``). Measured (docs/performance.md, "Test suite"): all long tests on one
-    worker ran 45+ minutes in series; the three e2e tests on three workers at once (each a
-    Ray cluster, vLLM or DeepSpeed) thrashed the two cores, 74 tests done in 19 minutes."""
+    worker ran 45+ minutes in series; the three e2e tests in series on one worker were the
+    critical path (1,184 s of a 1,414 s run) once the rest got cheaper; three at once
+    (before Ray's workers ran at nice 0) thrashed the two cores."""
     chunk = max(len(items) // workers // 4, 2)
     e2e = [it for it in items if any(k in it.nodeid for k in E2E)]
     long = [it for it in items if it not in e2e and _long_rank(it.nodeid) < len(LONGEST_FIRST)]
     rest = [it for it in items if it not in e2e and _long_rank(it.nodeid) == len(LONGEST_FIRST)]
-    chunks: list[list] = [list(e2e)] + [[] for _ in range(workers - 1)]
+    n_e2e = min(2, workers - 1)
+    chunks: list[list] = [e2e[k::n_e2e] for k in range(n_e2e)] + [[] for _ in range(workers - n_e2e)]
     for i, it in enumerate(long):
-        chunks[1 + i % (workers - 1)].append(it)
+        chunks[n_e2e + i % (workers - n_e2e)].append(it)
     out = []
     for c in chunks:
         take = max(chunk - len(c), 0)

@@ -1,5 +1,5 @@
-"""The suite's own xdist layout (tests/conftest.py): the OpenRLHF e2e tests run in series
-on one worker, the other long tests open the other workers' first chunks, and a worker recognises ``--dist load`` from the controller's
+"""The suite's own xdist layout (tests/conftest.py): the OpenRLHF e2e tests are dealt over
+two workers, in series on each, the other long tests open the other workers' first chunks, and a worker recognises ``--dist load`` from the controller's
 command line (its own config says ``dist == "no"``: the check that silently never fired
 before, leaving every long test on one worker)."""
 
@@ -19,14 +19,22 @@ def test_a_worker_sees_the_load_mode_from_the_controllers_argv():
     assert _xdist_load_workers(SimpleNamespace()) == 0  # not a worker
 
 
-def test_e2e_tests_run_in_series_and_other_long_tests_open_the_other_chunks():
+def test_e2e_tests_on_two_workers_and_other_long_tests_open_the_other_chunks():
     long = [SimpleNamespace(nodeid=f"tests/x/{k}slow[{i}]") for i, k in enumerate(LONGEST_FIRST[:9])]
     short = [SimpleNamespace(nodeid=f"tests/y.py::test_{i}") for i in range(200)]
     out = _spread_for_xdist(long + short, 4)
     assert sorted(i.nodeid for i in out) == sorted(i.nodeid for i in long + short)  # nothing lost or doubled
     chunk = 209 // 4 // 4  # xdist/scheduler/load.py: len // workers // 4, over all 209 items
     firsts = [out[k * chunk:(k + 1) * chunk] for k in range(4)]
-    assert [i.nodeid for i in firsts[0][:3]] == [i.nodeid for i in long[:3]]  # the three e2e files, in series
-    for k in (1, 2, 3):  # the other six long tests, two per other worker, longest first
-        assert [i.nodeid for i in firsts[k][:2]] == [long[3 + k - 1].nodeid, long[3 + k + 2].nodeid]
-    assert all(i in short for c in firsts for i in c[3 if c is firsts[0] else 2:])
+    # test_e2e then test_e2e_megatron on the first worker, test_e2e_async on the second
+    assert [i.nodeid for i in firsts[0][:2]] == [long[0].nodeid, long[2].nodeid]
+    assert firsts[1][0].nodeid == long[1].nodeid and firsts[1][1] in short
+    for k in (2, 3):  # the other six long tests, three per other worker, longest first
+        assert [i.nodeid for i in firsts[k][:3]] == [long[3 + k - 2 + j].nodeid for j in (0, 2, 4)]
+    n_long = {0: 2, 1: 1, 2: 3, 3: 3}
+    assert all(i in short for k, c in enumerate(firsts) for i in c[n_long[k]:])
+    # two workers: the e2e tests all on the first, the other long tests on the second
+    two = _spread_for_xdist(long + short, 2)
+    c2 = 209 // 2 // 4
+    assert [i.nodeid for i in two[:3]] == [i.nodeid for i in long[:3]]
+    assert [i.nodeid for i in two[c2:c2 + 6]] == [i.nodeid for i in long[3:]]
