@@ -156,3 +156,20 @@ def is_correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Te
         "actor/is_ratio_max": float(valid_is.max()) if valid_is.numel() else 1.0,
     }
     return coef.to(old_logprobs.dtype), metrics
+
+
+def mismatch_by_entropy(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                        entropy: torch.Tensor, tau: torch.Tensor | float) -> dict[str, float]:
+    """``actor/vllm_kl`` (mean of rollout - old) over the high- and low-entropy halves of the
+    valid tokens: high = behaviour entropy H >= tau, the Four Quadrant split (by default
+    each group's mean token entropy, as published). Shows where a mismatch lives: under top-p
+    with ``behaviour: processed`` it is -log P(nucleus), on the high-entropy tokens.
+    A half with no token is left out. [B, T] inputs; ``tau`` a scalar or broadcastable."""
+    mask = response_mask.bool()
+    diff = (rollout_logprobs.float() - old_logprobs.float())
+    high = (entropy.float() >= torch.as_tensor(tau, dtype=torch.float32)) & mask
+    out = {}
+    for name, m in (("high", high), ("low", mask & ~high)):
+        if bool(m.any()):
+            out[f"actor/vllm_kl_{name}_entropy"] = float(diff[m].mean())
+    return out

@@ -70,3 +70,18 @@ def test_correction_weight_raw_is_one_processed_is_the_nucleus_mass():
     outside = nucleus_logprobs(z, 0.8).gather(-1, torch.tensor([[3], [0]])).T  # token 3 at position 0
     with pytest.raises(ValueError, match="non-finite rollout log-probs"):
         is_correction_weights(old, outside, mask, spec)
+
+
+def test_mismatch_split_by_entropy_half_hand_computed():
+    """actor/vllm_kl over the high (H >= tau) and low entropy tokens, padding ignored."""
+    from hapo_openrlhf.algos.is_correction import mismatch_by_entropy
+
+    old = torch.zeros(2, 3)
+    rollout = torch.tensor([[-0.1, -0.2, 0.5], [-0.3, 0.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    ent = torch.tensor([[2.0, 0.1, 1.0], [1.5, 0.2, 5.0]])
+    got = mismatch_by_entropy(old, rollout, mask, ent, tau=torch.tensor([[1.0], [1.0]]))
+    # high: (-0.1, 0.5, -0.3) -> 0.0333; low: (-0.2, 0.0) -> -0.1; the padded 9.0 is not counted
+    assert got == pytest.approx({"actor/vllm_kl_high_entropy": 0.1 / 3, "actor/vllm_kl_low_entropy": -0.1})
+    assert mismatch_by_entropy(old, rollout, mask, ent, tau=10.0) == pytest.approx(
+        {"actor/vllm_kl_low_entropy": (-0.1 - 0.2 + 0.5 - 0.3) / 5})  # an empty half is left out

@@ -84,6 +84,12 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     metrics = algos.quadrant_metrics(out.advantages, entropy, mask, tau, polarity=algos.outcome_polarity(inputs))
     metrics.update(out.metrics)
     metrics["entropy/behaviour_mean"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+    if all(getattr(e, "rollout_log_probs", None) is not None for e in experiences):  # the correction is on
+        from ...algos.is_correction import mismatch_by_entropy
+
+        old = _pad_cat([e.action_log_probs.float() for e in experiences], W)
+        rollout = _pad_cat([e.rollout_log_probs.float() for e in experiences], W)
+        metrics.update(mismatch_by_entropy(old, rollout, mask, entropy, tau))
 
     adv_rows = out.advantages.split(rows)
     lm_rows = loss_mask.split(rows)

@@ -112,3 +112,33 @@ def test_bad_batches_are_errors():
     exps[0].rewards[0] = float("nan")
     with pytest.raises(ValueError, match="non-finite reward"):
         registry_advantages(exps, _cfg(), n)
+
+
+def test_mismatch_by_entropy_half_over_micro_batches():
+    """With the engines' log-probs on the experiences (the correction on), the step's metrics
+    split actor/vllm_kl at the published cut (each group's mean token entropy), computed on
+    the whole batch however OpenRLHF cut it into micro-batches."""
+    from hapo_openrlhf.algos.is_correction import mismatch_by_entropy
+
+    rows = _rollout()
+    exps = _experiences(rows, [5, 4, 3])
+    g = torch.Generator().manual_seed(3)
+    for e in exps:
+        e.action_log_probs = -torch.rand(e.action_mask.shape, generator=g)
+        e.rollout_log_probs = e.action_log_probs - 0.05 * e.behaviour_entropy  # a mismatch growing with H
+    got = registry_advantages(exps, _cfg(), 4)["metrics"]
+    inp = _whole_batch(rows, 4)
+    _, tau = algos.split_quadrants(inp, "group_mean", 0.8, None)
+    W = inp.response_mask.shape[1]
+    diff = torch.zeros(len(rows), W)
+    for e in exps:
+        for r, j in enumerate(e.index):
+            L = rows[j][1]
+            diff[j, :L] = (e.rollout_log_probs - e.action_log_probs)[r, :L]
+    want = mismatch_by_entropy(torch.zeros_like(diff), diff, inp.response_mask, inp.entropy, tau)
+    assert set(want) == {"actor/vllm_kl_high_entropy", "actor/vllm_kl_low_entropy"}
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, abs=1e-6)
+    assert got["actor/vllm_kl_high_entropy"] < got["actor/vllm_kl_low_entropy"] < 0
+    # without the engines' log-probs (correction off) nothing is logged
+    assert "actor/vllm_kl_high_entropy" not in registry_advantages(_experiences(rows, [12]), _cfg(), 4)["metrics"]

@@ -92,7 +92,12 @@ def test_paper_configs_carry_tables_5_and_6(name, tmp_path, capsys):
     assert (args.rollout.max_new_tokens, args.data.max_len) == (t["response"], t["max_len"])
     if t["clip"]:
         assert tuple(args.actor.eps_clip_low_high) == t["clip"]
-    assert args.rollout.temperature == t["temperature"]
+    assert args.rollout.temperature == t["temperature"] == 1.0
+    assert args.rollout.top_p == 0.95  # paper §6.1: "temperature of 1.0 and top-p of 0.95"
+    cfg = load_config(path)
+    # verl 0.9's dual clip (clip_ratio_c 3) on its vanilla PPO loss; its KL-Cov / Clip-Cov losses take none
+    want_dual = None if cfg.algorithm.loss in ("kl_cov", "clip_cov") else 3.0
+    assert args.actor.dual_clip == want_dual and cfg.algorithm.loss_params.get("dual_clip") == want_dual
     assert args.algo.kl.init_coef == 0.0 and not args.algo.kl.use_loss
     assert args.train.max_epochs == 1
     # the step count is the project's limit (OpenRLHF has no max-steps flag): trainer.steps
