@@ -204,3 +204,29 @@ def test_loss_inside_the_fused_forward_equals_the_recomputing_head(tmp_path, los
         torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-6)
     for k in ("actor/loss", "actor/clip_frac", "actor/grad_norm"):
         assert m1[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
+
+
+def test_behaviour_under_top_p_is_the_full_vocabulary_at_the_rollout_temperature(tmp_path):
+    """The embedded default samples at top-p 0.95 (T 1.0); its behaviour log-probs and entropy,
+    which HAPO's shaping and the PPO ratio read, are the full-vocabulary ones at the rollout
+    temperature -- not the sampler's nucleus-renormalised ones (which differ where the nucleus
+    cuts mass, as this checks on a temperature of 1.3)."""
+    from hapo_openrlhf.algos.nucleus import nucleus_logmass
+
+    t = _trainer(tmp_path, ["rollout.temperature=1.3"])
+    assert load_config(CONFIG).rollout.top_p == 0.95 and t.cfg.rollout.top_p == 0.95
+    batch, _ = t.collect()
+    ro = batch.rollout
+    old, ent = t._behaviour(ro)
+    with torch.no_grad():
+        logits = t.model(ro.sequences_BL, attention_mask=ro.attention_mask_BL,
+                         position_ids=(ro.attention_mask_BL.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    z = logits[:, ro.prompt_len - 1:-1] / 1.3
+    logp = torch.log_softmax(z, -1)
+    mask = ro.response_mask_BR.bool()
+    want_lp = logp.gather(-1, ro.sequences_BL[:, ro.prompt_len:, None])[..., 0]
+    want_ent = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(old[mask], want_lp[mask], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ent[mask], want_ent[mask], rtol=1e-4, atol=1e-4)
+    # the processed (nucleus) log-probs would sit log P(S) above these on some sampled tokens
+    assert float(nucleus_logmass(z, 0.95)[mask].min()) < -0.01
