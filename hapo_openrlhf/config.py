@@ -172,11 +172,6 @@ class ISCorrectionConfig:
         _require(self.behaviour in BEHAVIOURS,
                  f"algorithm.is_correction.behaviour must be one of {BEHAVIOURS}, got {self.behaviour!r}")
 
-    def loss_spec(self) -> dict:
-        """What the loss applies (``algos.is_correction.ISCorrection``): everything but ``behaviour``,
-        which picks the engine's log-probs (flags.engine_logprobs_mode)."""
-        return {"level": self.level, "mode": self.mode, "gating": self.gating, "threshold": list(self.threshold)}
-
     @property
     def enabled(self) -> bool:
         return self.level != "off"
