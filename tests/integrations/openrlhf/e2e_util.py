@@ -141,6 +141,33 @@ def check_engine_holds_final(dump, final_dir, n_syncs, engine="cpu", seed=7):
 
 
 CORRECTION = "algorithm.is_correction={level: token, mode: clip, gating: ratio, threshold: [0.0, 2.0]}"
+# the same correction on the sampler's nucleus-renormalised log-probs (upstream's choice; docs/method.md 6b)
+CORRECTION_PROCESSED = ("algorithm.is_correction={level: token, mode: clip, gating: ratio, threshold: [0.0, 2.0], "
+                        "behaviour: processed}")
+
+
+def first_step_logratio(dump, model_dir, rows_per_rank, top_p):
+    """Before any weight update (global step 1: trainer and engine hold the warm model), per
+    response token, the trainer's full-vocabulary log-prob at T 1 (the Hugging Face model in
+    fp32, as the trainer computes old log-probs) minus the engine's log-prob that reached the
+    loss, and log P(nucleus) at that position. Returns (mean log-ratio, mean log-mass, tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hapo_openrlhf.algos.nucleus import nucleus_logmass
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ratio, mass = [], []
+    for f in sorted(Path(dump).glob("rollout_logprobs_rank*.jsonl")):
+        for r in jsonl(f)[:rows_per_rank]:
+            ids, n = torch.tensor([r["tokens"]]), len(r["rollout"])
+            with torch.no_grad():
+                z = model(ids).logits[0, -n - 1:-1].float()
+            old = torch.log_softmax(z, -1).gather(-1, ids[0, -n:, None])[:, 0]
+            ratio.append(old - torch.tensor(r["rollout"]))
+            mass.append(nucleus_logmass(z, top_p))
+    ratio, mass = torch.cat(ratio), torch.cat(mass)
+    return float(ratio.mean()), float(mass.mean()), ratio.numel()
 
 
 def check_rollout_logprobs_are_the_engines(dump, engine, n_rows):

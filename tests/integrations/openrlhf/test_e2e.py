@@ -14,7 +14,8 @@ from hapo_openrlhf.algos.entropy import entropy_from_logits
 from tests.conftest import VLLM_PYTHON
 from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final, check_preempt_then_resume,
                                                   check_registry_advantages_reached_loss,
-                                                  check_rollout_logprobs_are_the_engines, jsonl, run_e2e)
+                                                  check_rollout_logprobs_are_the_engines, first_step_logratio, jsonl,
+                                                  run_e2e)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 ENGINE = "vllm" if VLLM_PYTHON else "cpu"
@@ -78,6 +79,13 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
     # vLLM-vs-trainer KL is finite and not zero (bf16 engine vs the actor)
     check_rollout_logprobs_are_the_engines(dump, ENGINE, n_rows=2 * 16)
     assert all(math.isfinite(r["actor/vllm_kl"]) and r["actor/vllm_kl"] != 0 for r in m)
+    # at top-p 0.95 with the default behaviour (raw: vLLM's raw_logprobs at T 1) the on-policy
+    # log-ratio before any update is the engines' numerical noise, far below the nucleus
+    # log-mass that the processed log-probs would carry (test_e2e_megatron.py shows that shift)
+    ratio, mass, n = first_step_logratio(dump, warm_model, 16, 0.95)
+    print(f"e2e raw behaviour, top-p 0.95, step 1: mean log-ratio {ratio:.5f}, mean log P(S) {mass:.5f}, {n} tokens")
+    assert mass < -0.005 and abs(ratio) < 0.25 * abs(mass), (ratio, mass, n)
+    assert all(k in r for r in m for k in ("actor/vllm_kl_high_entropy", "actor/vllm_kl_low_entropy"))
     assert all(0 <= r["actor/is_filter_frac"] <= 1 and r["actor/is_ratio_max"] >= r["actor/is_ratio_mean"] > 0
                for r in m)
 

