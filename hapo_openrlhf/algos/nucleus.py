@@ -32,7 +32,10 @@ def nucleus_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     _check(logits, top_p)
     if top_p == 1.0:
         return torch.ones_like(logits, dtype=torch.bool)
-    probs = torch.softmax(logits.float(), -1)
+    return _mask_of(torch.softmax(logits.float(), -1), top_p)
+
+
+def _mask_of(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_p, order = probs.sort(-1)  # ascending
     drop_sorted = sorted_p.cumsum(-1) <= 1 - top_p
     drop_sorted[..., -1] = False  # the most probable token always stays
@@ -56,7 +59,6 @@ def nucleus_logmass(logits: torch.Tensor, top_p: float, chunk_size: int = 1024) 
     out = torch.zeros(flat.shape[0], dtype=torch.float32, device=logits.device)
     if top_p < 1.0:
         for s in range(0, flat.shape[0], chunk_size):
-            z = flat[s:s + chunk_size].float()
-            logp = torch.log_softmax(z, -1)
-            out[s:s + chunk_size] = torch.logsumexp(logp.masked_fill(~nucleus_mask(z, top_p), float("-inf")), -1)
+            probs = torch.softmax(flat[s:s + chunk_size].float(), -1)
+            out[s:s + chunk_size] = (probs * _mask_of(probs, top_p)).sum(-1).log()
     return out.reshape(logits.shape[:-1])

@@ -102,7 +102,6 @@ def test_paper_configs_carry_tables_5_and_6(name, tmp_path, capsys):
     assert args.train.max_epochs == 1
     # the step count is the project's limit (OpenRLHF has no max-steps flag): trainer.steps
     # travels in args.hapo to the controller's StepLimit; the episodes must not end the run first
-    cfg = load_config(path)
     assert cfg.trainer.steps == t["steps"] and cfg.data.template == t["template"]
     assert t["steps"] * t["prompts"] <= 40_315 * cfg.openrlhf.num_episodes  # DeepScaleR has 40,315 problems
     if cfg.algorithm.estimator == "hapo":
