@@ -18,6 +18,7 @@ Rows are processed in chunks of ``chunk_size`` (a sort of one [chunk, V] block a
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def _check(logits: torch.Tensor, top_p: float) -> None:
@@ -62,3 +63,84 @@ def nucleus_logmass(logits: torch.Tensor, top_p: float, chunk_size: int = 1024) 
             probs = torch.softmax(flat[s:s + chunk_size].float(), -1)
             out[s:s + chunk_size] = (probs * _mask_of(probs, top_p)).sum(-1).log()
     return out.reshape(logits.shape[:-1])
+
+
+# a fixed count keeps every rank's collectives in step; the threshold interval ends
+# <= max p * 2**-BISECT_STEPS wide (about 1e-12), so a token is misplaced only if its
+# probability lies within 1e-12 of the nucleus boundary
+BISECT_STEPS = 40
+
+
+@torch.no_grad()
+def sharded_nucleus_logmass(
+    x: torch.Tensor,
+    top_p: float,
+    *,
+    weight: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    n_valid: int | None = None,
+    group=None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """[...] log P(S) from a vocabulary shard, never the full [N, V] logits.
+
+    ``x``: this rank's logits shard ``[..., Vr]``, or with ``weight`` ([Vr, H], this
+    rank's LM-head rows) the last hidden states ``[..., H]`` (the fused heads: each
+    chunk's logits are recomputed, one matmul in the weight's dtype). Logits are divided
+    by ``temperature``; columns at or past ``n_valid`` are vocabulary padding. ``group``:
+    the tensor-parallel group (None: the default group when torch.distributed is up).
+
+    One rank (or no process group) applies the sampler's sort rule to each chunk exactly
+    (:func:`nucleus_logmass`). Over several ranks no rank sees a whole row, so the nucleus
+    boundary is found as a probability threshold: the dropped tokens are those with
+    p <= t for the largest t whose dropped mass is <= 1 - top_p (the sort rule's longest
+    ascending prefix), by ``BISECT_STEPS`` bisection steps of one [C] all-reduce each,
+    then one more for the kept mass. Cost: a no-grad pass over [C, Vr] per step, for a
+    metric; 0 at ``top_p`` 1 without any compute.
+    """
+    from .vocab_parallel import _all_reduce  # the same all-reduce rule as the log-prob/entropy pass
+
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not temperature > 0 or chunk_size <= 0:
+        raise ValueError(f"temperature and chunk_size must be > 0, got {temperature}, {chunk_size}")
+    if weight is not None and (weight.dim() != 2 or weight.shape[1] != x.shape[-1]):
+        raise ValueError(f"weight must be [Vr, H={x.shape[-1]}], got {tuple(weight.shape)}")
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.zeros(flat.shape[0], dtype=torch.float32, device=x.device)
+    if top_p == 1.0:
+        return out.view(lead)
+    Vr = weight.shape[0] if weight is not None else flat.shape[-1]
+    nv = Vr if n_valid is None else max(0, min(Vr, int(n_valid)))
+    ranks = dist.get_world_size(group) if (group is not None or (dist.is_available() and dist.is_initialized())) else 1
+    SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+    for s in range(0, flat.shape[0], chunk_size):
+        if weight is not None:
+            z = (flat[s:s + chunk_size].to(weight.dtype) @ weight[:nv].t()).float()
+        else:
+            z = flat[s:s + chunk_size, :nv].float()
+        if temperature != 1.0:
+            z = z / temperature
+        if ranks == 1:
+            if nv == 0:
+                raise ValueError("no vocabulary columns (n_valid is 0)")
+            p = torch.softmax(z, -1)
+            out[s:s + chunk_size] = (p * _mask_of(p, top_p)).sum(-1).log()
+            continue
+        m = z.amax(-1) if nv else z.new_full((z.shape[0],), -torch.inf)
+        m = _all_reduce(m, MAX, group)
+        p = torch.exp(z - m.unsqueeze(-1))
+        p.div_(_all_reduce(p.sum(-1), SUM, group).unsqueeze(-1))
+        budget = 1.0 - top_p
+        lo = torch.zeros_like(m)
+        hi = _all_reduce(p.amax(-1) if nv else torch.zeros_like(m), MAX, group)
+        for _ in range(BISECT_STEPS):
+            mid = (lo + hi) / 2
+            dropped = _all_reduce((p * (p <= mid.unsqueeze(-1))).sum(-1), SUM, group)
+            ok = dropped <= budget
+            lo = torch.where(ok, mid, lo)
+            hi = torch.where(ok, hi, mid)
+        kept = _all_reduce((p * (p > lo.unsqueeze(-1))).sum(-1), SUM, group)
+        out[s:s + chunk_size] = kept.log()
+    return out.view(lead)

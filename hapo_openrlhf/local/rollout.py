@@ -12,6 +12,7 @@ import torch
 
 from ..algos import check_finite, logprobs_and_entropy
 from ..algos.fused import fused_logprobs_entropy, fused_token_loss
+from ..algos.nucleus import sharded_nucleus_logmass
 
 
 @dataclass
@@ -146,9 +147,11 @@ def fused_policy_loss(model, rollout: Rollout, loss_of, *, temperature: float, c
 
 
 def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: int, with_entropy_grad: bool = False,
-                   fused: bool = True, packing: bool = False):
+                   fused: bool = True, packing: bool = False, nucleus_top_p: float | None = None):
     """(log-probs [B,R], entropy [B,R]) of the response tokens under ``model`` at
-    ``temperature``; entropy is detached unless ``with_entropy_grad``.
+    ``temperature``; entropy is detached unless ``with_entropy_grad``. With
+    ``nucleus_top_p`` a third tensor: log P(top-p nucleus) [B,R] of each response
+    position's full distribution (``rollout/nucleus_logmass``; no grad, 0 at top-p 1).
 
     fused: the LM head, log-prob and entropy run chunk by chunk from the hidden
     states (``fused_logprobs_entropy``), so the [B, R, V] logits never exist; else
@@ -157,15 +160,23 @@ def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: i
     mask, labels = rollout.response_mask_BR, rollout.response_ids_BR
     hid = _response_hidden(model, rollout, packing)
     if fused:
-        logp, ent = fused_logprobs_entropy(hid, _fused_head_weight(model), labels, temperature=temperature,
-                                           chunk_size=chunk_size)
+        head = _fused_head_weight(model)
+        logp, ent = fused_logprobs_entropy(hid, head, labels, temperature=temperature, chunk_size=chunk_size)
         check_finite("log-probs", logp.detach(), mask)
+        if nucleus_top_p is not None:
+            logmass = sharded_nucleus_logmass(hid, nucleus_top_p, weight=head, temperature=temperature,
+                                              chunk_size=chunk_size)
     else:
         resp_logits = model.get_output_embeddings()(hid)
         check_finite("logits", resp_logits.detach().amax(-1), mask)
         logp, ent = logprobs_and_entropy(resp_logits, labels, chunk_size, temperature)
+        if nucleus_top_p is not None:
+            logmass = sharded_nucleus_logmass(resp_logits, nucleus_top_p, temperature=temperature,
+                                              chunk_size=chunk_size)
     if not with_entropy_grad:
         ent = ent.detach()
+    if nucleus_top_p is not None:
+        return logp * mask, ent * mask, logmass * mask
     return logp * mask, ent * mask
 
 

@@ -223,11 +223,15 @@ class LocalTrainer:
         return _merge_groups(kept, self.tok.pad_token_id), buf.metrics()
 
     # ------------------------------------------------------------------- update
-    def _behaviour(self, ro: Rollout):
-        a, T = self.cfg.algorithm, self.cfg.rollout.temperature
+    def _behaviour(self, ro: Rollout, nucleus: bool = False):
+        """(log-probs, entropy) at the rollout temperature; with ``nucleus`` and top-p < 1 a
+        third tensor, log P(nucleus) per token (``rollout/nucleus_logmass``)."""
+        a, r = self.cfg.algorithm, self.cfg.rollout
+        top_p = r.top_p if nucleus and r.top_p < 1.0 else None
         with torch.no_grad():
-            return policy_forward(self.model, ro, temperature=T, chunk_size=a.entropy_chunk_size,
-                                  fused=self.cfg.model.fused_head, packing=self.cfg.model.packing)
+            return policy_forward(self.model, ro, temperature=r.temperature, chunk_size=a.entropy_chunk_size,
+                                  fused=self.cfg.model.fused_head, packing=self.cfg.model.packing,
+                                  nucleus_top_p=top_p)
 
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -235,7 +239,9 @@ class LocalTrainer:
         batch, metrics = self.collect()
         ro = batch.rollout
         mask = ro.response_mask_BR
-        old_logp, ent = self._behaviour(ro)
+        old_logp, ent, *logmass = self._behaviour(ro, nucleus=True)
+        if logmass:  # top-p rollouts: the mean log P(nucleus) over response tokens (docs/metrics.md)
+            metrics["rollout/nucleus_logmass"] = float(logmass[0].sum() / mask.sum().clamp(min=1))
         inputs = algos.AdvantageInputs(
             rewards=batch.rewards, response_mask=mask, entropy=ent, group_index=batch.group_index,
             old_logprobs=old_logp, correct=batch.correct,

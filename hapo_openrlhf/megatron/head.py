@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..algos.fused import weight_grad_gemm
+from ..algos.nucleus import sharded_nucleus_logmass
 from ..algos.vocab_parallel import _all_reduce, vocab_parallel_logprobs_entropy
 
 # megatron.head in the config (docs/configs.md): fused (this module) or logits (the output
@@ -257,6 +258,16 @@ def next_token_logprobs_entropy(out: torch.Tensor, input_ids: torch.Tensor, *, w
     return fused_vocab_parallel_logprobs_entropy(
         out[:, :-1], weight, input_ids[:, 1:], vocab_start=tp_rank * weight.shape[0], vocab_size=vocab_size,
         group=tp_group, temperature=temperature, chunk_size=chunk_size, reduce_hidden_grad=False)
+
+
+def next_token_nucleus_logmass(out: torch.Tensor, *, top_p: float, weight: torch.Tensor | None, vocab_size: int,
+                               temperature: float, chunk_size: int, tp_group, tp_rank: int) -> torch.Tensor:
+    """log P(top-p nucleus) [B, S-1] of each next-token distribution, from the same output
+    as :func:`next_token_logprobs_entropy` (logits shard, or hidden states + head shard),
+    over the tensor-parallel group (``algos.nucleus.sharded_nucleus_logmass``; no grad)."""
+    Vr = out.shape[-1] if weight is None else weight.shape[0]
+    return sharded_nucleus_logmass(out[:, :-1], top_p, weight=weight, temperature=temperature,
+                                   n_valid=vocab_size - tp_rank * Vr, group=tp_group, chunk_size=chunk_size)
 
 
 def resolve(head: str, attention: str) -> str:

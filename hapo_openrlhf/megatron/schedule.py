@@ -130,22 +130,32 @@ class RowLayout:
         states for the fused head: ``head.next_token_logprobs_entropy``) -> next-token
         log-probs and entropy [B, S-1] in the caller's layout (zeros where a row has no
         next real token)."""
-        B, S = self.shape
         # thd: [1, T, *], value t predicts packed token t + 1 (unused across a sequence boundary);
         # padded: [B, L, *]; masked: the caller's own rows
         lp, en = heads.next_token_logprobs_entropy(out, model_ids, weight=weight, vocab_size=vocab_size,
                                                    temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
                                                    tp_rank=tp_rank)
+        return self._place(lp), self._place(en)
+
+    def nucleus_logmass(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
+                        chunk_size: int, tp_group, tp_rank: int, weight=None) -> torch.Tensor:
+        """log P(top-p nucleus) of each next-token distribution [B, S-1], from the same
+        output as :meth:`logprobs_entropy` (``head.next_token_nucleus_logmass``; no grad)."""
+        lm = heads.next_token_nucleus_logmass(out, top_p=top_p, weight=weight, vocab_size=vocab_size,
+                                              temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
+                                              tp_rank=tp_rank)
+        return self._place(lm)
+
+    def _place(self, v: torch.Tensor) -> torch.Tensor:
+        """The model's next-token values -> the caller's [B, S-1] (zeros where a row has no
+        next real token)."""
         if self.layout == "masked":
-            return lp, en
+            return v
+        B, S = self.shape
         src, dst = self._maps()
-        src, dst = src.to(lp.device), dst.to(lp.device)
-
-        def place(v: torch.Tensor) -> torch.Tensor:
-            out = v.new_zeros(B * (S - 1))
-            return out.index_copy(0, dst, v.reshape(-1).index_select(0, src)).view(B, S - 1)
-
-        return place(lp), place(en)
+        src, dst = src.to(v.device), dst.to(v.device)
+        out = v.new_zeros(B * (S - 1))
+        return out.index_copy(0, dst, v.reshape(-1).index_select(0, src)).view(B, S - 1)
 
 
 def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,
@@ -167,12 +177,13 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
 
 def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn | None, *,
                      vocab_size: int, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
-                     forward_only: bool = False, layout: str | None = None) -> list[Any]:
+                     forward_only: bool = False, layout: str | None = None, nucleus_top_p: float = 1.0) -> list[Any]:
     """Run ``micro_batches`` (dicts with ``input_ids`` and ``attention_mask`` [B, S], plus
     whatever ``loss_fn`` reads) through the schedule on every rank of the model-parallel
     group. Returns, on the last pipeline stage, one entry per micro-batch: the metrics
     dict (with ``loss``), or with ``loss_fn=None`` the ``(logp, entropy)`` pair (the
-    old-log-prob pass); other stages get an empty list. Gradients accumulate into the
+    old-log-prob pass; with ``nucleus_top_p`` < 1 a triple, log P(nucleus) [B, S-1] third);
+    other stages get an empty list. Gradients accumulate into the
     parameters (with Megatron's DDP wrapper, ``ddp.wrap``: into its fp32 buffers) unless
     ``forward_only``.
 
@@ -216,7 +227,12 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
             lp, en = lay.logprobs_entropy(logits, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,
                                           chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight)
             if loss_fn is None:  # forward only: hand the values back
-                return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), (lp.detach(), en.detach())
+                vals = (lp.detach(), en.detach())
+                if nucleus_top_p < 1.0:
+                    vals += (lay.nucleus_logmass(logits, top_p=nucleus_top_p, vocab_size=vocab_size,
+                                                 temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
+                                                 tp_rank=tp_rank, weight=weight),)
+                return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), vals
             loss, metrics = loss_fn(lp, en, mb)
             return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach(), **metrics}
 
@@ -275,3 +291,4 @@ def allreduce_tied_embedding_grads(model) -> None:
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+

@@ -85,3 +85,68 @@ def test_mismatch_split_by_entropy_half_hand_computed():
     assert got == pytest.approx({"actor/vllm_kl_high_entropy": 0.1 / 3, "actor/vllm_kl_low_entropy": -0.1})
     assert mismatch_by_entropy(old, rollout, mask, ent, tau=10.0) == pytest.approx(
         {"actor/vllm_kl_low_entropy": (-0.1 - 0.2 + 0.5 - 0.3) / 5})  # an empty half is left out
+
+
+def _sharded_case(seed=1, n=29, v=23, h=8):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.8
+    return hidden, weight
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.95, 1e-6])
+def test_sharded_logmass_one_process_equals_the_sort_rule(top_p):
+    from hapo_openrlhf.algos.nucleus import sharded_nucleus_logmass
+
+    hidden, weight = _sharded_case()
+    T = 0.7
+    want = nucleus_logmass(hidden @ weight.t() / T, top_p)
+    # from the logits, chunked, and from hidden states + head (the fused heads), padding rows ignored
+    got = sharded_nucleus_logmass(hidden @ weight.t(), top_p, temperature=T, chunk_size=4)
+    torch.testing.assert_close(got, want)
+    padded = torch.cat([weight, torch.full((3, weight.shape[1]), 50.0)])  # huge logits, not vocabulary
+    got = sharded_nucleus_logmass(hidden[None], top_p, weight=padded, n_valid=weight.shape[0], temperature=T)
+    assert got.shape == (1, hidden.shape[0])
+    torch.testing.assert_close(got[0], want)
+    assert float(want.max()) <= 0 and (top_p == 1 or float(want.min()) < 0)
+
+
+def test_sharded_logmass_at_top_p_one_is_zero_and_bad_arguments_are_named():
+    from hapo_openrlhf.algos.nucleus import sharded_nucleus_logmass
+
+    hidden, weight = _sharded_case()
+    assert not sharded_nucleus_logmass(hidden, 1.0, weight=weight).any()
+    with pytest.raises(ValueError, match="top_p"):
+        sharded_nucleus_logmass(hidden, 0.0, weight=weight)
+    with pytest.raises(ValueError, match=r"weight must be \[Vr, H=8\]"):
+        sharded_nucleus_logmass(hidden, 0.9, weight=weight.t())
+
+
+def _sharded_worker(rank):
+    from hapo_openrlhf.algos.nucleus import sharded_nucleus_logmass
+
+    hidden, weight = _sharded_case()
+    T = 0.7
+    logits = hidden @ weight.t()
+    bounds = [0, 12, weight.shape[0]]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    for top_p in (0.5, 0.9, 0.95, 1e-6):
+        want = nucleus_logmass(logits / T, top_p)
+        got = sharded_nucleus_logmass(logits[:, lo:hi], top_p, temperature=T, chunk_size=7)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        # the fused form, the last rank's shard with 2 padding rows
+        w = weight[lo:hi]
+        if rank == 1:
+            w = torch.cat([w, torch.full((2, w.shape[1]), 50.0)])
+        got = sharded_nucleus_logmass(hidden, top_p, weight=w, n_valid=hi - lo, temperature=T)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # a rank whose whole shard is padding: the other holds the vocabulary
+    w = weight if rank == 0 else torch.full((4, weight.shape[1]), 50.0)
+    got = sharded_nucleus_logmass(hidden, 0.9, weight=w, n_valid=weight.shape[0] if rank == 0 else 0)
+    torch.testing.assert_close(got, nucleus_logmass(logits, 0.9), rtol=0, atol=1e-5)
+
+
+def test_sharded_logmass_over_two_gloo_ranks_equals_the_sort_rule():
+    from tests.megatron._dist import spawn
+
+    spawn(_sharded_worker, 2)

@@ -229,4 +229,19 @@ def test_behaviour_under_top_p_is_the_full_vocabulary_at_the_rollout_temperature
     torch.testing.assert_close(old[mask], want_lp[mask], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ent[mask], want_ent[mask], rtol=1e-4, atol=1e-4)
     # the processed (nucleus) log-probs would sit log P(S) above these on some sampled tokens
-    assert float(nucleus_logmass(z, 0.95)[mask].min()) < -0.01
+    want_lm = nucleus_logmass(z, 0.95)
+    assert float(want_lm[mask].min()) < -0.01
+    # rollout/nucleus_logmass's per-token input, from the same pass (fused head and logits head)
+    from dataclasses import replace
+
+    cfg = t.cfg
+    for fused in (True, False):
+        t.cfg = replace(cfg, model=replace(cfg.model, fused_head=fused))
+        *_, lm = t._behaviour(ro, nucleus=True)
+        torch.testing.assert_close(lm[mask], want_lm[mask], rtol=0, atol=1e-5)
+        assert not lm[~mask].any()
+    t.cfg = cfg
+    metrics = t.train_step()
+    assert -0.1 < metrics["rollout/nucleus_logmass"] < 0
+    t.cfg = replace(cfg, rollout=replace(cfg.rollout, top_p=1.0))
+    assert len(t._behaviour(ro, nucleus=True)) == 2

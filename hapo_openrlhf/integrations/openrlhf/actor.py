@@ -10,10 +10,11 @@ a Ray ``runtime_env``; see docs/openrlhf.md).
   ``RemoteExperienceMaker.make_experience``) keeps its upstream signature and
   return value, and additionally computes the per-token entropy of the behaviour
   policy at the rollout temperature, chunked over tokens in fp32 (from the fused
-  head's pass when it is installed, else from upstream's logits). The entropy is
+  head's pass when it is installed, else from upstream's logits) and, under a top-p
+  rollout, log P(nucleus) per response token (``rollout/nucleus_logmass``). Both are
   kept in a FIFO on the actor and fetched by the experience maker with
-  ``pop_behaviour_entropy`` (same micro-batch dispatch, so the same order); each
-  entry carries a fingerprint of its sequences and a mismatch is an error.
+  ``pop_behaviour`` (same micro-batch dispatch, so the same order); each entry
+  carries a fingerprint of its sequences and a mismatch is an error.
 * ``init_model_from_pretrained`` builds the upstream actor, swaps the policy
   model's forward for the fused LM head (``fused_head.py``; upstream's is kept,
   with a logged reason, where the fused head cannot serve), replaces
@@ -35,6 +36,7 @@ import torch
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from ...algos.entropy import entropy_from_logits
+from ...algos.nucleus import sharded_nucleus_logmass
 from .fused_head import install_fused_head
 from .loss import DUMP_ENV, HapoPolicyLoss
 
@@ -60,14 +62,16 @@ def loss_from_config(hapo_cfg: dict) -> HapoPolicyLoss:
 
 
 class BehaviourEntropyStore:
-    """The behaviour entropy of each old-log-prob micro-batch, kept on the policy actor
-    until the experience maker fetches it (FIFO, checked by a fingerprint of the rows)."""
+    """The behaviour entropy of each old-log-prob micro-batch -- and, under a top-p rollout,
+    its log P(nucleus) per token -- kept on the policy actor until the experience maker
+    fetches them (FIFO, checked by a fingerprint of the rows)."""
 
     def _keep_behaviour_entropy(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                                entropy: torch.Tensor) -> None:
+                                entropy: torch.Tensor, nucleus_logmass: Optional[torch.Tensor] = None) -> None:
         if not hasattr(self, "_behaviour_entropy"):
             self._behaviour_entropy = deque()
-        self._behaviour_entropy.append((fingerprint(sequences, attention_mask), entropy.cpu()))
+        lm = None if nucleus_logmass is None else nucleus_logmass.cpu()
+        self._behaviour_entropy.append((fingerprint(sequences, attention_mask), entropy.cpu(), lm))
 
     def clear_behaviour_entropy(self) -> int:
         store = getattr(self, "_behaviour_entropy", deque())
@@ -75,14 +79,18 @@ class BehaviourEntropyStore:
         store.clear()
         return n
 
-    def pop_behaviour_entropy(self, fingerprint: str) -> torch.Tensor:
+    def pop_behaviour(self, fingerprint: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(entropy [B, A], log P(nucleus) [B, A] or None at top-p 1) of the next micro-batch."""
         store = getattr(self, "_behaviour_entropy", None)
         if not store:
-            raise RuntimeError("pop_behaviour_entropy: no stored entropy (forward was not called for this batch)")
-        fp, ent = store.popleft()
+            raise RuntimeError("pop_behaviour: no stored entropy (forward was not called for this batch)")
+        fp, ent, lm = store.popleft()
         if fp != fingerprint:
             raise RuntimeError("behaviour entropy out of order: the stored micro-batch does not match the requested one")
-        return ent
+        return ent, lm
+
+    def pop_behaviour_entropy(self, fingerprint: str) -> torch.Tensor:
+        return self.pop_behaviour(fingerprint)[0]
 
 
 class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_actor_class__):
@@ -105,8 +113,9 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
             self.trainer.training_step = training_step
         self.trainer.actor.register_forward_hook(self._training_forward_hook, with_kwargs=True)
         self._fused = False
+        self._nucleus_top_p = float(hapo_cfg["rollout"]["top_p"])
         if hapo_cfg["model"].get("fused_head", True):
-            why_not = install_fused_head(self.actor, self._entropy_chunk)
+            why_not = install_fused_head(self.actor, self._entropy_chunk, self._nucleus_top_p)
             self._fused = why_not is None
             if why_not:
                 logger.warning("hapo: fused LM head off, OpenRLHF's head is used: %s", why_not)
@@ -166,10 +175,35 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
                     entropy_from_logits(logits[b, T - 1 - n_act: T - 1], chunk_size=self._entropy_chunk)
                     for b in range(logits.shape[0])
                 ])
-            entropy = entropy * action_mask.to(entropy.device).float()
+            am = action_mask.to(entropy.device).float()
+            entropy = entropy * am
+            logmass = None
+            if self._nucleus_top_p < 1.0:
+                logmass = self._nucleus_logmass(output, sequences, attention_mask, n_act) * am
         self.actor.train()
-        self._keep_behaviour_entropy(sequences, attention_mask, entropy)
+        self._keep_behaviour_entropy(sequences, attention_mask, entropy, logmass)
         return action_log_probs.to("cpu")
+
+    def _nucleus_logmass(self, output, sequences, attention_mask, n_act: int) -> torch.Tensor:
+        """log P(nucleus) [B, n_act] at the response positions, from the trainer's full
+        distribution at the rollout temperature: the fused head's own pass, else upstream's
+        (temperature-scaled) logits, packed rows mapped back as upstream maps its entropy."""
+        top_p, chunk = self._nucleus_top_p, self._entropy_chunk
+        if self._fused:
+            return output.nucleus_logmass[:, -n_act:].float()
+        logits = output["logits"]
+        if getattr(self.actor, "packing_samples", False):
+            from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor
+
+            group = self.strategy.ring_attn_group
+            _, _, _, pad_len, indices = unpad_and_slice_tensor(sequences.to(logits.device),
+                                                               attention_mask.to(logits.device), group)
+            lm = sharded_nucleus_logmass(logits, top_p, chunk_size=chunk)
+            B, S = sequences.shape
+            return gather_and_pad_tensor(lm, group, pad_len, indices, B, S)[:, :-1][:, -n_act:]
+        T = logits.shape[1]
+        return torch.stack([sharded_nucleus_logmass(logits[b, T - 1 - n_act: T - 1], top_p, chunk_size=chunk)
+                            for b in range(logits.shape[0])])
 
 
 

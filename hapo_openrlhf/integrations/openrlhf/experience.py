@@ -4,8 +4,9 @@ OpenRLHF 0.11.2 computes advantages in an if/elif chain inside
 ``RemoteExperienceMaker.compute_advantages_and_returns``. This subclass
 
 * ``make_experience``: runs upstream's (reward, old log-probs, reference), then fetches
-  the behaviour entropy each policy actor computed in the same forward
-  (``HapoPolicyModelActor.pop_behaviour_entropy``) and attaches it to each experience;
+  the behaviour entropy (and, under top-p, log P(nucleus)) each policy actor computed in
+  the same forward (``HapoPolicyModelActor.pop_behaviour``) and attaches them to each
+  experience;
 * ``compute_advantages_and_returns``: replaces the chain with
   :func:`registry_advantages` -- the DAPO overlong penalty, then *any* registered
   estimator over the whole rollout batch at once (group statistics and HAPO's group
@@ -45,7 +46,8 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
 
     Each experience needs ``rewards`` [b], ``action_mask`` [b, A_i], ``index`` (the rollout
     position of each row; rows ``k*n .. k*n+n-1`` are one prompt's group, as OpenRLHF
-    generates them), ``response_length`` [b] and ``behaviour_entropy`` [b, A_i].
+    generates them), ``response_length`` [b] and ``behaviour_entropy`` [b, A_i]; with
+    ``nucleus_logmass`` [b, A_i] (a top-p rollout) the metrics get ``rollout/nucleus_logmass``.
     Returns the estimator inputs/outputs (for dumps and tests) and the batch metrics.
     """
     a = hapo_cfg["algorithm"]
@@ -90,6 +92,12 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
         old = _pad_cat([e.action_log_probs.float() for e in experiences], W)
         rollout = _pad_cat([e.rollout_log_probs.float() for e in experiences], W)
         metrics.update(mismatch_by_entropy(old, rollout, mask, entropy, tau))
+    lms = [getattr(e, "nucleus_logmass", None) for e in experiences]
+    if any(lm is not None for lm in lms):  # a top-p rollout: the mean log P(nucleus) over response tokens
+        if any(lm is None or lm.shape != e.action_mask.shape for lm, e in zip(lms, experiences)):
+            raise RuntimeError("nucleus log-mass missing for, or shaped unlike, some experiences' action_mask")
+        lm = _pad_cat([x.float() for x in lms], W)
+        metrics["rollout/nucleus_logmass"] = float((lm * mask).sum() / mask.sum().clamp(min=1))
 
     adv_rows = out.advantages.split(rows)
     lm_rows = loss_mask.split(rows)
@@ -118,12 +126,13 @@ class HapoExperienceMaker(RemoteExperienceMaker):
         experiences = super().make_experience(samples_list)
         fps = [fingerprint(e.sequences, e.attention_mask) for e in experiences]
         dup = self.args.ds.ring_attn_size * self.args.ds.tensor_parallel_size
-        refs = group.async_run_method_batch(method_name="pop_behaviour_entropy", fingerprint=fps)
-        ents = self._flatten_results(refs, dup)
-        if len(ents) != len(experiences):
-            raise RuntimeError(f"got {len(ents)} behaviour-entropy batches for {len(experiences)} micro-batches")
-        for e, ent in zip(experiences, ents, strict=True):
+        refs = group.async_run_method_batch(method_name="pop_behaviour", fingerprint=fps)
+        got = self._flatten_results(refs, dup)
+        if len(got) != len(experiences):
+            raise RuntimeError(f"got {len(got)} behaviour-entropy batches for {len(experiences)} micro-batches")
+        for e, (ent, logmass) in zip(experiences, got, strict=True):
             e.behaviour_entropy = ent
+            e.nucleus_logmass = logmass
         return experiences
 
     @torch.no_grad()
@@ -147,6 +156,7 @@ class HapoExperienceMaker(RemoteExperienceMaker):
             with open(os.path.join(d, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": self._step, **result["metrics"]}) + "\n")
         for e in experiences:
-            if hasattr(e, "behaviour_entropy"):
-                del e.behaviour_entropy
+            for name in ("behaviour_entropy", "nucleus_logmass"):
+                if hasattr(e, name):
+                    delattr(e, name)
         return experiences

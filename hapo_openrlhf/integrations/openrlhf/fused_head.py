@@ -16,7 +16,10 @@ signature and return contract but
   KV cache Hugging Face would not detect the packed rows' boundaries;
 * keeps upstream's packing / ring-attention layout (``unpad_and_slice_tensor`` /
   ``gather_and_pad_tensor``) and its ``[:, :-1]`` shift, so log-probs and entropy
-  come back exactly where upstream puts them.
+  come back exactly where upstream puts them;
+* under a top-p rollout, no-grad passes (the old log-probs) also set
+  ``output.nucleus_logmass``, log P(nucleus) per position from the same hidden states
+  (:func:`hapo_openrlhf.algos.nucleus.sharded_nucleus_logmass`, one more matmul a chunk).
 
 Calls the fused path cannot serve fall through to upstream's forward unchanged:
 a caller that wants the logits themselves (``action_mask is None`` and no
@@ -37,6 +40,7 @@ import torch
 from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor
 
 from ...algos.fused import fused_logprobs_entropy
+from ...algos.nucleus import sharded_nucleus_logmass
 
 
 def _hf_model(actor) -> torch.nn.Module:
@@ -107,18 +111,29 @@ def _fused_forward(
                             logits_to_keep=no_logits, use_cache=False)
     finally:
         hook.remove()
+    hidden, head_weight = captured.pop("h"), hf.get_output_embeddings().weight
     log_probs, entropy = fused_logprobs_entropy(
-        captured.pop("h"), hf.get_output_embeddings().weight, rolled_sequences,
-        temperature=self.temperature, chunk_size=self._hapo_fused_chunk,
+        hidden, head_weight, rolled_sequences, temperature=self.temperature, chunk_size=self._hapo_fused_chunk,
     )
+    top_p = getattr(self, "_hapo_nucleus_top_p", 1.0)
+    # the old-log-prob pass under top-p: log P(nucleus) per position, for rollout/nucleus_logmass
+    logmass = None
+    if return_output and top_p < 1.0 and not torch.is_grad_enabled():
+        logmass = sharded_nucleus_logmass(hidden, top_p, weight=head_weight, temperature=self.temperature,
+                                          chunk_size=self._hapo_fused_chunk)
+    del hidden
     if self.packing_samples:
         log_probs = gather_and_pad_tensor(log_probs, ring_attn_group, ring_attn_pad_len, indices, batch, seqlen)
         if return_entropy:
             entropy = gather_and_pad_tensor(entropy, ring_attn_group, ring_attn_pad_len, indices, batch, seqlen)
+        if logmass is not None:
+            logmass = gather_and_pad_tensor(logmass, ring_attn_group, ring_attn_pad_len, indices, batch, seqlen)
     output["logits"] = None  # never built; upstream callers of this path read log-probs and entropy only
     if return_entropy:
         assert return_output
         setattr(output, "entropy", entropy[:, :-1])
+    if logmass is not None:
+        setattr(output, "nucleus_logmass", logmass[:, :-1])
     log_probs = log_probs[:, :-1]
     if action_mask is None:  # return_logprobs
         return (log_probs, output) if return_output else log_probs
@@ -126,12 +141,14 @@ def _fused_forward(
     return (action_log_probs, output) if return_output else action_log_probs
 
 
-def install_fused_head(actor, chunk_size: int) -> Optional[str]:
-    """Swap ``actor``'s forward for the fused one; returns why not (upstream's forward kept), or None."""
+def install_fused_head(actor, chunk_size: int, top_p: float = 1.0) -> Optional[str]:
+    """Swap ``actor``'s forward for the fused one; returns why not (upstream's forward kept), or None.
+    ``top_p`` < 1 (the rollout's): no-grad passes also set ``output.nucleus_logmass`` [B, S-1]."""
     reason = fused_head_unsupported(actor)
     if reason is not None:
         return reason
     actor._hapo_upstream_forward = actor.forward
     actor._hapo_fused_chunk = int(chunk_size)
+    actor._hapo_nucleus_top_p = float(top_p)
     actor.forward = types.MethodType(_fused_forward, actor)
     return None

@@ -240,6 +240,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             for opt in self.optimizer.torch_optimizers]
         self.loss_fn = loss_from_config(hcfg)
         self.temperature = float(args.rollout.temperature)
+        self.top_p = float(args.hapo["rollout"]["top_p"])  # < 1: the old-log-prob pass logs log P(nucleus)
         self.entropy_chunk = int(hcfg["algorithm"]["entropy_chunk_size"])
         self.items: list[Experience] = []
 
@@ -292,19 +293,20 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         self.model.eval()
         with torch.no_grad():
             out = forward_backward(self.model, mbs, None, vocab_size=self.vocab_size, temperature=self.temperature,
-                                   chunk_size=self.entropy_chunk, forward_only=True, layout=self.layout)
+                                   chunk_size=self.entropy_chunk, forward_only=True, layout=self.layout,
+                                   nucleus_top_p=self.top_p)
         self.model.train()
-        lp = torch.zeros(B, S - 1, dtype=torch.float32, device=dev)
-        en = torch.zeros_like(lp)
-        if out:
-            for g, (l, e) in zip(groups, out):
-                idx = torch.tensor(g, device=dev)
-                lp[idx], en[idx] = l.float(), e.float()
+        # log-probs, entropy and (under top-p) log P(nucleus), each [B, S-1]
+        vals = [torch.zeros(B, S - 1, dtype=torch.float32, device=dev) for _ in range(3 if self.top_p < 1 else 2)]
+        for g, got in zip(groups, out or []):
+            idx = torch.tensor(g, device=dev)
+            for v, x in zip(vals, got, strict=True):
+                v[idx] = x.float()
         if self.pp > 1:  # the last stage computed them: hand them to the stage that answers the controller
             src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
-            dist.broadcast(lp, src=src, group=group)
-            dist.broadcast(en, src=src, group=group)
-        return lp, en
+            for v in vals:
+                dist.broadcast(v, src=src, group=group)
+        return vals[0], vals[1], (vals[2] if len(vals) == 3 else None)
 
     def forward(
         self,
@@ -315,13 +317,15 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         mm_train_inputs_list=None,
     ) -> torch.Tensor:
         """OpenRLHF's old-log-prob forward: action log-probs [B, A] (masked, on the CPU);
-        the behaviour entropy of the same pass is kept for ``pop_behaviour_entropy``."""
+        the behaviour entropy (and, under top-p, log P(nucleus)) of the same pass is kept
+        for ``pop_behaviour``."""
         if mm_train_inputs_list and any(mm_train_inputs_list):
             raise ValueError("the Megatron actor has no vision inputs")
-        lp, en = self._logprobs_entropy(sequences, attention_mask)
+        lp, en, lm = self._logprobs_entropy(sequences, attention_mask)
         A = action_mask.shape[1]
         am = action_mask.to(lp.device).float()
-        self._keep_behaviour_entropy(sequences, attention_mask, (en[:, -A:] * am).cpu())
+        self._keep_behaviour_entropy(sequences, attention_mask, (en[:, -A:] * am).cpu(),
+                                     None if lm is None else (lm[:, -A:] * am).cpu())
         return (lp[:, -A:] * am).cpu()
 
     # ------------------------------------------------------------ training

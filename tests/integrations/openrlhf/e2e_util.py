@@ -170,6 +170,32 @@ def first_step_logratio(dump, model_dir, rows_per_rank, top_p):
     return float(ratio.mean()), float(mass.mean()), ratio.numel()
 
 
+def check_nucleus_logmass_metric(dump, metrics_step1, model_dir, top_p, rel=0.05):
+    """``rollout/nucleus_logmass`` of global step 1 is the mean log P(top-p nucleus) over
+    every response token of that step's rollout batch, from the warm model's full
+    distribution (the Hugging Face model in fp32 here; the actor's own dtype in the run).
+    Returns (logged, recomputed, tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hapo_openrlhf.algos.nucleus import nucleus_logmass
+
+    n_of = {tuple(r["tokens"]): len(r["rollout"])
+            for f in Path(dump).glob("rollout_logprobs_rank*.jsonl") for r in jsonl(f)}
+    step1 = [r["tokens"] for r in jsonl(Path(dump) / "experiences_step1.jsonl")]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    mass = []
+    for tokens in step1:
+        n = n_of[tuple(tokens)]  # every row of the batch reached the loss with its response length
+        with torch.no_grad():
+            z = model(torch.tensor([tokens])).logits[0, -n - 1:-1].float()
+        mass.append(nucleus_logmass(z, top_p))
+    want = float(torch.cat(mass).mean())
+    got = metrics_step1["rollout/nucleus_logmass"]
+    assert want < -0.005 and abs(got - want) <= rel * abs(want) + 5e-4, (got, want)
+    return got, want, sum(len(x) for x in mass)
+
+
 def check_rollout_logprobs_are_the_engines(dump, engine, n_rows):
     """The mismatch correction was on: every row that reached hapo's loss carried
     ``rollout_log_probs``; with vLLM they are exactly the log-probs vLLM's own

@@ -14,7 +14,8 @@ from hapo_openrlhf.algos.entropy import entropy_from_logits
 from tests.conftest import VLLM_PYTHON
 from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final, check_preempt_then_resume,
                                                   check_registry_advantages_reached_loss,
-                                                  check_rollout_logprobs_are_the_engines, first_step_logratio, jsonl,
+                                                  check_nucleus_logmass_metric, check_rollout_logprobs_are_the_engines,
+                                                  first_step_logratio, jsonl,
                                                   run_e2e)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -83,6 +84,10 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
     # log-ratio before any update is the engines' numerical noise, far below the nucleus
     # log-mass that the processed log-probs would carry (test_e2e_megatron.py shows that shift)
     ratio, mass, n = first_step_logratio(dump, warm_model, 16, 0.95)
+    # rollout/nucleus_logmass: the trainer's own log P(nucleus), logged per step
+    assert m[0]["step"] == 1 and all(r["rollout/nucleus_logmass"] < 0 for r in m)
+    logged, want, n_all = check_nucleus_logmass_metric(dump, m[0], warm_model, 0.95)
+    print(f"e2e rollout/nucleus_logmass step 1: logged {logged:.5f}, recomputed {want:.5f} ({n_all} tokens)")
     print(f"e2e raw behaviour, top-p 0.95, step 1: mean log-ratio {ratio:.5f}, mean log P(S) {mass:.5f}, {n} tokens")
     assert mass < -0.005 and abs(ratio) < 0.25 * abs(mass), (ratio, mass, n)
     assert all(k in r for r in m for k in ("actor/vllm_kl_high_entropy", "actor/vllm_kl_low_entropy"))

@@ -22,7 +22,8 @@ import torch
 from tests.conftest import VLLM_PYTHON
 from tests.integrations.openrlhf.e2e_util import (CORRECTION_PROCESSED, check_engine_holds_final,
                                                   check_registry_advantages_reached_loss,
-                                                  check_rollout_logprobs_are_the_engines, first_step_logratio, jsonl,
+                                                  check_nucleus_logmass_metric, check_rollout_logprobs_are_the_engines,
+                                                  first_step_logratio, jsonl,
                                                   run_e2e)
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -100,6 +101,10 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
     # behaviour: processed (the sampler's nucleus-renormalised log-probs, upstream's choice) at
     # top-p 0.95: before any update the log-ratio is shifted by the mean log P(nucleus)
     ratio, mass, n = first_step_logratio(dump, warm_model, 8, 0.95)
+    # rollout/nucleus_logmass: the trainer's own log P(nucleus), logged per step
+    assert m[0]["step"] == 1 and all(r["rollout/nucleus_logmass"] < 0 for r in m)
+    logged, want, n_all = check_nucleus_logmass_metric(dump, m[0], warm_model, 0.95)
+    print(f"e2e rollout/nucleus_logmass step 1: logged {logged:.5f}, recomputed {want:.5f} ({n_all} tokens)")
     print(f"e2e processed behaviour, top-p 0.95, step 1: mean log-ratio {ratio:.5f}, mean log P(S) {mass:.5f}, "
           f"{n} tokens")
     assert mass < -0.005 and abs(ratio - mass) < 0.25 * abs(mass), (ratio, mass, n)

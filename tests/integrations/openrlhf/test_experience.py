@@ -142,3 +142,29 @@ def test_mismatch_by_entropy_half_over_micro_batches():
     assert got["actor/vllm_kl_high_entropy"] < got["actor/vllm_kl_low_entropy"] < 0
     # without the engines' log-probs (correction off) nothing is logged
     assert "actor/vllm_kl_high_entropy" not in registry_advantages(_experiences(rows, [12]), _cfg(), 4)["metrics"]
+
+
+def test_nucleus_logmass_metric_is_the_mean_over_response_tokens():
+    """rollout/nucleus_logmass: the mean of the actors' per-token log P(nucleus) over every
+    response token of the batch (padding excluded), hand-computed; absent at top-p 1;
+    a micro-batch without it under top-p is an error, not a silently partial mean."""
+    rows = _rollout()
+    exps = _experiences(rows, [5, 4, 3])
+    total, count = 0.0, 0
+    for e in exps:
+        lm = torch.zeros(e.action_mask.shape)
+        for r, j in enumerate(e.index):
+            L = rows[j][1]
+            lm[r, :L] = -0.01 * (j + 1)  # row j's tokens each carry -0.01 (j + 1)
+            total += -0.01 * (j + 1) * L
+            count += L
+        lm[e.action_mask == 0] = -5.0  # padding positions must not count
+        e.nucleus_logmass = lm
+    got = registry_advantages(exps, _cfg(), 4)["metrics"]
+    assert got["rollout/nucleus_logmass"] == pytest.approx(total / count, abs=1e-6)
+    assert "rollout/nucleus_logmass" not in registry_advantages(_experiences(rows, [12]), _cfg(), 4)["metrics"]
+    exps = _experiences(rows, [6, 6])
+    exps[0].nucleus_logmass = torch.zeros(exps[0].action_mask.shape)
+    exps[1].nucleus_logmass = None
+    with pytest.raises(RuntimeError, match="nucleus log-mass missing"):
+        registry_advantages(exps, _cfg(), 4)

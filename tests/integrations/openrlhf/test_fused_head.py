@@ -92,3 +92,32 @@ def test_logits_callers_and_unsupported_heads_keep_upstream():
     zero3 = _actor(False)
     zero3.model.lm_head.weight.ds_id = 0  # what ZeRO-3 puts on a partitioned parameter
     assert "ZeRO-3" in fused_head_unsupported(zero3)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_policy_actor_nucleus_logmass_is_the_full_distributions(packing, fused):
+    """``rollout/nucleus_logmass``'s per-token input: log P(top-p nucleus) at the response
+    positions, from the fused head's hidden states or upstream's (packed) logits, equals
+    the sort rule on upstream's padded logits at the rollout temperature."""
+    from types import SimpleNamespace
+
+    from hapo_openrlhf.algos.nucleus import nucleus_logmass
+    from hapo_openrlhf.integrations.openrlhf.actor import HapoPolicyModelActorImpl
+    from hapo_openrlhf.integrations.openrlhf.fused_head import install_fused_head
+
+    seq, attn, am = _batch()
+    A, top_p = am.shape[1], 0.9
+    with torch.no_grad():
+        _, ref = _actor(False)(seq, am, attn, return_output=True)
+        want = nucleus_logmass(ref["logits"][:, :-1][:, -A:], top_p) * am  # logits already / T
+        actor = _actor(packing)
+        if fused:
+            assert install_fused_head(actor, chunk_size=4, top_p=top_p) is None
+        _, out = actor(seq, am, attn, return_output=True, return_entropy=packing or fused)
+        host = object.__new__(HapoPolicyModelActorImpl)  # the Ray actor's state, without Ray
+        host.actor, host._fused, host._nucleus_top_p, host._entropy_chunk = actor, fused, top_p, 4
+        host.strategy = SimpleNamespace(ring_attn_group=None)
+        got = host._nucleus_logmass(out, seq, attn, A) * am
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert float(want.min()) < -1e-3 and float(want.max()) <= 0  # the nucleus cut mass somewhere

@@ -85,12 +85,14 @@ def _rows(exp):
     return [(s[m.bool()], int(a.sum())) for s, m, a in zip(exp.sequences, exp.attention_mask, exp.action_mask)]
 
 
-def _hf_row(model, ids, r, temperature):
-    """Log-probs and entropy of a row's last ``r`` tokens (float64 reference)."""
+def _hf_row(model, ids, r, temperature, top_p=1.0):
+    """Log-probs, entropy and log P(top-p nucleus) of a row's last ``r`` tokens (float64 reference)."""
+    from hapo_openrlhf.algos.nucleus import nucleus_logmass
+
     z = model(input_ids=ids[None]).logits[0, :-1].double() / temperature
     logp = torch.log_softmax(z, -1)
     lp = logp.gather(-1, ids[1:, None]).squeeze(-1)
-    return lp[-r:], -(logp.exp() * logp).sum(-1)[-r:]
+    return lp[-r:], -(logp.exp() * logp).sum(-1)[-r:], nucleus_logmass(z, top_p)[-r:].double()
 
 
 def _args(tmp_path, sets):
@@ -123,13 +125,13 @@ def _worker(rank, world, port, args, model_dir, per_rank, out_dir):
                                      max_steps=4, vllm_engines=None)
     mine = per_rank[rank]
     lps = [actor.forward(e.sequences, e.action_mask, e.attention_mask) for e in mine]
-    ents = [actor.pop_behaviour_entropy(fingerprint(e.sequences, e.attention_mask)) for e in mine]
+    ents, lms = zip(*[actor.pop_behaviour(fingerprint(e.sequences, e.attention_mask)) for e in mine])
     for e, lp in zip(mine, lps):
         e.action_log_probs = lp - 0.1 * e.advantages  # off-policy enough that some ratios clip
         actor.append(e)
     status = actor.fit()
     actor.save_model()
-    torch.save({"lps": lps, "ents": ents, "status": status}, Path(out_dir) / f"rank{rank}.pt")
+    torch.save({"lps": lps, "ents": ents, "lms": lms, "status": status}, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -181,7 +183,7 @@ BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=2
     ("tp2_recompute_packed_budget", ["megatron.tensor_parallel=2", "megatron.recompute=true", *BUDGET], False),
     ("pp2_tied_entro_reg_packed", ["megatron.pipeline_parallel=2", "algorithm.loss=entro_reg",
                                    "algorithm.loss_params={beta: 0.05}", *PACKED], True),
-    ("dp2_padded", [], True),  # right-aligned rows, causal attention without a mask
+    ("dp2_padded", ["rollout.top_p=1.0"], True),  # right-aligned rows, causal attention without a mask
     ("tp2_local_attention", ["megatron.tensor_parallel=2", "megatron.attention=local"], False),  # Megatron's own
 ])
 def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied):
@@ -206,13 +208,18 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied):
     # old log-probs (rank 0 of every replica answers the controller) and behaviour entropy
     with torch.no_grad():
         for r in range(0, 2, mp_size):
-            for e, lp, ent in zip(per_rank[r], got[r]["lps"], got[r]["ents"]):
+            for e, lp, ent, lm in zip(per_rank[r], got[r]["lps"], got[r]["ents"], got[r]["lms"]):
                 assert lp.shape == ent.shape == e.action_mask.shape
+                # log P(nucleus) (rollout/nucleus_logmass) under the config's top-p 0.95; none at top-p 1
+                assert (lm is None) == (cfg.rollout.top_p == 1.0)
                 for i, (ids, n) in enumerate(_rows(e)):
-                    want_lp, want_en = _hf_row(ref_model, ids, n, cfg.rollout.temperature)
+                    want_lp, want_en, want_lm = _hf_row(ref_model, ids, n, cfg.rollout.temperature, cfg.rollout.top_p)
                     torch.testing.assert_close(lp[i, :n].double(), want_lp, rtol=0, atol=2e-5)
                     torch.testing.assert_close(ent[i, :n].double(), want_en, rtol=0, atol=2e-5)
                     assert (lp[i, n:] == 0).all() and (ent[i, n:] == 0).all()
+                    if lm is not None:
+                        torch.testing.assert_close(lm[i, :n].double(), want_lm, rtol=0, atol=2e-5)
+                        assert (lm[i, n:] == 0).all() and float(want_lm.min()) < -1e-3  # the nucleus cut mass
     # training: the same two optimizer steps as the reference
     for r in range(0, 2, mp_size):  # the reference trains on the old log-probs the actor produced
         for e, lp in zip(per_rank[r], got[r]["lps"]):
