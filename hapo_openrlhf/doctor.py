@@ -185,10 +185,12 @@ def check_model(cfg: RunConfig) -> Check:
                 meta = read_json_object(local / "config.json", "the model's config")
                 for f in sorted(local.glob("*.safetensors")):
                     check_safetensors(f)
-                if cfg.backend == "megatron":
-                    from .megatron.convert import check_model_type
+                if cfg.backend == "megatron":  # the family and its variant (RoPE scaling, biases, sliding window)
+                    from types import SimpleNamespace
 
-                    check_model_type(meta.get("model_type"))
+                    from .megatron.families import family_of
+
+                    family_of(SimpleNamespace(**meta))
             except ValueError as e:
                 return Check("model", FAIL, str(e), "re-copy or re-save the model directory, or choose a supported "
                                                     "model / back end")

@@ -92,21 +92,37 @@ def test_an_output_dir_that_is_a_file_and_a_damaged_model_are_reported(tmp_path)
 
 
 def test_megatron_refuses_an_unsupported_model_family_by_name(tmp_path):
-    """backend: megatron implements Qwen2's layout: a Llama checkpoint is refused by the
-    doctor (from its config.json) and at model build, naming the supported model_type."""
-    from transformers import LlamaConfig
+    """backend: megatron builds Qwen2, Qwen3 and Llama: another family (Mistral), or a
+    supported family's variant the GPTModel would compute differently (YaRN RoPE, llama3
+    scaling with other frequency factors, sliding windows, biases), is refused by the
+    doctor from config.json and at model build, naming the supported ones or the key."""
+    from transformers import LlamaConfig, Qwen3Config
 
     from hapo_openrlhf.megatron.convert import check_model_type
-    from hapo_openrlhf.megatron.model import qwen2_transformer_config
+    from hapo_openrlhf.megatron.model import transformer_config
 
-    model = tmp_path / "llama"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    p = run_cli(["doctor", "--config", "configs/qwen25_math_7b_hapo_megatron.yaml", "--json", "--static",
-                 "--output-dir", str(tmp_path / "o"), "--set", f"model.path={model}"])
-    failed = {c["name"]: c["message"] for c in json.loads(p.stdout)["checks"] if c["status"] == FAIL}
-    assert "supports Hugging Face model_type qwen2" in failed["model"] and "'llama'" in failed["model"]
-    check_model_type("qwen2")
-    with pytest.raises(ValueError, match="supports Hugging Face model_type qwen2 .*got 'llama'"):
-        qwen2_transformer_config(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                             num_key_value_heads=2, num_hidden_layers=2))
+    def doctor(meta):
+        model = tmp_path / "model"
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text(json.dumps(meta))
+        p = run_cli(["doctor", "--config", "configs/qwen25_math_7b_hapo_megatron.yaml", "--json", "--static",
+                     "--output-dir", str(tmp_path / "o"), "--set", f"model.path={model}"])
+        return {c["name"]: c["message"] for c in json.loads(p.stdout)["checks"] if c["status"] == FAIL}
+
+    failed = doctor({"model_type": "mistral"})
+    assert "supports Hugging Face model_type qwen2 (Qwen2 / Qwen2.5), qwen3" in failed["model"]
+    assert "llama (Llama 2 / 3.x); got 'mistral'" in failed["model"]
+    failed = doctor({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert "RoPE scaling 'yarn'" in failed["model"]
+    assert "model" not in doctor({"model_type": "qwen3"})
+    assert check_model_type("qwen3").qk_norm
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=2)
+    with pytest.raises(ValueError, match="high_freq_factor.*only the factor is free"):
+        transformer_config(LlamaConfig(**small, max_position_embeddings=16384, rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 5e5}))
+    with pytest.raises(ValueError, match="sliding-window attention layers"):
+        transformer_config(Qwen3Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=1))
+    with pytest.raises(ValueError, match="attention_bias: true"):
+        transformer_config(LlamaConfig(**small, attention_bias=True))

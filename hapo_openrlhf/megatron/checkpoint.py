@@ -139,9 +139,12 @@ def check_resumable(path: Path, optimizer) -> None:
         raise ValueError(f"checkpoint {str(path)!r} holds no optimizer state (saved without an optimizer)")
     if fmt != here["optimizer"]:
         raise ValueError(
-            f"checkpoint {str(path)!r} holds optimizer state in the format {fmt!r} but this run's optimizer is "
+            f"checkpoint {str(path)!r} (TP {shape['tensor_parallel']} x PP {shape['pipeline_parallel']} x DP "
+            f"{shape['data_parallel']}) holds optimizer state in the format {fmt!r} but this run's optimizer "
+            f"(TP {here['tensor_parallel']} x PP {here['pipeline_parallel']} x DP {here['data_parallel']}) is "
             f"{here['optimizer']!r}: resume with the same megatron.distributed_optimizer and "
-            f"megatron.optimizer_sharding as the run that saved it")
+            f"megatron.optimizer_sharding as the run that saved it (distributed_optimizer: null picks the "
+            f"distributed optimizer only at DP > 1; set it to true in both runs to move between DP 1 and DP > 1)")
     if fmt == "distributed/dp_reshardable":
         moved = [k for k in ("tensor_parallel", "pipeline_parallel") if shape[k] != here[k]]
         if moved:

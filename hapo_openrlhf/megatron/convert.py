@@ -1,6 +1,7 @@
-"""Qwen2 weights between the Hugging Face layout and Megatron-core's GPTModel layout,
-split for tensor (TP) and pipeline (PP) parallelism. Pure tensor code: no process
-group is needed, so conversion can run offline on one machine.
+"""Weights of the supported families (Qwen2, Qwen3, Llama: ``families``) between the
+Hugging Face layout and Megatron-core's GPTModel layout, split for tensor (TP) and
+pipeline (PP) parallelism. Pure tensor code: no process group is needed, so conversion
+can run offline on one machine.
 
 Megatron layout (local layer spec, per TP rank ``r`` of ``tp``, PP stage ``s`` of ``pp``):
 
@@ -9,6 +10,9 @@ Megatron layout (local layer spec, per TP rank ``r`` of ``tp``, PP stage ``s`` o
 * ``decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}`` — Q, K and V fused
   **per query group**: for each KV head ``g``, the ``nq / nkv`` query heads of that
   group, then ``k_g``, then ``v_g``; TP gives each rank ``nkv / tp`` whole groups.
+  The bias (Qwen2 only) is fused the same way.
+* ``...self_attention.{q,k}_layernorm.weight`` — Qwen3's q_norm / k_norm over head_dim,
+  replicated.
 * ``...linear_proj.weight`` — o_proj, split along its input dimension (row parallel).
 * ``...mlp.linear_fc1.weight`` — ``[gate_r; up_r]``: each rank holds its slice of
   gate_proj stacked on its slice of up_proj (SwiGLU).
@@ -43,18 +47,8 @@ def _dims(hf_config):
     return H, nq, nkv, d
 
 
-# Hugging Face model_type values the Megatron converter and model builder implement: Qwen2's
-# layout (QKV bias, no QK-norm, RMSNorm, SwiGLU, RoPE); the paper's models are Qwen2-architecture
-SUPPORTED_MODEL_TYPES = ("qwen2",)
-
-
-def check_model_type(model_type) -> None:
-    """Refuse, by name, a model family the Megatron back end does not implement (today a
-    Qwen3 or Llama checkpoint would otherwise fail mid-conversion on a missing QKV bias)."""
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"backend: megatron supports Hugging Face model_type {', '.join(SUPPORTED_MODEL_TYPES)} "
-                         f"(Qwen2 / Qwen2.5), got {model_type!r}; use backend: openrlhf (DeepSpeed, any Hugging "
-                         f"Face causal LM) for other families")
+# the families (model_type -> what the layout needs) live in one module; re-exported here
+from .families import SUPPORTED_MODEL_TYPES, check_model_type, family_of  # noqa: E402,F401
 
 
 def check_parallel_layout(hf_config, tp: int, pp: int) -> None:
@@ -86,7 +80,9 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp_rank: int = 0, pp: int = 1,
                    pp_rank: int = 0, vocab_multiple: int = 128) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of one (TP rank, PP stage) from a Hugging Face Qwen2 state dict."""
+    """The Megatron state dict of one (TP rank, PP stage) from a Hugging Face state dict of a
+    supported family (refused by name otherwise, before any tensor is touched)."""
+    fam = family_of(hf_config)
     check_parallel_layout(hf_config, tp, pp)
     H, nq, nkv, d = _dims(hf_config)
     g = nq // nkv
@@ -113,10 +109,14 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp
         k = hf[p + "self_attn.k_proj.weight"].view(nkv, d, H)
         v = hf[p + "self_attn.v_proj.weight"].view(nkv, d, H)
         out[m + "self_attention.linear_qkv.weight"] = split(torch.cat([q, k, v], 1), 0).reshape(-1, H)
-        qb = hf[p + "self_attn.q_proj.bias"].view(nkv, g * d)
-        kb = hf[p + "self_attn.k_proj.bias"].view(nkv, d)
-        vb = hf[p + "self_attn.v_proj.bias"].view(nkv, d)
-        out[m + "self_attention.linear_qkv.bias"] = split(torch.cat([qb, kb, vb], 1), 0).reshape(-1)
+        if fam.qkv_bias:
+            qb = hf[p + "self_attn.q_proj.bias"].view(nkv, g * d)
+            kb = hf[p + "self_attn.k_proj.bias"].view(nkv, d)
+            vb = hf[p + "self_attn.v_proj.bias"].view(nkv, d)
+            out[m + "self_attention.linear_qkv.bias"] = split(torch.cat([qb, kb, vb], 1), 0).reshape(-1)
+        if fam.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[p + "self_attn.q_norm.weight"].clone()
+            out[m + "self_attention.k_layernorm.weight"] = hf[p + "self_attn.k_norm.weight"].clone()
         out[m + "self_attention.linear_proj.weight"] = split(hf[p + "self_attn.o_proj.weight"], 1)
         out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
@@ -129,7 +129,8 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp
 def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], hf_config, *, tp: int,
                    pp: int) -> dict[str, torch.Tensor]:
     """Merge every (pp_rank, tp_rank) -> Megatron state dict back into one Hugging Face
-    Qwen2 state dict (vocabulary padding dropped)."""
+    state dict of the config's family (vocabulary padding dropped)."""
+    keys = layer_keys(hf_config)
     missing = [(s, r) for s in range(pp) for r in range(tp) if (s, r) not in shards]
     if missing:
         raise ValueError(f"megatron_to_hf: missing shards (pp_rank, tp_rank) {missing}")
@@ -148,16 +149,25 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
     for stage in range(pp):
         for local, i in enumerate(_stage_layers(hf_config.num_hidden_layers, pp, stage)):
             m = f"decoder.layers.{local}."
-            out.update(_layer_to_hf(i, {k: [shards[(stage, r)][m + k] for r in range(tp)] for k in LAYER_KEYS},
+            out.update(_layer_to_hf(i, {k: [shards[(stage, r)][m + k] for r in range(tp)] for k in keys},
                                     hf_config))
     return out
 
 
-# a layer's Megatron tensors (without the "decoder.layers.{i}." prefix) and the dimension
-# TP splits them along (None: replicated)
+# a Qwen2 layer's Megatron tensors (without the "decoder.layers.{i}." prefix) and the
+# dimension TP splits them along (None: replicated); layer_keys() for any family
 LAYER_KEYS = {"self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0,
               "self_attention.linear_proj.weight": 1, "input_layernorm.weight": None,
               "pre_mlp_layernorm.weight": None, "mlp.linear_fc1.weight": 0, "mlp.linear_fc2.weight": 1}
+
+
+def layer_keys(hf_config) -> dict[str, int | None]:
+    """:data:`LAYER_KEYS` for the config's family: no QKV bias outside Qwen2, QK-norm weights for Qwen3."""
+    fam = family_of(hf_config)
+    keys = {k: v for k, v in LAYER_KEYS.items() if fam.qkv_bias or not k.endswith("linear_qkv.bias")}
+    if fam.qk_norm:
+        keys.update({"self_attention.q_layernorm.weight": None, "self_attention.k_layernorm.weight": None})
+    return keys
 
 
 def _layer_to_hf(i: int, parts: Mapping[str, list[torch.Tensor]], hf_config) -> dict[str, torch.Tensor]:
@@ -170,10 +180,14 @@ def _layer_to_hf(i: int, parts: Mapping[str, list[torch.Tensor]], hf_config) -> 
     out[p + "self_attn.q_proj.weight"] = qkv[:, : g * d].reshape(-1, H).clone()
     out[p + "self_attn.k_proj.weight"] = qkv[:, g * d : (g + 1) * d].reshape(-1, H).clone()
     out[p + "self_attn.v_proj.weight"] = qkv[:, (g + 1) * d :].reshape(-1, H).clone()
-    qkvb = torch.cat(parts["self_attention.linear_qkv.bias"], 0).view(nkv, (g + 2) * d)
-    out[p + "self_attn.q_proj.bias"] = qkvb[:, : g * d].reshape(-1).clone()
-    out[p + "self_attn.k_proj.bias"] = qkvb[:, g * d : (g + 1) * d].reshape(-1).clone()
-    out[p + "self_attn.v_proj.bias"] = qkvb[:, (g + 1) * d :].reshape(-1).clone()
+    if "self_attention.linear_qkv.bias" in parts:
+        qkvb = torch.cat(parts["self_attention.linear_qkv.bias"], 0).view(nkv, (g + 2) * d)
+        out[p + "self_attn.q_proj.bias"] = qkvb[:, : g * d].reshape(-1).clone()
+        out[p + "self_attn.k_proj.bias"] = qkvb[:, g * d : (g + 1) * d].reshape(-1).clone()
+        out[p + "self_attn.v_proj.bias"] = qkvb[:, (g + 1) * d :].reshape(-1).clone()
+    if "self_attention.q_layernorm.weight" in parts:
+        out[p + "self_attn.q_norm.weight"] = parts["self_attention.q_layernorm.weight"][0].clone()
+        out[p + "self_attn.k_norm.weight"] = parts["self_attention.k_layernorm.weight"][0].clone()
     out[p + "self_attn.o_proj.weight"] = torch.cat(parts["self_attention.linear_proj.weight"], 1)
     out[p + "input_layernorm.weight"] = parts["input_layernorm.weight"][0].clone()
     out[p + "post_attention_layernorm.weight"] = parts["pre_mlp_layernorm.weight"][0].clone()
@@ -185,17 +199,22 @@ def _layer_to_hf(i: int, parts: Mapping[str, list[torch.Tensor]], hf_config) -> 
 
 
 def hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face Qwen2 tensor's name and shape, in the order :func:`stream_hf_tensors`
-    produces them (so a receiver can allocate before the data arrives)."""
+    """Every Hugging Face tensor's name and shape (the config's family), in the order
+    :func:`stream_hf_tensors` produces them (so a receiver can allocate before the data arrives)."""
+    fam = family_of(hf_config)
     H, nq, nkv, d = _dims(hf_config)
     F, V = hf_config.intermediate_size, hf_config.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
     for i in range(hf_config.num_hidden_layers):
         p = f"model.layers.{i}."
         out.update({p + "self_attn.q_proj.weight": (nq * d, H), p + "self_attn.k_proj.weight": (nkv * d, H),
-                    p + "self_attn.v_proj.weight": (nkv * d, H), p + "self_attn.q_proj.bias": (nq * d,),
-                    p + "self_attn.k_proj.bias": (nkv * d,), p + "self_attn.v_proj.bias": (nkv * d,),
-                    p + "self_attn.o_proj.weight": (H, nq * d), p + "input_layernorm.weight": (H,),
+                    p + "self_attn.v_proj.weight": (nkv * d, H)})
+        if fam.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (nq * d,), p + "self_attn.k_proj.bias": (nkv * d,),
+                        p + "self_attn.v_proj.bias": (nkv * d,)})
+        if fam.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        out.update({p + "self_attn.o_proj.weight": (H, nq * d), p + "input_layernorm.weight": (H,),
                     p + "post_attention_layernorm.weight": (H,), p + "mlp.gate_proj.weight": (F, H),
                     p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F)})
     out["model.norm.weight"] = (H,)
@@ -230,7 +249,7 @@ def stream_hf_tensors(model, hf_config, fn, *, dst: int = 0) -> int:
         # on dst: the global rank of each stage's TP rank 0 (dst's pipeline group, by stage)
         owners = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if rank == dst else None
         sd = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
-        shapes = hf_shapes(hf_config)
+        shapes, keys = hf_shapes(hf_config), layer_keys(hf_config)
         ref = next(model.parameters())
 
         def gather(t: torch.Tensor, dim) -> list[torch.Tensor]:
@@ -265,7 +284,7 @@ def stream_hf_tensors(model, hf_config, fn, *, dst: int = 0) -> int:
         for s in range(pp):
             for local, i in enumerate(_stage_layers(hf_config.num_hidden_layers, pp, s)):
                 def layer(i=i, local=local):
-                    parts = {k: gather(sd[f"decoder.layers.{local}." + k], dim) for k, dim in LAYER_KEYS.items()}
+                    parts = {k: gather(sd[f"decoder.layers.{local}." + k], dim) for k, dim in keys.items()}
                     return _layer_to_hf(i, parts, hf_config) if tp_rank == 0 else {}
 
                 emit(s, [n for n in shapes if n.startswith(f"model.layers.{i}.")], layer)

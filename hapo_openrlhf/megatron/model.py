@@ -1,5 +1,6 @@
-"""Megatron-core GPTModel for the Qwen2 family (its log-prob + entropy forward is
-``schedule.logprobs_and_entropy``; the head that computes them, ``head``).
+"""Megatron-core GPTModel for the supported Hugging Face families -- Qwen2, Qwen3, Llama
+(``families``) -- with its log-prob + entropy forward in ``schedule.logprobs_and_entropy``
+and the head that computes them in ``head``.
 
 megatron-core is imported lazily (the ``megatron`` extra); the caller initialises
 ``torch.distributed`` and ``megatron.core.parallel_state`` first.
@@ -10,17 +11,19 @@ from __future__ import annotations
 import torch
 
 from . import head as heads
-from .convert import check_model_type, check_parallel_layout, padded_vocab_size
+from .convert import check_parallel_layout, padded_vocab_size
+from .families import family_of, llama3_rope_factor, rope_parameters
 
 
-def qwen2_transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtype=torch.float32, **overrides):
-    """Megatron ``TransformerConfig`` equal to a Hugging Face ``Qwen2Config``: RMSNorm,
-    SwiGLU, bias on QKV only, grouped-query attention, RoPE. Fusions default off so
-    the same config runs on CPU; pass ``overrides`` (e.g. ``bias_activation_fusion=True``,
-    ``sequence_parallel=True``) on GPUs."""
+def transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtype=torch.float32, **overrides):
+    """Megatron ``TransformerConfig`` equal to a Hugging Face config of a supported family
+    (``families.family_of``, which refuses the rest by name): RMSNorm, SwiGLU,
+    grouped-query attention, RoPE, ``head_dim`` as ``kv_channels``; QKV bias for Qwen2,
+    QK-norm for Qwen3. Fusions default off so the same config runs on CPU; pass
+    ``overrides`` (e.g. ``bias_activation_fusion=True``, ``sequence_parallel=True``) on GPUs."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_model_type(getattr(hf_config, "model_type", None))
+    fam = family_of(hf_config)
     check_parallel_layout(hf_config, tp, pp)
     H, nq = hf_config.hidden_size, hf_config.num_attention_heads
     kw = dict(
@@ -28,7 +31,8 @@ def qwen2_transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtyp
         num_query_groups=hf_config.num_key_value_heads, ffn_hidden_size=hf_config.intermediate_size,
         kv_channels=getattr(hf_config, "head_dim", None) or H // nq, normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=False, add_qkv_bias=fam.qkv_bias, qk_layernorm=fam.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=params_dtype, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
@@ -40,21 +44,24 @@ def qwen2_transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtyp
     return TransformerConfig(**kw)
 
 
+qwen2_transformer_config = transformer_config  # the name before Qwen3 and Llama
+
+
 def rope_theta(hf_config) -> float:
-    rp = getattr(hf_config, "rope_parameters", None) or {}
-    return float(rp.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    return float(rope_parameters(hf_config)["rope_theta"])
 
 
 ATTENTIONS = ("flash", "local")
 LAYER_SPECS = ("local", "te")
 
 
-def layer_spec(attention: str = "flash", spec: str = "local"):
+def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = False):
     """The transformer-layer spec: megatron-core's local spec with its ``core_attention``
     replaced by :class:`~hapo_openrlhf.megatron.attention.FlashCoreAttention`
     (``attention="flash"``) or left as Megatron's ``DotProductAttention``
     (``"local"``: [S, S] scores, explicit mask; for comparison); or the Transformer Engine
-    spec (``spec="te"``; needs transformer-engine on CUDA, untested here)."""
+    spec (``spec="te"``; needs transformer-engine on CUDA, untested here). ``qk_norm``:
+    RMSNorm over head_dim on queries and keys (Qwen3)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"megatron.attention must be one of {ATTENTIONS}, got {attention!r}")
     if spec not in LAYER_SPECS:
@@ -63,12 +70,12 @@ def layer_spec(attention: str = "flash", spec: str = "local"):
         try:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec()
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
         except (ImportError, AssertionError) as e:
             raise RuntimeError(f"megatron.layer_spec: te needs transformer-engine ({e}); use layer_spec: local") from e
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    s = get_gpt_layer_local_spec(normalization="RMSNorm")
+    s = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     if attention == "flash":
         from .attention import FlashCoreAttention
 
@@ -76,10 +83,11 @@ def layer_spec(attention: str = "flash", spec: str = "local"):
     return s
 
 
-def build_qwen2_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, params_dtype=torch.float32,
-                          vocab_multiple: int = 128, attention: str = "flash", spec: str = "local", head: str = "auto",
-                          **overrides):
-    """A GPTModel stage for this rank; load weights with
+def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, params_dtype=torch.float32,
+                    vocab_multiple: int = 128, attention: str = "flash", spec: str = "local", head: str = "auto",
+                    **overrides):
+    """A GPTModel stage for this rank, for any supported family (``hf_config.model_type``:
+    ``families``; Llama 3's RoPE scaling through megatron-core's own); load weights with
     ``model.load_state_dict(hf_to_megatron(...), strict=False)`` (only ``_extra_state``
     keys may be missing).
 
@@ -95,12 +103,14 @@ def build_qwen2_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int =
     overrides.setdefault("variable_seq_lengths", pp > 1)
     if overrides["variable_seq_lengths"]:  # a dense model; megatron-core's config check asks for it
         overrides.setdefault("moe_token_dispatcher_type", "alltoall")
-    cfg = qwen2_transformer_config(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, **overrides)
+    cfg = transformer_config(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, **overrides)
+    factor = llama3_rope_factor(hf_config)
     model = GPTModel(
-        config=cfg, transformer_layer_spec=layer_spec(attention, spec),
+        config=cfg, transformer_layer_spec=layer_spec(attention, spec, qk_norm=cfg.qk_layernorm),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_multiple),
         max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
         pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
     )
     for m in model.modules():
@@ -111,6 +121,9 @@ def build_qwen2_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int =
     if heads.resolve(head, attention) == "fused":
         heads.install(model)
     return model
+
+
+build_qwen2_gpt_model = build_gpt_model  # the name before Qwen3 and Llama
 
 
 def mark_tensor_parallel_weights(model) -> None:

@@ -191,7 +191,7 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     ``padded`` need the model built with ``attention="flash"``; ``masked`` with Megatron's
     local attention. With pipeline
     parallelism and ``masked`` every micro-batch must have one shape; ``thd`` and
-    ``padded`` need ``variable_seq_lengths`` in the model config (``build_qwen2_gpt_model``
+    ``padded`` need ``variable_seq_lengths`` in the model config (``build_gpt_model``
     sets it for PP > 1)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -292,3 +292,18 @@ def allreduce_tied_embedding_grads(model) -> None:
         weight.grad = torch.zeros_like(weight)
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
+
+def allreduce_qk_norm_grads(model) -> None:
+    """QK-norm (Qwen3) weights are replicated over the tensor-parallel group while each rank
+    normalises only its own heads, so each rank's gradient is a partial sum: add them over
+    TP (what megatron-core's ``finalize_model_grads`` does for ``q_layernorm`` /
+    ``k_layernorm`` under its DDP wrapper; ``ddp.MegatronOptimizer.step``), for a model
+    stepped without that wrapper. A no-op at TP = 1 or without QK-norm."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    for name, p in model.named_parameters():
+        if ("q_layernorm" in name or "k_layernorm" in name) and p.grad is not None:
+            dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())

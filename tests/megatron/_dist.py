@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 # what every rank imports; the fork server imports them before its first fork (a module
 # that fails to import there is skipped by multiprocessing and imported by the rank itself)
 PRELOAD = ["torch", "torch.distributed", "pytest", "transformers", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.qwen3.modeling_qwen3", "transformers.models.llama.modeling_llama",
            "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
            "hapo_openrlhf.megatron.model", "hapo_openrlhf.megatron.schedule", "tests.megatron.cuda_shim",
            # the Megatron policy actor's tests (OpenRLHF, DeepSpeed, Ray: imported, nothing started)
@@ -66,7 +67,7 @@ def init_megatron(tp: int = 1, pp: int = 1, seed: int = 7) -> None:
 
 
 def load_hf_into(model, hf, **layout) -> None:
-    """Load a Hugging Face Qwen2's weights into this rank's GPTModel stage (strict but for
+    """Load a Hugging Face model's weights into this rank's GPTModel stage (strict but for
     Megatron's ``_extra_state`` entries)."""
     from hapo_openrlhf.megatron.convert import hf_to_megatron
 

@@ -1,5 +1,5 @@
-"""HF Qwen2 <-> Megatron GPTModel weight layout, split for TP and PP: exact round trip
-(pure tensors; no process group)."""
+"""HF Qwen2 / Qwen3 / Llama <-> Megatron GPTModel weight layout, split for TP and PP:
+exact round trip (pure tensors; no process group)."""
 
 import pytest
 import torch
@@ -8,17 +8,42 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from hapo_openrlhf.megatron.convert import hf_to_megatron, megatron_to_hf, padded_vocab_size
 
 
-def tiny_qwen2(tied: bool, layers: int = 4) -> Qwen2ForCausalLM:
-    cfg = Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                      max_position_embeddings=64, rms_norm_eps=1e-6)
+FAMILIES = ("qwen2", "qwen3", "llama")
+
+
+def tiny_config(family: str = "qwen2", tied: bool = True, layers: int = 4):
+    """A tiny config of each supported family: Qwen3 with head_dim 24 != hidden / heads (16)
+    and QK-norm, Llama with llama3 RoPE scaling (factor 8 at theta 5e5: its low frequencies
+    are rescaled) and head_dim 24; Qwen2 with its QKV bias."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, rms_norm_eps=1e-6)
+    if family == "qwen2":
+        return Qwen2Config(**common, max_position_embeddings=64)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=24, max_position_embeddings=64)
+    if family == "llama":
+        return LlamaConfig(**common, head_dim=24, max_position_embeddings=16384, rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0})
+    raise ValueError(family)
+
+
+def tiny_model(family: str = "qwen2", tied: bool = True, layers: int = 4):
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, tied, layers))
     with torch.no_grad():  # non-trivial norms and biases, so a mix-up cannot hide
         for n, p in model.named_parameters():
             if "norm" in n or "bias" in n:
                 p.normal_()
     return model
+
+
+def tiny_qwen2(tied: bool, layers: int = 4) -> Qwen2ForCausalLM:
+    return tiny_model("qwen2", tied, layers)
 
 
 def hf_logprobs_entropy(model, ids, am, temperature):
@@ -33,9 +58,14 @@ def hf_logprobs_entropy(model, ids, am, temperature):
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_round_trip_is_exact(tied, tp, pp):
-    model = tiny_qwen2(tied)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_is_exact(family, tied, tp, pp):
+    from hapo_openrlhf.megatron.convert import hf_shapes
+
+    model = tiny_model(family, tied)
     hf = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    # the streamed sync's name/shape list is the family's own state dict, in order
+    assert {k: tuple(v.shape) for k, v in hf.items()} == hf_shapes(model.config)
     shards = {(s, r): hf_to_megatron(hf, model.config, tp=tp, tp_rank=r, pp=pp, pp_rank=s)
               for s in range(pp) for r in range(tp)}
     back = megatron_to_hf(shards, model.config, tp=tp, pp=pp)
@@ -48,6 +78,11 @@ def test_round_trip_is_exact(tied, tp, pp):
     assert ("output_layer.weight" in shards[(pp - 1, 0)]) == (not tied or pp > 1)
     assert "decoder.final_layernorm.weight" not in shards[(0, 0)] or pp == 1
     assert sum(k.endswith("linear_fc2.weight") for k in shards[(0, 0)]) == 4 // pp
+    layer0 = {k for k in shards[(0, 0)] if k.startswith("decoder.layers.0.")}
+    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in layer0) == (family == "qwen2")
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in layer0) == (family == "qwen3")
+    if family != "qwen2":  # head_dim 24: [heads * 24] rows per rank, not hidden / heads = 16
+        assert shards[(0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 24 // tp, 64)
 
 
 def test_qkv_is_fused_per_query_group():

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hapo_openrlhf.algos import compute_policy_loss
 
 from ._dist import init_megatron, load_hf_into, spawn
-from .test_convert import hf_logprobs_entropy, tiny_qwen2
+from .test_convert import hf_logprobs_entropy, tiny_model
 
 T, MB, B, S = 0.9, 2, 6, 10  # 6 rows in 3 micro-batches of 2
 
@@ -41,18 +41,18 @@ def _reference(hf, tied):
     return float(loss), grads
 
 
-def _worker(rank, tp, pp, tied, out):
+def _worker(rank, tp, pp, tied, out, family="qwen2"):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
-    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
-    from hapo_openrlhf.megatron.schedule import allreduce_tied_embedding_grads, forward_backward
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.schedule import allreduce_qk_norm_grads, allreduce_tied_embedding_grads, forward_backward
 
     init_megatron(tp=tp, pp=pp)
     world = tp * pp
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    hf = tiny_qwen2(tied, layers=4)
-    model = build_qwen2_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=pp_rank)
+    hf = tiny_model(family, tied, layers=4)
+    model = build_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=pp_rank)
     load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
     ids, am, mask, old, adv = _data()
     n_global = float(mask.sum())
@@ -65,6 +65,7 @@ def _worker(rank, tp, pp, tied, out):
 
     stats = forward_backward(model, mbs, loss_fn, vocab_size=259, temperature=T, chunk_size=7)
     allreduce_tied_embedding_grads(model)
+    allreduce_qk_norm_grads(model)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     everyone = [None] * world
     dist.all_gather_object(everyone, (pp_rank, tp_rank, grads, [float(s["loss"]) for s in stats]))
@@ -73,6 +74,11 @@ def _worker(rank, tp, pp, tied, out):
         fwd = forward_backward(model, mbs, None, vocab_size=259, temperature=T, chunk_size=7)
     if rank == world - 1:
         assert len(fwd) == len(mbs) and fwd[0][0].shape == (MB, S - 1)
+        want_lp, want_en = hf_logprobs_entropy(tiny_model(family, tied, layers=4), ids, am, T)
+        got_lp, got_en = torch.cat([f[0] for f in fwd]), torch.cat([f[1] for f in fwd])
+        valid = mask.bool()
+        torch.testing.assert_close(got_lp.double()[valid], want_lp[valid], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_en.double()[valid], want_en[valid], rtol=1e-4, atol=1e-4)
     if rank == 0:
         ref_loss, ref_grads = _reference(hf, tied)
         shards = {(s, r): g for s, r, g, _ in everyone}
@@ -85,10 +91,14 @@ def _worker(rank, tp, pp, tied, out):
         torch.save({"ok": True}, out)
 
 
-@pytest.mark.parametrize("tp, pp, tied", [(1, 2, False), (1, 2, True), (2, 1, False)])
-def test_microbatched_loss_through_the_schedule_equals_one_big_batch(tmp_path, tp, pp, tied):
+@pytest.mark.parametrize("tp, pp, tied, family", [
+    (1, 2, False, "qwen2"), (1, 2, True, "qwen2"), (2, 1, False, "qwen2"),
+    (1, 2, True, "qwen3"), (2, 1, False, "qwen3"), (1, 2, False, "llama")])
+def test_microbatched_loss_through_the_schedule_equals_one_big_batch(tmp_path, tp, pp, tied, family):
     """PP=2 with tied embeddings: the embedding (first stage) and head (last stage) copies'
-    gradients are summed by ``allreduce_tied_embedding_grads``."""
+    gradients are summed by ``allreduce_tied_embedding_grads``; Qwen3's QK-norm at TP=2 by
+    ``allreduce_qk_norm_grads``. The forward-only pass's log-probs and entropy equal Hugging
+    Face's, for every family."""
     out = tmp_path / "ok.pt"
-    spawn(_worker, tp * pp, tp, pp, tied, str(out))
+    spawn(_worker, tp * pp, tp, pp, tied, str(out), family)
     assert torch.load(out)["ok"]

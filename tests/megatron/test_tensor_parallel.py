@@ -1,4 +1,4 @@
-"""Megatron-core GPTModel (Qwen2 via hapo's converter) at TP=1 and TP=2 on gloo:
+"""Megatron-core GPTModel (Qwen2, Qwen3, Llama via hapo's converter) at TP=1 and TP=2 on gloo:
 log-probs, entropy and every parameter gradient equal the Hugging Face model's,
 computed from vocabulary shards (the full vocabulary is never gathered)."""
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ._dist import init_megatron, load_hf_into, spawn
-from .test_convert import hf_logprobs_entropy, tiny_qwen2
+from .test_convert import hf_logprobs_entropy, tiny_model, tiny_qwen2
 
 T = 0.8
 
@@ -35,18 +35,21 @@ def _hf_reference(model, ids, am, w_lp, w_en):
     return lp.detach(), en.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, tied, out, layout="thd", head="auto"):
+def _worker(rank, world, tied, out, layout="thd", head="auto", family="qwen2"):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
-    from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
+    from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.head import is_installed, resolve
-    from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
+    from hapo_openrlhf.megatron.schedule import allreduce_qk_norm_grads, logprobs_and_entropy
 
     init_megatron(tp=world)
-    hf = tiny_qwen2(tied, layers=2)
-    model = build_qwen2_gpt_model(hf.config, tp=world, attention="local" if layout == "masked" else "flash", head=head)
+    hf = tiny_model(family, tied, layers=2)
+    model = build_gpt_model(hf.config, tp=world, attention="local" if layout == "masked" else "flash", head=head)
     load_hf_into(model, hf, tp=world, tp_rank=rank)
+    # RoPE frequencies: megatron-core's own (llama3 scaling through its rope_scaling_factor) == transformers'
+    torch.testing.assert_close(model.rotary_pos_emb.inv_freq.float(), hf.model.rotary_emb.inv_freq.float(),
+                               rtol=1e-6, atol=0)
     assert is_installed(model) == (resolve(head, "local" if layout == "masked" else "flash") == "fused")
     ids, am, w_lp, w_en = _batch()
     if layout != "masked":
@@ -64,12 +67,14 @@ def _worker(rank, world, tied, out, layout="thd", head="auto"):
         assert bool((lp[~_both_real(am)] == 0).all()) and bool((en[~_both_real(am)] == 0).all())
     m = _both_real(am).float()
     ((lp * w_lp * m).sum() + (en * w_en * m).sum()).backward()
+    allreduce_qk_norm_grads(model)  # Qwen3's replicated QK-norm: each rank saw only its heads
     grads = {n.replace("module.", ""): p.grad.detach().clone() for n, p in model.named_parameters()}
     if layout == "thd":  # packed == right-aligned padded directly: values and every gradient, tightly
         model.zero_grad(set_to_none=True)
         lp2, en2 = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5,
                                         tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank, layout="padded")
         ((lp2 * w_lp * m).sum() + (en2 * w_en * m).sum()).backward()
+        allreduce_qk_norm_grads(model)
         torch.testing.assert_close(lp2, lp.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(en2, en.detach(), rtol=1e-5, atol=1e-5)
         for n, p in model.named_parameters():
@@ -87,21 +92,28 @@ def _worker(rank, world, tied, out, layout="thd", head="auto"):
             if tied and n == "lm_head.weight":
                 continue
             torch.testing.assert_close(merged[n].double(), g, rtol=1e-3, atol=1e-5, msg=n)
-        torch.save({"ok": True, "n_grads": len(merged)}, out)
+        torch.save({"ok": True, "n_grads": len(merged), "hf_params": len(ref_grads)}, out)
 
 
-@pytest.mark.parametrize("world, tied, layout, head", [
-    (1, True, "thd", "auto"), (2, True, "thd", "auto"), (2, False, "thd", "auto"), (2, True, "padded", "auto"),
-    (1, False, "masked", "auto"), (2, True, "thd", "logits"), (2, False, "masked", "fused")])
-def test_tp_logprobs_entropy_and_grads_equal_hf(tmp_path, world, tied, layout, head):
+@pytest.mark.parametrize("world, tied, layout, head, family", [
+    (1, True, "thd", "auto", "qwen2"), (2, True, "thd", "auto", "qwen2"), (2, False, "thd", "auto", "qwen2"),
+    (2, True, "padded", "auto", "qwen2"), (1, False, "masked", "auto", "qwen2"), (2, True, "thd", "logits", "qwen2"),
+    (2, False, "masked", "fused", "qwen2"),
+    # Qwen3 (QK-norm, head_dim 24 != 64 / 4, no bias) and Llama 3 (llama3 RoPE scaling, head_dim 24)
+    (1, False, "thd", "auto", "qwen3"), (2, True, "thd", "auto", "qwen3"), (2, False, "masked", "logits", "qwen3"),
+    (1, True, "thd", "auto", "llama"), (2, False, "thd", "auto", "llama"), (2, True, "masked", "logits", "llama")])
+def test_tp_logprobs_entropy_and_grads_equal_hf(tmp_path, world, tied, layout, head, family):
     """Packed (THD, flash-style varlen attention), right-aligned padded (causal, no mask)
     and Megatron's own masked DotProductAttention all equal Hugging Face, through the fused
     vocabulary-parallel head (``auto`` with flash attention) and the logits head, tied
-    and untied, with the vocabulary padded (259 -> 384 or 512 rows) and T = 0.8."""
+    and untied, with the vocabulary padded (259 -> 384 or 512 rows) and T = 0.8, for
+    every supported family."""
     out = tmp_path / "ok.pt"
-    spawn(_worker, world, world, tied, str(out), layout, head)
+    spawn(_worker, world, world, tied, str(out), layout, head, family)
     res = torch.load(out)
-    assert res["ok"] and res["n_grads"] == 26 + (not tied)  # embed, final norm, 2 x 12 per layer, lm_head
+    # every Hugging Face parameter (tied: lm_head is the embedding) got its gradient (Qwen2: embed, final
+    # norm, 2 x 12 per layer, lm_head)
+    assert res["ok"] and res["n_grads"] == res["hf_params"] == {"qwen2": 26, "qwen3": 24, "llama": 20}[family] + (not tied)
 
 
 def _largest_worker(rank, world, out):

@@ -9,7 +9,7 @@ engines, hapo's experience maker and its loss are unchanged:
 ``init_model_from_pretrained``  torch.distributed + Megatron parallel state (ranks
                             ordered tp-pp-dp, so each data-parallel replica is
                             ``TP x PP`` consecutive Ray actors: OpenRLHF's
-                            "duplicate actors"), a Qwen2 ``GPTModel`` stage loaded
+                            "duplicate actors"), a ``GPTModel`` stage (Qwen2, Qwen3 or Llama) loaded
                             from the Hugging Face checkpoint inside Megatron's
                             DDP (fp32 grad buffers), Megatron's optimizer (the
                             distributed one at DP > 1), the LR schedule, hapo's
@@ -159,7 +159,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         from ...megatron.checkpoint import latest, load
         from ...megatron.convert import hf_to_megatron
         from ...megatron.ddp import MegatronOptimizer, use_distributed_optimizer, wrap
-        from ...megatron.model import build_qwen2_gpt_model
+        from ...megatron.model import build_gpt_model
 
         self.strategy = strategy
         self.args = args = strategy.args
@@ -198,10 +198,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         # created on the device in params_dtype (not drawn in fp32 on the CPU first)
         overrides.update(perform_initialization=False, use_cpu_initialization=not cuda,
                          sequence_parallel=bool(m.get("sequence_parallel", False)))
-        model = build_qwen2_gpt_model(self.hf_config, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank,
-                                      params_dtype=self.params_dtype, vocab_multiple=int(m["vocab_multiple"]),
-                                      attention=m.get("attention", "flash"), spec=m.get("layer_spec", "local"),
-                                      head=m.get("head", "auto"), **overrides)
+        model = build_gpt_model(self.hf_config, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank,
+                                params_dtype=self.params_dtype, vocab_multiple=int(m["vocab_multiple"]),
+                                attention=m.get("attention", "flash"), spec=m.get("layer_spec", "local"),
+                                head=m.get("head", "auto"), **overrides)
         # micro-batch layout (megatron.schedule): packed THD with openrlhf.packing_samples, else
         # right-aligned padded rows (FlashCoreAttention) or Megatron's masked local attention
         self.layout = ("thd" if args.ds.packing_samples else

@@ -295,3 +295,15 @@ def test_gpu_smoke_configs_load_and_pass_openrlhf_parser(backend, flash, tmp_pat
         assert args.train.colocate_all and args.vllm.enable_sleep and args.ds.packing_samples == flash
     else:
         assert not args.train.colocate_all and cfg.megatron.tensor_parallel == 1
+
+
+def test_qwen3_extra_is_the_7b_megatron_setting_on_qwen3():
+    """configs/qwen3_8b_base_hapo_megatron.yaml (an extra, not the paper's) changes only the
+    model (and the run's names) from the paper's 7B Megatron setting."""
+    extra = load_config(REPO / "configs/qwen3_8b_base_hapo_megatron.yaml").to_dict()
+    paper = load_config(REPO / "configs/qwen25_math_7b_hapo_megatron.yaml").to_dict()
+    assert extra["model"].pop("path") == "Qwen/Qwen3-8B-Base"
+    paper["model"].pop("path")
+    for k in ("run_name", "output_dir"):
+        assert "qwen3_8b_base" in str(extra.pop(k)) and paper.pop(k)
+    assert extra == paper

@@ -45,11 +45,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tiny_model_dir(path: Path, tied: bool) -> Path:
+def _tiny_model_dir(path: Path, tied: bool, family: str = "qwen2") -> Path:
     from hapo_openrlhf.local.model import build_tokenizer
-    from tests.megatron.test_convert import tiny_qwen2
+    from tests.megatron.test_convert import tiny_model
 
-    model = tiny_qwen2(tied)
+    model = tiny_model(family, tied)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
@@ -178,21 +178,25 @@ PACKED = ["openrlhf.packing_samples=true"]
 BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=20"]
 
 
-@pytest.mark.parametrize("name, sets, tied", [
+@pytest.mark.parametrize("name, sets, tied, family", [
     # packed THD micro-batches formed by a 20-token budget (rows are 8-14 tokens: 1-2 rows each)
-    ("tp2_recompute_packed_budget", ["megatron.tensor_parallel=2", "megatron.recompute=true", *BUDGET], False),
+    ("tp2_recompute_packed_budget", ["megatron.tensor_parallel=2", "megatron.recompute=true", *BUDGET], False, "qwen2"),
     ("pp2_tied_entro_reg_packed", ["megatron.pipeline_parallel=2", "algorithm.loss=entro_reg",
-                                   "algorithm.loss_params={beta: 0.05}", *PACKED], True),
-    ("dp2_padded", ["rollout.top_p=1.0"], True),  # right-aligned rows, causal attention without a mask
-    ("tp2_local_attention", ["megatron.tensor_parallel=2", "megatron.attention=local"], False),  # Megatron's own
+                                   "algorithm.loss_params={beta: 0.05}", *PACKED], True, "qwen2"),
+    ("dp2_padded", ["rollout.top_p=1.0"], True, "qwen2"),  # right-aligned rows, causal attention without a mask
+    ("tp2_local_attention", ["megatron.tensor_parallel=2", "megatron.attention=local"], False, "qwen2"),
+    # Qwen3 (QK-norm summed over TP by Megatron's finalize_model_grads, head_dim 24) and Llama 3
+    # (llama3 RoPE scaling) through the whole actor: old log-probs, two optimizer steps, the saved model
+    ("tp2_qwen3_packed", ["megatron.tensor_parallel=2", *PACKED], False, "qwen3"),
+    ("pp2_llama_tied", ["megatron.pipeline_parallel=2"], True, "llama"),
 ])
-def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied):
+def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family):
     from transformers import AutoModelForCausalLM
 
     from tests.megatron._dist import start
 
     cfg, args = _args(tmp_path, sets)
-    model_dir = _tiny_model_dir(tmp_path / "model", tied)
+    model_dir = _tiny_model_dir(tmp_path / "model", tied, family)
     mp_size = cfg.megatron.model_parallel_size
     dp = 2 // mp_size
     data = _experiences(4, seed=3)  # 16 rows: 2 optimizer steps of 8 rows
@@ -278,6 +282,7 @@ def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
                             for k in ("exp_avg", "exp_avg_sq")],
                 "weights": {k: v.clone() for k, v in actor.model.state_dict().items() if not k.endswith("_extra_state")}},
                Path(out_dir) / f"{phase}{rank}.pt")
+    actor._save_hf(Path(out_dir) / f"hf_{phase}")  # the model in Hugging Face layout, whatever the layout
     dist.destroy_process_group()
 
 
@@ -302,3 +307,34 @@ def test_bf16_actor_checkpoint_resumes_exactly(tmp_path):
         for k, v in first["weights"].items():
             assert torch.equal(v, resumed["weights"][k]), k
         assert any(v.dtype == torch.bfloat16 for v in first["weights"].values())
+
+
+def test_actor_resumes_under_another_layout(tmp_path):
+    """OpenRLHF's requeue path onto another layout: a Qwen3 actor saved at TP=2 resumes at
+    PP=2 (``--set megatron.tensor_parallel=1 --set megatron.pipeline_parallel=2`` on the
+    same run) through ``init_model_from_pretrained``: the controller's client states come
+    back, and the next optimizer step equals the uninterrupted run's (loss, grad norm, the
+    weights it writes)."""
+    from safetensors.torch import load_file
+
+    from tests.megatron._dist import start
+
+    _, args_tp = _args(tmp_path, ["megatron.tensor_parallel=2"])
+    _, args_pp = _args(tmp_path, ["megatron.pipeline_parallel=2"])
+    assert args_tp.ckpt.path == args_pp.ckpt.path
+    model_dir = _tiny_model_dir(tmp_path / "model", False, "qwen3")
+    data = _experiences(4, seed=5)
+    batches = [data[:2], data[2:]]
+    out = tmp_path / "out"
+    out.mkdir()
+    start(_resume_worker, 2, (2, _free_port(), args_tp, model_dir, batches, str(out), "first"))
+    start(_resume_worker, 2, (2, _free_port(), args_pp, model_dir, batches, str(out), "resume"))
+    first, resumed = torch.load(out / "first0.pt"), torch.load(out / "resume0.pt")
+    assert resumed["states"] == {"global_step": 1, "data_loader_state_dict": {"consumed": 8}}
+    for k in ("policy_loss", "actor_grad_norm", "actor_lr"):
+        assert resumed["status"][k] == pytest.approx(first["status"][k], rel=1e-5), k
+    want = load_file(str(out / "hf_first" / "model.safetensors"))
+    got = load_file(str(out / "hf_resume" / "model.safetensors"))
+    assert set(got) == set(want) and any("q_norm" in k for k in got)
+    for k, v in want.items():
+        assert float((got[k] - v).abs().max()) <= 2e-6, k

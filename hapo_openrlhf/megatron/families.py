@@ -1,0 +1,105 @@
+"""The Hugging Face model families the Megatron back end builds and converts, and what
+each one needs: one place for the model builder (``model.build_gpt_model``), the weight
+converter (``convert``), ``hapo doctor`` and the actor's start-up checks.
+
+Every supported family is a dense decoder with pre-norm RMSNorm, SwiGLU, grouped-query
+attention and RoPE, which megatron-core's GPTModel expresses with its own config flags:
+
+=========  ========  =======  ============================  ==================================
+family     QKV bias  QK-norm  head_dim                      RoPE
+=========  ========  =======  ============================  ==================================
+qwen2      yes       no       hidden / heads (or the key)   default
+qwen3      no        yes      the config's (may differ)     default
+llama      no        no       the config's (may differ)     default or llama3 (Llama 3.1-3.3)
+=========  ========  =======  ============================  ==================================
+
+:func:`family_of` refuses, by name and before any weight is read, a ``model_type``
+outside this table and a supported family's variant that the GPTModel built here would
+compute differently from Hugging Face: biases beyond Qwen2's QKV bias
+(``attention_bias`` / ``mlp_bias``), sliding-window layers, an activation other than
+SiLU, and RoPE scaling other than llama3 with megatron-core's fixed low/high frequency
+factors and original context (megatron-core 0.16.1 takes only the factor; the other
+three are constants in ``RotaryEmbedding._apply_scaling``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    label: str
+    qkv_bias: bool  # q/k/v projections carry a bias (o_proj and the MLP never do)
+    qk_norm: bool  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
+
+
+FAMILIES = {
+    "qwen2": Family("qwen2", "Qwen2 / Qwen2.5", qkv_bias=True, qk_norm=False),
+    "qwen3": Family("qwen3", "Qwen3 (dense)", qkv_bias=False, qk_norm=True),
+    "llama": Family("llama", "Llama 2 / 3.x", qkv_bias=False, qk_norm=False),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+# megatron-core 0.16.1's llama3 RoPE scaling: only ``factor`` is a parameter
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def check_model_type(model_type) -> Family:
+    """The family of a Hugging Face ``model_type``, or a named refusal listing the supported ones."""
+    if model_type not in FAMILIES:
+        names = ", ".join(f"{k} ({f.label})" for k, f in FAMILIES.items())
+        raise ValueError(f"backend: megatron supports Hugging Face model_type {names}; got {model_type!r}. "
+                         f"Use backend: openrlhf (DeepSpeed, any Hugging Face causal LM) for other families")
+    return FAMILIES[model_type]
+
+
+def rope_parameters(hf_config) -> dict:
+    """The config's RoPE parameters (transformers 5's ``rope_parameters``; older
+    configs' ``rope_scaling`` / ``rope_theta``)."""
+    raw = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"the model config's rope_parameters / rope_scaling must be a mapping, got {type(raw).__name__}")
+    rp = dict(raw)
+    rp.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rp.setdefault("rope_type", rp.get("type", "default"))
+    return rp
+
+
+def llama3_rope_factor(hf_config) -> float | None:
+    """megatron-core's ``rope_scaling_factor`` for a llama3-scaled config, None without scaling."""
+    rp = rope_parameters(hf_config)
+    return float(rp["factor"]) if rp["rope_type"] == "llama3" else None
+
+
+def family_of(hf_config) -> Family:
+    """The config's family after every check of the module docstring (named refusals)."""
+    fam = check_model_type(getattr(hf_config, "model_type", None))
+    mt = fam.model_type
+    problems = []
+    if getattr(hf_config, "attention_bias", False) and not fam.qkv_bias:
+        problems.append("attention_bias: true (a bias on q/k/v and o_proj; the Megatron model has none)")
+    if getattr(hf_config, "mlp_bias", False):
+        problems.append("mlp_bias: true")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act {act!r} (SwiGLU needs silu)")
+    layer_types = set(getattr(hf_config, "layer_types", None) or ())
+    if getattr(hf_config, "use_sliding_window", False) or layer_types - {"full_attention"}:
+        problems.append("sliding-window attention layers")
+    rp = rope_parameters(hf_config)
+    kind = rp["rope_type"]
+    if kind == "llama3":
+        if mt != "llama":
+            problems.append(f"llama3 RoPE scaling on a {mt} model")
+        diff = {k: rp.get(k) for k, v in MEGATRON_LLAMA3_ROPE.items() if rp.get(k) is None or float(rp[k]) != v}
+        if diff:
+            problems.append(f"llama3 RoPE scaling with {diff} (megatron-core 0.16.1 fixes "
+                            f"{MEGATRON_LLAMA3_ROPE}; only the factor is free)")
+    elif kind != "default":
+        problems.append(f"RoPE scaling {kind!r} (supported: none, or llama3 on llama)")
+    if problems:
+        raise ValueError(f"backend: megatron cannot build this {fam.label} config exactly: " + "; ".join(problems)
+                         + ". Use backend: openrlhf (DeepSpeed) for it")
+    return fam

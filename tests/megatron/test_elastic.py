@@ -1,0 +1,130 @@
+"""Elastic resume: a Megatron checkpoint (``fully_reshardable``) saved under one TP x PP x DP
+layout resumes under another, in fresh processes -- weights, fp32 masters and Adam moments
+redistributed -- and the resumed steps equal the uninterrupted run's. A Qwen3 model (QK-norm,
+head_dim != hidden / heads) in fp32, so the masters are the weights and "equal" is tight."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ._dist import init_megatron, load_hf_into, spawn
+from .test_convert import tiny_model
+from .test_ddp import CLIP, EPS, LR, ROWS, _data, _valid
+
+FAMILY, LAYERS = "qwen3", 4
+
+
+def _worker(rank, tp, pp, ckpt, phase, out, distributed=None):
+    """phase 'full': 4 steps; 'first': 2 steps, save; 'resume': load (any layout), steps 3-4.
+    Rank 0 writes the Hugging Face state dict after the last loaded/saved step and at the end,
+    the losses and grad norms, and Adam's step count."""
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron import checkpoint
+    from hapo_openrlhf.megatron.convert import gather_hf_state_dict
+    from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.schedule import forward_backward
+
+    init_megatron(tp=tp, pp=pp)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    hf = tiny_model(FAMILY, tied=False, layers=LAYERS)
+    model = build_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
+                            perform_initialization=False)
+    if phase != "resume":  # a resumed run gets every weight and state from disk
+        load_hf_into(model, hf, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp=pp,
+                     pp_rank=ps.get_pipeline_model_parallel_rank())
+    ddp = wrap(model, distributed_optimizer=dp > 1 if distributed is None else distributed)
+    opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP, weight_decay=0.01, sharding="fully_reshardable")
+    start, losses, snaps = 0, [], {}
+    if phase == "resume":
+        try:
+            state = checkpoint.load(checkpoint.latest(ckpt), ddp, opt)
+        except ValueError as e:
+            torch.save({"refused": str(e)}, out)
+            return
+        start, losses = state["step"], list(state["losses"])
+        snaps["loaded"] = gather_hf_state_dict(model, hf.config)
+    for step in range(start, 2 if phase == "first" else 4):
+        ids, am, w = _data(step % 2)
+        n_global = int(_valid(am).sum())
+        rows = range(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
+        mbs = [{"input_ids": ids[r:r + 1], "attention_mask": am[r:r + 1], "w": w[r:r + 1]} for r in rows]
+
+        def loss_fn(lp, en, mb):
+            return -(lp.float() * mb["w"] * _valid(mb["attention_mask"])).sum() / n_global * dp, {}
+
+        res = forward_backward(ddp, mbs, loss_fn, vocab_size=259)  # losses on the last stage only
+        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp, dtype=torch.float64)
+        dist.all_reduce(loss)  # every TP rank of the last stage reported it
+        losses.append((float(loss) / tp, opt.step()))
+        if step == 1:
+            snaps["step2"] = gather_hf_state_dict(model, hf.config)
+    if phase == "first":
+        checkpoint.save(ckpt, 2, ddp, opt, {"step": 2, "losses": losses})
+    snaps["end"] = gather_hf_state_dict(model, hf.config)
+    inner = opt.torch_optimizers[0]
+    steps = [float(st["step"]) for st in inner.state.values()]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, steps)
+    if rank == 0:
+        torch.save({"losses": losses, "snaps": snaps, "adam_steps": {s for r in everyone for s in r},
+                    "layout": (tp, pp, dp)}, out)
+
+
+def _run(tmp_path, name, tp, pp, dp, ckpt, phase, distributed=None):
+    out = tmp_path / f"{name}.pt"
+    spawn(_worker, tp * pp * dp, tp, pp, str(ckpt), phase, str(out), distributed)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("saved, resumed, distributed", [
+    ((2, 2, 1), (1, 1, 1), None),  # TP2 x PP2 -> one rank (Megatron's replicated optimizer)
+    ((1, 2, 1), (2, 1, 1), None),  # PP2 -> TP2
+    ((1, 2, 2), (2, 1, 2), None),  # PP2 x DP2 -> TP2 x DP2: the distributed optimizer's shards too
+    ((1, 1, 2), (1, 1, 1), True),  # DP2 -> DP1 with distributed_optimizer: true in both runs
+], ids=lambda t: "tp{}xpp{}xdp{}".format(*t) if isinstance(t, tuple) else str(t))
+def test_checkpoint_resumes_under_another_layout(tmp_path, saved, resumed, distributed):
+    ckpt = tmp_path / "ckpt"
+    full = _run(tmp_path, "full", *saved, ckpt / "unused", "full", distributed)
+    first = _run(tmp_path, "first", *saved, ckpt, "first", distributed)
+    got = _run(tmp_path, "resumed", *resumed, ckpt, "resume", distributed)
+    assert "refused" not in got and got["layout"] == resumed
+    # the loaded weights (here the fp32 masters themselves) are the saved ones, bitwise, in any layout
+    saved_sd, loaded = first["snaps"]["end"], got["snaps"]["loaded"]
+    assert set(saved_sd) == set(loaded) and any("q_norm" in k for k in loaded)
+    for k, v in saved_sd.items():
+        assert torch.equal(v, loaded[k]), k
+    assert first["losses"] == full["losses"][:2] and got["losses"][:2] == full["losses"][:2]
+    # the next steps equal the uninterrupted run's: Adam's moments and step count came back
+    assert got["adam_steps"] == {4.0} == full["adam_steps"]
+    want = [x for st in full["losses"][2:] for x in st]
+    assert [x for st in got["losses"][2:] for x in st] == pytest.approx(want, rel=1e-5)
+    moved = 0.0
+    for k, v in full["snaps"]["end"].items():
+        err = float((got["snaps"]["end"][k] - v).abs().max())
+        assert err <= 2e-6, (k, err)
+        moved = max(moved, float((v - full["snaps"]["step2"][k]).abs().max()))
+    # steps 3-4 moved weights by ~lr: lost or misplaced moments would show 100x over the tolerance
+    assert moved > 100 * 2e-6, moved
+
+
+def test_a_dp_reshardable_checkpoint_refuses_a_new_tp_naming_both_layouts(tmp_path, monkeypatch):
+    """What cannot be served is refused before any tensor is read, naming both layouts."""
+    import hapo_openrlhf.megatron.checkpoint as ck
+
+    d = tmp_path / "step_2"
+    d.mkdir()
+    (d / ck.LAYOUT).write_text('{"tensor_parallel": 1, "pipeline_parallel": 2, "data_parallel": 2, '
+                               '"optimizer": "distributed/dp_reshardable"}')
+    here = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 2, "optimizer": "distributed/dp_reshardable"}
+    monkeypatch.setattr(ck, "_layout", lambda optimizer: here)
+    with pytest.raises(ValueError, match=r"at TP 1 x PP 2, which can resume at another data-parallel size only, "
+                                         r"not at TP 2 x PP 1 .*fully_reshardable to change tensor_parallel and "
+                                         r"pipeline_parallel"):
+        ck.check_resumable(d, object())
+    # DP 2 -> 1 with distributed_optimizer: null changes the optimizer's format: both layouts named, and the fix
+    here.update(tensor_parallel=1, pipeline_parallel=2, data_parallel=1, optimizer="replicated")
+    with pytest.raises(ValueError, match=r"\(TP 1 x PP 2 x DP 2\) holds .* \(TP 1 x PP 2 x DP 1\) is 'replicated'.*"
+                                         r"set it to true in both runs"):
+        ck.check_resumable(d, object())
