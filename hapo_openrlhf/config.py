@@ -58,6 +58,8 @@ class ModelConfig:
     intermediate_size: int = 384
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = True
+    # the tiny model's architecture when path is unset: qwen2 (the paper's), qwen3, llama
+    family: str = "qwen2"
     # LM head + log-prob + entropy fused and chunked over tokens (no [B, T, V] logits)
     fused_head: bool = True
     # with fused_head and a row-local loss (ppo, entro_reg) the embedded trainer computes
@@ -72,6 +74,8 @@ class ModelConfig:
             _require(getattr(self, k) > 0, f"model.{k} must be > 0, got {getattr(self, k)}")
         _require(self.hidden_size % self.num_heads == 0, "model.hidden_size must be divisible by model.num_heads")
         _require(self.num_heads % self.num_kv_heads == 0, "model.num_heads must be divisible by model.num_kv_heads")
+        _require(self.family in ("qwen2", "qwen3", "llama"),
+                 f"model.family must be one of qwen2, qwen3, llama, got {self.family!r}")
 
 
 @dataclass(frozen=True)
@@ -473,9 +477,6 @@ class RunConfig:
                  "backend megatron: openrlhf.colocate_all must be false: the Megatron actor has no sleep mode, and a "
                  "colocated vLLM engine would join OpenRLHF's NCCL weight-sync group from the actor's own GPU, which "
                  "NCCL refuses (two ranks on one device); give the engines their own GPUs")
-        _require(self.algorithm.kl_coef == 0,
-                 "backend megatron: algorithm.kl_coef must be 0 (the reference model would be a DeepSpeed model split "
-                 "by OpenRLHF's AutoTP; not supported)")
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(_asdict(self))

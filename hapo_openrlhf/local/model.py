@@ -1,4 +1,5 @@
-"""The embedded default's tiny Qwen2-architecture model and character tokenizer.
+"""The embedded default's tiny model (Qwen2 architecture by default; Qwen3 or Llama by
+``model.family``) and character tokenizer.
 
 The tokenizer is a byte-level ``tokenizers`` BPE with no merges: one token per
 UTF-8 byte, deterministic, nothing to download. Both are saved as a
@@ -47,11 +48,22 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def build_model(cfg, tokenizer, seed: int):
-    """A randomly initialised Qwen2ForCausalLM from ``ModelConfig`` (fp32, CPU)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+# model.family: the Hugging Face architecture of the tiny model (head_dim = hidden / heads)
+FAMILIES = ("qwen2", "qwen3", "llama")
 
-    qcfg = Qwen2Config(
+
+def build_model(cfg, tokenizer, seed: int):
+    """A randomly initialised causal LM from ``ModelConfig`` (fp32, CPU): Qwen2 (the
+    default, the paper's architecture), Qwen3 (QK-norm, no QKV bias) or Llama, by
+    ``cfg.family``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    family = getattr(cfg, "family", "qwen2")
+    kinds = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+    if family not in kinds:
+        raise ValueError(f"model.family must be one of {FAMILIES}, got {family!r}")
+    extra = {} if family == "qwen2" else {"head_dim": cfg.hidden_size // cfg.num_heads}
+    qcfg = kinds[family](
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -63,10 +75,11 @@ def build_model(cfg, tokenizer, seed: int):
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **extra,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(qcfg)
+        model = AutoModelForCausalLM.from_config(qcfg)
     model.config.use_cache = True
     return model
 

@@ -15,8 +15,8 @@ engines, hapo's experience maker and its loss are unchanged:
                             distributed one at DP > 1), the LR schedule, hapo's
                             loss, resume, the vLLM sync group.
 ``forward``                 old log-probs through the Megatron schedule (forward
-                            only), plus the behaviour entropy kept for
-                            ``pop_behaviour_entropy``; both from vocabulary shards.
+                            only), plus the behaviour entropy (and log P(nucleus))
+                            kept for ``pop_behaviour``; from vocabulary shards.
 ``append`` / ``fit``        the replay buffer and the PPO epochs: per optimizer
                             step, the global token count, ``forward_backward`` with
                             hapo's loss on the last stage into DDP's fp32 buffers,
@@ -36,8 +36,10 @@ engines, hapo's experience maker and its loss are unchanged:
 ==========================  ====================================================
 
 What OpenRLHF's DeepSpeed actor does and this one does not: EMA, LoRA,
-sleep/offload (so no colocated vLLM), a KL reference; the config loader rejects
-those settings for ``backend: megatron``. Packed samples (THD) and token-budget
+sleep/offload (so no colocated vLLM); the config loader rejects those settings for
+``backend: megatron``. The KL-to-reference loss (``algo.kl.use_loss``, k1/k2/k3) is
+computed here with OpenRLHF's own ``compute_approx_kl`` and ``aggregate_loss`` from the
+reference log-probs a :class:`~.megatron_reference.MegatronReferenceActor` group returns. Packed samples (THD) and token-budget
 micro-batches (``dynamic_batch``) are this actor's own (``megatron.schedule``).
 """
 
@@ -57,6 +59,8 @@ from typing import Any, Mapping, Optional, Union
 import ray
 import torch
 import torch.distributed as dist
+from openrlhf.models import aggregate_loss
+from openrlhf.models.utils import compute_approx_kl, masked_mean
 from openrlhf.trainer.ppo_utils.experience import (
     Experience,
     make_experience_batch,
@@ -151,21 +155,75 @@ def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
 class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
     # ------------------------------------------------------------------ setup
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from transformers import AutoConfig, AutoTokenizer
         from transformers.trainer import get_scheduler
 
         from ...megatron.checkpoint import latest, load
-        from ...megatron.convert import hf_to_megatron
         from ...megatron.ddp import MegatronOptimizer, use_distributed_optimizer, wrap
+
+        self._build_model(strategy, pretrain)
+        args, hcfg, m = self.args, self.args.hapo, self.args.hapo["megatron"]
+        self.vllm_engines = vllm_engines
+
+        # Megatron's DDP (fp32 grad buffers) and optimizer: fp32 masters for a bf16 model, and with
+        # the distributed optimizer masters + moments sharded over DP (megatron/ddp.py)
+        self.distributed_optimizer = use_distributed_optimizer(m.get("distributed_optimizer"), self.dp_size)
+        self.ddp = wrap(self.model, distributed_optimizer=self.distributed_optimizer)
+        adam = args.actor.adam
+        self.optimizer = MegatronOptimizer(self.ddp, lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps,
+                                           weight_decay=adam.weight_decay, clip_grad=float(args.actor.max_norm),
+                                           sharding=m.get("optimizer_sharding", "dp_reshardable"))
+        if dist.get_rank() == 0:
+            from ...megatron.head import is_installed
+
+            print(f"Megatron actor: TP {self.tp} x PP {self.pp} x DP {self.dp_size}, {self.params_dtype}, "
+                  f"head {'fused' if is_installed(self.model) else 'logits'}, "
+                  f"optimizer {self.optimizer.checkpoint_format}", flush=True)
+        name = args.actor.lr_scheduler
+        self.schedulers = [get_scheduler(
+            name, opt, num_warmup_steps=math.ceil(max_steps * args.actor.lr_warmup_ratio),
+            num_training_steps=max_steps,
+            scheduler_specific_kwargs=({"min_lr_rate": args.actor.min_lr_ratio}
+                                       if name in {"cosine_with_min_lr", "cosine_warmup_with_min_lr"} else {}))
+            for opt in self.optimizer.torch_optimizers]
+        self.loss_fn = loss_from_config(hcfg)
+        self.items: list[Experience] = []
+        self.kl_ctl = 0.0
+
+        self.ckpt_root = Path(args.ckpt.path) / "_actor"
+        self.checkpoint_states: dict[str, Any] = {}
+        # rank 0 chooses the checkpoint and every rank loads that one (ranks reading a caching
+        # network filesystem after a requeue could otherwise see different "latest" steps)
+        mine = latest(self.ckpt_root) if args.ckpt.load_enable and dist.get_rank() == 0 else None
+        choice = [str(mine) if mine is not None else None]
+        dist.broadcast_object_list(choice, src=0)
+        found = Path(choice[0]) if choice[0] else None
+        if found is not None:
+            if dist.get_rank() == 0:
+                print(f"Loading the checkpoint: {found}", flush=True)
+            state = load(found, self.ddp, self.optimizer)
+            for sched, sd in zip(self.schedulers, state["scheduler"], strict=True):
+                sched.load_state_dict(sd)
+            self.checkpoint_states = state["client_states"]
+
+        if self.vllm_engines is not None and dist.get_rank() == 0:
+            # OpenRLHF's own group set-up (NCCL / Ray collective between rank 0 and every engine)
+            ActorPPOTrainer._init_vllm_sync_group(self, args.vllm.sync_backend)
+        dist.barrier()
+
+    def _build_model(self, strategy, pretrain) -> None:
+        """The process groups and this rank's GPTModel stage, loaded from the Hugging Face
+        checkpoint ``pretrain`` (collective): what the policy and the KL reference share."""
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from transformers import AutoConfig, AutoTokenizer
+
+        from ...megatron.convert import hf_to_megatron
         from ...megatron.model import build_gpt_model
 
         self.strategy = strategy
         self.args = args = strategy.args
         hcfg = args.hapo
         m = hcfg["megatron"]
-        self.vllm_engines = vllm_engines
         self.tp, self.pp = int(m["tensor_parallel"]), int(m["pipeline_parallel"])
         dup = args.ds.ring_attn_size * args.ds.tensor_parallel_size
         if dup != self.tp * self.pp:
@@ -216,54 +274,9 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             raise ValueError(f"{pretrain}: Hugging Face weights do not fill the Megatron model: {bad[:5]}")
         self.model = model.to(_device())
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-        # Megatron's DDP (fp32 grad buffers) and optimizer: fp32 masters for a bf16 model, and with
-        # the distributed optimizer masters + moments sharded over DP (megatron/ddp.py)
-        self.distributed_optimizer = use_distributed_optimizer(m.get("distributed_optimizer"), self.dp_size)
-        self.ddp = wrap(self.model, distributed_optimizer=self.distributed_optimizer)
-        adam = args.actor.adam
-        self.optimizer = MegatronOptimizer(self.ddp, lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps,
-                                           weight_decay=adam.weight_decay, clip_grad=float(args.actor.max_norm),
-                                           sharding=m.get("optimizer_sharding", "dp_reshardable"))
-        if dist.get_rank() == 0:
-            from ...megatron.head import is_installed
-
-            print(f"Megatron actor: TP {self.tp} x PP {self.pp} x DP {self.dp_size}, {self.params_dtype}, "
-                  f"head {'fused' if is_installed(self.model) else 'logits'}, "
-                  f"optimizer {self.optimizer.checkpoint_format}", flush=True)
-        name = args.actor.lr_scheduler
-        self.schedulers = [get_scheduler(
-            name, opt, num_warmup_steps=math.ceil(max_steps * args.actor.lr_warmup_ratio),
-            num_training_steps=max_steps,
-            scheduler_specific_kwargs=({"min_lr_rate": args.actor.min_lr_ratio}
-                                       if name in {"cosine_with_min_lr", "cosine_warmup_with_min_lr"} else {}))
-            for opt in self.optimizer.torch_optimizers]
-        self.loss_fn = loss_from_config(hcfg)
         self.temperature = float(args.rollout.temperature)
-        self.top_p = float(args.hapo["rollout"]["top_p"])  # < 1: the old-log-prob pass logs log P(nucleus)
+        self.top_p = float(hcfg["rollout"]["top_p"])  # < 1: the old-log-prob pass logs log P(nucleus)
         self.entropy_chunk = int(hcfg["algorithm"]["entropy_chunk_size"])
-        self.items: list[Experience] = []
-
-        self.ckpt_root = Path(args.ckpt.path) / "_actor"
-        self.checkpoint_states: dict[str, Any] = {}
-        # rank 0 chooses the checkpoint and every rank loads that one (ranks reading a caching
-        # network filesystem after a requeue could otherwise see different "latest" steps)
-        mine = latest(self.ckpt_root) if args.ckpt.load_enable and dist.get_rank() == 0 else None
-        choice = [str(mine) if mine is not None else None]
-        dist.broadcast_object_list(choice, src=0)
-        found = Path(choice[0]) if choice[0] else None
-        if found is not None:
-            if dist.get_rank() == 0:
-                print(f"Loading the checkpoint: {found}", flush=True)
-            state = load(found, self.ddp, self.optimizer)
-            for sched, sd in zip(self.schedulers, state["scheduler"], strict=True):
-                sched.load_state_dict(sd)
-            self.checkpoint_states = state["client_states"]
-
-        if self.vllm_engines is not None and dist.get_rank() == 0:
-            # OpenRLHF's own group set-up (NCCL / Ray collective between rank 0 and every engine)
-            ActorPPOTrainer._init_vllm_sync_group(self, args.vllm.sync_backend)
-        dist.barrier()
 
     # ------------------------------------------------------ old log-probs
     def _row_groups(self, lengths: list[int], rows_per_mb: int) -> list[list[int]]:
@@ -363,6 +376,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                   "advantages": e.advantages.to(dev)}
             if e.rollout_log_probs is not None:  # the engines' log-probs (mismatch correction)
                 mb["rollout_log_probs"] = e.rollout_log_probs.to(dev)
+            if e.base_action_log_probs is not None:  # the KL reference's (algo.kl.use_loss)
+                mb["base_log_probs"] = e.base_action_log_probs.to(dev)
             if os.environ.get(DUMP_ENV):
                 mb["rows"] = [row[m.bool()].tolist() for row, m in zip(e.sequences, e.attention_mask)]
             out.append(mb)
@@ -372,6 +387,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         from ...megatron.schedule import forward_backward
 
         info = self._loss_norm(window)
+        kl_cfg = self.args.algo.kl
 
         def loss_fn(lp, en, mb):
             A = mb["action_mask"].shape[1]
@@ -383,7 +399,22 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 lp[:, -A:], mb["old_log_probs"], mb["advantages"], action_mask=mb["action_mask"],
                 rollout_log_probs=mb.get("rollout_log_probs"), **info)
             stats = {"ppo_clip_ratio": clip_ratio.detach().float(), "ppo_kl": ppo_kl.detach().float(),
-                     "tokens": mb["action_mask"].sum().float()}
+                     "tokens": mb["action_mask"].sum().float(), "policy_loss": loss.detach().float()}
+            if kl_cfg.use_loss:  # OpenRLHF's ActorPPOTrainer.training_step, with its own functions
+                lp_a = lp[:, -A:]
+                if kl_cfg.init_coef > 0:
+                    if "base_log_probs" not in mb:
+                        raise RuntimeError("algo.kl.use_loss with init_coef > 0 but the experience has no "
+                                           "base_action_log_probs (no reference model group?)")
+                    kl = compute_approx_kl(lp_a, mb["base_log_probs"], log_probs_old=mb["old_log_probs"],
+                                           kl_estimator=kl_cfg.estimator, unbiased_gradient=kl_cfg.unbiased_gradient)
+                    diff = lp_a.float() - mb["base_log_probs"].float()
+                else:
+                    kl, diff = torch.zeros_like(lp_a), torch.zeros_like(lp_a)
+                kl_loss = aggregate_loss(kl, mb["action_mask"], **info)
+                loss = loss + kl_loss * self.kl_ctl
+                stats.update(kl=kl_loss.detach().float(),
+                             logprobs_diff=masked_mean(diff, mb["action_mask"]).detach().float())
             if vllm_kl is not None:  # upstream logs them per micro-batch into experience.info
                 m = self.loss_fn.last_metrics
                 stats.update(vllm_kl=vllm_kl.detach().float(), is_filter_ratio=is_filter.detach().float(),
@@ -407,9 +438,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         stats = {"actor_grad_norm": norm, "actor_lr": lr}
         if out:  # last stage: the step's loss and the token-weighted PPO statistics (this replica)
             tokens = sum(float(o["tokens"]) for o in out)
-            stats["_loss_sum"] = sum(float(o["loss"]) for o in out)
+            stats["_loss_sum"] = sum(float(o["policy_loss"]) for o in out)  # without the KL term, as upstream logs it
             stats["_tokens"] = tokens
-            for k in ("ppo_clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio", "is_ratio_mean", "is_ratio_max"):
+            for k in ("ppo_clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio", "is_ratio_mean", "is_ratio_max", "kl",
+                      "logprobs_diff"):
                 if k in out[0]:
                     stats["_w_" + k] = sum(float(o[k]) * float(o["tokens"]) for o in out)
         return stats
@@ -441,6 +473,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         from megatron.core import parallel_state as ps
 
         args = self.args
+        self.kl_ctl = float(kl_ctl)  # the KL loss's coefficient this step (OpenRLHF's kl controller)
         mb = int(args.train.micro_batch_size)
         if not self.items or len(self.items) % mb:
             raise ValueError(f"the Megatron actor got {len(self.items)} samples, not a positive multiple of "
@@ -463,7 +496,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 loss_sum += st.get("_loss_sum", 0.0)
                 keys = ("ppo_clip_ratio", "ppo_kl") + (
                     ("vllm_kl", "is_filter_ratio", "is_ratio_mean", "is_ratio_max")
-                    if self.loss_fn.is_correction.enabled else ())
+                    if self.loss_fn.is_correction.enabled else ()) + (
+                    ("kl", "logprobs_diff") if args.algo.kl.use_loss else ())
                 for key in keys:
                     s = sums.setdefault(key, [0.0, 0.0])
                     s[0] += st.get("_w_" + key, 0.0)

@@ -11,7 +11,8 @@
    ``train(args)`` call is routed to :func:`train_with_hapo`, which attaches the run
    config to ``args.hapo`` (it travels to every Ray actor inside the strategy),
    points ``train_ppo_ray.PolicyModelActor`` at hapo's policy actor (the DeepSpeed
-   subclass, or the Megatron actor for ``backend: megatron``) and
+   subclass, or the Megatron actor for ``backend: megatron``, whose KL reference is then
+   ``megatron_reference.MegatronReferenceActor``) and
    ``ppo_trainer.PPOTrainer`` / ``ppo_trainer_async.PPOTrainerAsync`` at hapo's
    controllers (``openrlhf.async`` picks which one OpenRLHF builds), and calls
    OpenRLHF's own ``train``.
@@ -158,15 +159,21 @@ def installed(backend: str = "openrlhf", logprobs_mode: str | None = None):
     from .trainer import HapoPPOTrainer
     from .trainer_async import HapoPPOTrainerAsync
 
-    saved = (cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync, cli.create_vllm_engines)
+    saved = (cli.PolicyModelActor, cli.ReferenceModelActor, pt.PPOTrainer, pta.PPOTrainerAsync,
+             cli.create_vllm_engines)
     cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync = (policy_actor_class(backend), HapoPPOTrainer,
                                                                 HapoPPOTrainerAsync)
+    if backend == "megatron":  # the KL reference (kl_coef > 0): a frozen GPTModel under the policy's layout
+        from .megatron_reference import MegatronReferenceActor
+
+        cli.ReferenceModelActor = MegatronReferenceActor
     if logprobs_mode is not None:
         cli.create_vllm_engines = with_logprobs_mode(cli.create_vllm_engines, logprobs_mode)
     try:
         yield
     finally:
-        cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync, cli.create_vllm_engines = saved
+        (cli.PolicyModelActor, cli.ReferenceModelActor, pt.PPOTrainer, pta.PPOTrainerAsync,
+         cli.create_vllm_engines) = saved
 
 
 def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None:

@@ -42,19 +42,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def warm_model(tmp_path_factory):
-    """A tiny Qwen2 from the embedded default, briefly warmed up by the local back end so some
-    rollouts are correct (shared by the DeepSpeed and Megatron end-to-end tests, built once per
-    test run even across pytest-xdist workers). Head dim 64
-    (hidden 128, 2 heads): vLLM's CPU attention needs it; 2 KV heads split over Megatron TP=2."""
+def _warm(tmp_path_factory, name: str, family: str):
+    """A tiny model of ``family`` from the embedded default, briefly warmed up by the local
+    back end so some rollouts are correct (built once per test run even across pytest-xdist
+    workers). Head dim 64 (hidden 128, 2 heads): vLLM's CPU attention needs it; 2 KV heads
+    split over Megatron TP=2."""
     from tests.conftest import run_cli, shared_once
 
-    with shared_once(tmp_path_factory, "warm") as (out, done):
+    with shared_once(tmp_path_factory, name) as (out, done):
         if done:
             return out / "final_model"
         p = run_cli(["train", "--config", "configs/cpu_tiny.yaml", "--output-dir", str(out), "--set", "warmup.steps=200",
                      "--set", "trainer.steps=0", "--set", "data.synthetic.eval_size=16", "--set", "model.hidden_size=128",
-                     "--set", "model.num_heads=2", "--set", "model.num_kv_heads=2"])
+                     "--set", "model.num_heads=2", "--set", "model.num_kv_heads=2", "--set", f"model.family={family}"])
         assert p.returncode == 0, p.stderr[-3000:]
     return out / "final_model"
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory):
+    """The warm tiny Qwen2 (the paper's architecture) of the DeepSpeed end-to-end tests."""
+    return _warm(tmp_path_factory, "warm", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def warm_model_qwen3(tmp_path_factory):
+    """The warm tiny Qwen3 (QK-norm, no QKV bias) of the Megatron end-to-end test."""
+    return _warm(tmp_path_factory, "warm_qwen3", "qwen3")

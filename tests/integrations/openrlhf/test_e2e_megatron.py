@@ -1,5 +1,6 @@
-"""End to end on CPU with the Megatron policy actor (``backend: megatron``): OpenRLHF
-0.11.2's asynchronous PPO controller with partial rollouts (hapo's subclasses), hapo's
+"""End to end on CPU with the Megatron policy actor (``backend: megatron``) on a tiny
+**Qwen3** (the DeepSpeed e2e tests run the paper's Qwen2; Qwen2 on the Megatron actor is
+tested against Hugging Face in test_megatron_actor.py): OpenRLHF 0.11.2's asynchronous PPO controller with partial rollouts (hapo's subclasses), hapo's
 experience maker and loss, the Megatron actor at DP=2 on two Ray actors (gloo) with
 Megatron's distributed optimizer and the fused vocabulary-parallel head (the defaults at
 DP > 1 and with flash attention), training packed (THD) micro-batches cut by a token
@@ -47,9 +48,11 @@ def _run(out, dump, *sets):
 
 
 
-def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model):
+def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model_qwen3):
     from transformers import AutoModelForCausalLM
 
+    warm_model = warm_model_qwen3  # a Qwen3 (QK-norm, no QKV bias): vLLM serves it, the actor converts it
+    assert json.loads((warm_model / "config.json").read_text())["model_type"] == "qwen3"
     out, dump = tmp_path / "run", tmp_path / "dump"
     p = _run(out, dump, f"model.path={warm_model}")
     log = p.stdout + p.stderr

@@ -118,7 +118,6 @@ def test_megatron_configs_are_shipped_and_checked():
                           ("megatron.attention=local,openrlhf.packing_samples=true", "needs megatron.attention: flash"),
                           ("megatron.attention=sdpa", "flash or local"),
                           ("megatron.layer_spec=tex", "local or te"),
-                          ("algorithm.kl_coef=0.01", "kl_coef must be 0"),
                           ("openrlhf.colocate_all=true", "NCCL refuses"),
                           ("megatron.params_dtype=fp16", "bf16 or fp32"),
                           ("megatron.head=vocab", "auto, fused or logits"),
@@ -131,6 +130,35 @@ def test_megatron_configs_are_shipped_and_checked():
     cfg = load_config(base, ["openrlhf.packing_samples=true", "openrlhf.dynamic_batch=true"])
     assert cfg.openrlhf.packing_samples and cfg.megatron.attention == "flash"
     assert load_config(base, ["megatron.layer_spec=te", "megatron.sequence_parallel=true"]).megatron.sequence_parallel
+
+
+def test_megatron_kl_reference_is_a_megatron_group(tmp_path):
+    """``algorithm.kl_coef > 0`` on the Megatron back end: OpenRLHF's driver builds its reference
+    group from hapo's Megatron reference actor (restored afterwards), with the policy's GPU
+    count and duplicate factor, the k3 loss, and upstream's reference ``forward`` signature."""
+    import inspect
+
+    import openrlhf.cli.train_ppo_ray as cli
+    from openrlhf.trainer.ray.launcher import ReferenceModelActor
+
+    from hapo_openrlhf.integrations.openrlhf.megatron_reference import MegatronReferenceActor, MegatronReferenceActorImpl
+    from hapo_openrlhf.integrations.openrlhf.train import installed, parse_with_upstream
+
+    cfg = load_config(REPO / "configs/qwen25_math_7b_hapo_megatron.yaml", ["algorithm.kl_coef=0.01"])
+    args = parse_with_upstream(build_argv(cfg, tmp_path))
+    assert args.algo.kl.init_coef == 0.01 and args.algo.kl.use_loss and args.algo.kl.estimator == "k3"
+    assert (args.ref.num_nodes, args.ref.num_gpus_per_node) == (args.actor.num_nodes, args.actor.num_gpus_per_node)
+    assert args.ds.tensor_parallel_size == cfg.megatron.model_parallel_size  # the reference's duplicate factor too
+    before = cli.ReferenceModelActor
+    with installed("megatron"):
+        assert cli.ReferenceModelActor is MegatronReferenceActor
+    with installed("openrlhf"):
+        assert cli.ReferenceModelActor is before
+    assert cli.ReferenceModelActor is before
+    up = ReferenceModelActor.__ray_actor_class__
+    for m in ("forward", "init_model_from_pretrained"):
+        assert list(inspect.signature(getattr(MegatronReferenceActorImpl, m)).parameters) == \
+            list(inspect.signature(getattr(up, m)).parameters), m
 
 
 def test_24k_config_long_context_flags(tmp_path):

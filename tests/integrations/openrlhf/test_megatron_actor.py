@@ -128,17 +128,27 @@ def _worker(rank, world, port, args, model_dir, per_rank, out_dir):
     ents, lms = zip(*[actor.pop_behaviour(fingerprint(e.sequences, e.attention_mask)) for e in mine])
     for e, lp in zip(mine, lps):
         e.action_log_probs = lp - 0.1 * e.advantages  # off-policy enough that some ratios clip
+        if args.algo.kl.use_loss:
+            e.base_action_log_probs = _base_log_probs(lp, e)
         actor.append(e)
-    status = actor.fit()
+    status = actor.fit(args.algo.kl.init_coef)  # OpenRLHF's controller passes kl_ctl (fixed: init_coef)
     actor.save_model()
     torch.save({"lps": lps, "ents": ents, "lms": lms, "status": status}, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _base_log_probs(lp, e):
+    """A KL reference's log-probs for the test: near the policy's, different per token."""
+    return (lp - 0.3 * e.advantages.roll(1, -1).abs()) * e.action_mask
 
 
 def _reference(cfg, args, model_dir, per_rank, dp, gas):
     """HF model + HapoPolicyLoss + AdamW on the same rows, window by window."""
     from openrlhf.utils.deepspeed.deepspeed_utils import get_optimizer_grouped_parameters
     from transformers import AutoModelForCausalLM
+
+    from openrlhf.models import aggregate_loss
+    from openrlhf.models.utils import compute_approx_kl
 
     from hapo_openrlhf.integrations.openrlhf.actor import loss_from_config
 
@@ -150,11 +160,12 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas):
     loss_fn = loss_from_config(args.hapo)
     T_temp = cfg.rollout.temperature
     n_mb = len(per_rank[0])
-    norms, losses = [], []
+    norms, losses, kls = [], [], []
     for k in range(0, n_mb, gas):
         window = [per_rank[r][j] for j in range(k, k + gas) for r in range(dp)]
         rows = [(ids, r, e, i) for e in window for i, (ids, r) in enumerate(_rows(e))]
         T = sum(r for _, r, _, _ in rows)
+        kl_mb = {}
         opt.zero_grad()
         total = 0.0
         for ids, r, e, i in rows:
@@ -163,15 +174,22 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas):
             lp = logp.gather(-1, ids[1:, None]).squeeze(-1)[-r:]
             if loss_fn.needs_entropy:
                 loss_fn.pending_entropy = (-(logp.exp() * logp).sum(-1))[None]
+            info = dict(dp_size=1, batch_num_tokens=torch.tensor(float(T)), global_batch_size=torch.tensor(float(len(rows))))
             loss, *_ = loss_fn(lp[None], e.action_log_probs[i, :r][None], e.advantages[i, :r][None],
-                               action_mask=torch.ones(1, r, dtype=torch.bool), dp_size=1,
-                               batch_num_tokens=torch.tensor(float(T)), global_batch_size=torch.tensor(float(len(rows))))
+                               action_mask=torch.ones(1, r, dtype=torch.bool), **info)
+            total += float(loss.detach())  # the policy loss (upstream logs the KL term apart)
+            if args.algo.kl.use_loss:  # the DeepSpeed actor's KL term (ActorPPOTrainer.training_step), upstream's code
+                kl = compute_approx_kl(lp[None], e.base_action_log_probs[i, :r][None],
+                                       log_probs_old=e.action_log_probs[i, :r][None],
+                                       kl_estimator=args.algo.kl.estimator)
+                kl_mb[id(e)] = kl_mb.get(id(e), 0.0) + float(kl.sum()) / T * dp  # the micro-batch's KL loss
+                loss = loss + aggregate_loss(kl, torch.ones(1, r), **info) * args.algo.kl.init_coef
             loss.backward()
-            total += float(loss.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)))
         losses.append(total)
+        kls += [(kl_mb[id(e)], float(e.action_mask.sum())) for e in window if id(e) in kl_mb]
         opt.step()
-    return model, norms, losses
+    return model, norms, losses, kls
 
 
 PACKED = ["openrlhf.packing_samples=true"]
@@ -189,6 +207,9 @@ BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=2
     # (llama3 RoPE scaling) through the whole actor: old log-probs, two optimizer steps, the saved model
     ("tp2_qwen3_packed", ["megatron.tensor_parallel=2", *PACKED], False, "qwen3"),
     ("pp2_llama_tied", ["megatron.pipeline_parallel=2"], True, "llama"),
+    # the KL-to-reference loss (kl_coef > 0: OpenRLHF's k3 loss, and k2 set on its args) == the DeepSpeed actor's
+    ("tp2_kl_k3", ["megatron.tensor_parallel=2", "algorithm.kl_coef=0.05"], False, "qwen2"),
+    ("dp2_kl_k2", ["algorithm.kl_coef=0.05"], True, "qwen2"),
 ])
 def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family):
     from transformers import AutoModelForCausalLM
@@ -196,6 +217,8 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
     from tests.megatron._dist import start
 
     cfg, args = _args(tmp_path, sets)
+    if name.endswith("_k2"):
+        args.algo.kl.estimator = "k2"
     model_dir = _tiny_model_dir(tmp_path / "model", tied, family)
     mp_size = cfg.megatron.model_parallel_size
     dp = 2 // mp_size
@@ -228,8 +251,10 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
     for r in range(0, 2, mp_size):  # the reference trains on the old log-probs the actor produced
         for e, lp in zip(per_rank[r], got[r]["lps"]):
             e.action_log_probs = lp - 0.1 * e.advantages
+            if args.algo.kl.use_loss:
+                e.base_action_log_probs = _base_log_probs(lp, e)
     gas = cfg.openrlhf.train_batch_size // (cfg.openrlhf.micro_train_batch_size * dp)
-    ref, norms, losses = _reference(cfg, args, model_dir, [per_rank[r] for r in range(0, 2, mp_size)], dp, gas)
+    ref, norms, losses, kls = _reference(cfg, args, model_dir, [per_rank[r] for r in range(0, 2, mp_size)], dp, gas)
     assert len(norms) == 2 and norms[-1] > cfg.optim.grad_clip  # clipping was exercised
     trained = AutoModelForCausalLM.from_pretrained(args.ckpt.output_dir, dtype=torch.float32)
     want = ref.state_dict()
@@ -245,6 +270,12 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
     assert st["policy_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
     assert 0 < st["ppo_clip_ratio"] < 1
     assert st["actor_lr"] == cfg.optim.lr and "reward" in st and "response_length" in st
+    if args.algo.kl.use_loss:  # the logged KL: upstream's token-weighted mean of each micro-batch's KL loss
+        want = sum(v * t for v, t in kls) / sum(t for _, t in kls)
+        assert want > 1e-3 and st["kl"] == pytest.approx(want, rel=1e-4)
+        assert st["logprobs_diff"] > 0  # the reference sits below the policy on every token here
+    else:
+        assert "kl" not in st
 
 
 def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
@@ -338,3 +369,45 @@ def test_actor_resumes_under_another_layout(tmp_path):
     assert set(got) == set(want) and any("q_norm" in k for k in got)
     for k, v in want.items():
         assert float((got[k] - v).abs().max()) <= 2e-6, k
+
+
+def _reference_worker(rank, world, port, args, model_dir, exps, out_dir):
+    from tests.megatron.cuda_shim import install
+
+    install()
+    import torch.distributed as dist
+
+    from hapo_openrlhf.integrations.openrlhf.megatron_reference import MegatronReferenceActorImpl
+
+    ref = MegatronReferenceActorImpl(world, rank, "127.0.0.1", port)
+    ref.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir))
+    assert not any(p.requires_grad for p in ref.model.parameters()) and not hasattr(ref, "optimizer")
+    got = [ref.forward(e.sequences, e.action_mask, e.attention_mask) for e in exps]
+    torch.save(got, Path(out_dir) / f"ref{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_megatron_reference_actor_returns_the_models_log_probs(tmp_path):
+    """The KL reference (kl_coef > 0 on backend: megatron): a frozen Qwen3 GPTModel at TP=2 with
+    no optimizer, whose ``forward`` is OpenRLHF's reference contract: the action log-probs at
+    the rollout temperature (masked, on the CPU) == Hugging Face's, on every TP rank."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.megatron._dist import start
+
+    cfg, args = _args(tmp_path, ["megatron.tensor_parallel=2", "algorithm.kl_coef=0.05"])
+    model_dir = _tiny_model_dir(tmp_path / "model", False, "qwen3")
+    exps = _experiences(2, seed=9)
+    out = tmp_path / "out"
+    out.mkdir()
+    start(_reference_worker, 2, (2, _free_port(), args, model_dir, exps, str(out)))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for r in range(2):
+        got = torch.load(out / f"ref{r}.pt")
+        for e, lp in zip(exps, got):
+            assert lp.shape == e.action_mask.shape and lp.dtype == torch.float32
+            for i, (ids, n) in enumerate(_rows(e)):
+                with torch.no_grad():
+                    want, _, _ = _hf_row(hf, ids, n, cfg.rollout.temperature)
+                torch.testing.assert_close(lp[i, :n].double(), want, rtol=0, atol=2e-5)
+                assert (lp[i, n:] == 0).all()
