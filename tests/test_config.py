@@ -41,6 +41,7 @@ def test_cpu_tiny_uses_paper_hapo_defaults():
         ({"backend": "jax"}, "backend must be"),
         ({"algorithm": {"estimator": "quadrant", "estimator_params": {"quadrants": ["XYZ"]}}}, "unknown quadrant"),
         ({"data": {"template": "llama"}}, "data.template must be one of"),
+        ({"model": {"family": "mistral"}}, "model.family must be one of qwen2, qwen3, llama, got 'mistral'"),
     ],
 )
 def test_bad_configs_name_the_problem(raw, match):

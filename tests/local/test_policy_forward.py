@@ -88,3 +88,19 @@ def test_fused_head_rejects_a_biased_output_layer():
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(97))
     with pytest.raises(ValueError, match="output layer has a bias"):
         policy_forward(model, ro, temperature=1.0, chunk_size=8)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_model_family_builds_that_architecture(family):
+    """``model.family`` picks the tiny model's Hugging Face architecture (the Megatron e2e test
+    trains a Qwen3): head_dim = hidden / heads, Qwen3's QK-norm, no QKV bias outside Qwen2."""
+    from dataclasses import replace
+
+    from hapo_openrlhf.config import ModelConfig
+    from hapo_openrlhf.local.model import build_model, build_tokenizer
+
+    model = build_model(replace(ModelConfig(), family=family), build_tokenizer(), seed=0)
+    assert model.config.model_type == family and model.config.head_dim == 128 // 4
+    names = {n for n, _ in model.named_parameters()}
+    assert any("q_norm" in n for n in names) == (family == "qwen3")
+    assert not any(n.endswith("q_proj.bias") for n in names)
