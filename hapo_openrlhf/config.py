@@ -86,6 +86,11 @@ class SyntheticConfig:
     slip_prob: float = 0.0  # warm-up teacher's per-step error rate (see data/synthetic.py)
     shortcut_prob: float = 0.0  # share of warm-up answers given without the worked chain
     shortcut_error: float = 0.0  # how often such a direct warm-up answer is a near-miss guess
+    # the chain variant (data/synthetic.py): min_terms .. n_terms terms; the teacher skips an
+    # intermediate result with skip_prob per step, and such a merged step is a near miss with skip_error
+    min_terms: int | None = None
+    skip_prob: float = 0.0
+    skip_error: float = 0.0
     train_size: int = 4000
     eval_size: int = 128
 

@@ -88,7 +88,9 @@ def sharded_nucleus_logmass(
     rank's LM-head rows) the last hidden states ``[..., H]`` (the fused heads: each
     chunk's logits are recomputed, one matmul in the weight's dtype). Logits are divided
     by ``temperature``; columns at or past ``n_valid`` are vocabulary padding. ``group``:
-    the tensor-parallel group (None: the default group when torch.distributed is up).
+    the tensor-parallel group whose ranks hold the other shards of the same rows; None:
+    this process holds the whole vocabulary (a data-parallel job's ranks hold different
+    rows, so the default group is never assumed).
 
     One rank (or no process group) applies the sampler's sort rule to each chunk exactly
     (:func:`nucleus_logmass`). Over several ranks no rank sees a whole row, so the nucleus
@@ -98,8 +100,6 @@ def sharded_nucleus_logmass(
     then one more for the kept mass. Cost: a no-grad pass over [C, Vr] per step, for a
     metric; 0 at ``top_p`` 1 without any compute.
     """
-    from .vocab_parallel import _all_reduce  # the same all-reduce rule as the log-prob/entropy pass
-
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not temperature > 0 or chunk_size <= 0:
@@ -113,8 +113,12 @@ def sharded_nucleus_logmass(
         return out.view(lead)
     Vr = weight.shape[0] if weight is not None else flat.shape[-1]
     nv = Vr if n_valid is None else max(0, min(Vr, int(n_valid)))
-    ranks = dist.get_world_size(group) if (group is not None or (dist.is_available() and dist.is_initialized())) else 1
+    ranks = dist.get_world_size(group) if group is not None else 1
     SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+
+    def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+        dist.all_reduce(t, op=op, group=group)
+        return t
     for s in range(0, flat.shape[0], chunk_size):
         if weight is not None:
             z = (flat[s:s + chunk_size].to(weight.dtype) @ weight[:nv].t()).float()

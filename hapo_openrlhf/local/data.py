@@ -12,7 +12,8 @@ def make_datasets(cfg):
     d = cfg.data
     s = d.synthetic
     task = ArithmeticTask(n_terms=s.n_terms, digits=s.digits, ops=s.ops, slip_prob=s.slip_prob, shortcut_prob=s.shortcut_prob,
-                         shortcut_error=s.shortcut_error)
+                          shortcut_error=s.shortcut_error, min_terms=s.min_terms, skip_prob=s.skip_prob,
+                          skip_error=s.skip_error)
     if d.train == "synthetic":
         train = task.problems(s.train_size, cfg.seed, heldout=False)
     else:

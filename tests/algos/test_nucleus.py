@@ -132,18 +132,25 @@ def _sharded_worker(rank):
     lo, hi = bounds[rank], bounds[rank + 1]
     for top_p in (0.5, 0.9, 0.95, 1e-6):
         want = nucleus_logmass(logits / T, top_p)
-        got = sharded_nucleus_logmass(logits[:, lo:hi], top_p, temperature=T, chunk_size=7)
+        got = sharded_nucleus_logmass(logits[:, lo:hi], top_p, temperature=T, chunk_size=7,
+                                      group=torch.distributed.group.WORLD)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         # the fused form, the last rank's shard with 2 padding rows
         w = weight[lo:hi]
         if rank == 1:
             w = torch.cat([w, torch.full((2, w.shape[1]), 50.0)])
-        got = sharded_nucleus_logmass(hidden, top_p, weight=w, n_valid=hi - lo, temperature=T)
+        got = sharded_nucleus_logmass(hidden, top_p, weight=w, n_valid=hi - lo, temperature=T,
+                                      group=torch.distributed.group.WORLD)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     # a rank whose whole shard is padding: the other holds the vocabulary
     w = weight if rank == 0 else torch.full((4, weight.shape[1]), 50.0)
-    got = sharded_nucleus_logmass(hidden, 0.9, weight=w, n_valid=weight.shape[0] if rank == 0 else 0)
+    group = torch.distributed.group.WORLD
+    got = sharded_nucleus_logmass(hidden, 0.9, weight=w, n_valid=weight.shape[0] if rank == 0 else 0, group=group)
     torch.testing.assert_close(got, nucleus_logmass(logits, 0.9), rtol=0, atol=1e-5)
+    # no group: this process's whole vocabulary, even with torch.distributed up (a data-parallel
+    # job's ranks hold different rows, and different numbers of them)
+    rows = logits[rank:rank + 3 + 4 * rank]
+    torch.testing.assert_close(sharded_nucleus_logmass(rows, 0.9, chunk_size=2), nucleus_logmass(rows, 0.9))
 
 
 def test_sharded_logmass_over_two_gloo_ranks_equals_the_sort_rule():

@@ -121,6 +121,40 @@ def test_synthetic_split_is_disjoint_and_solutions_are_correct():
         assert score(t.solution(p.problem), p.answer) == 1.0
 
 
+def test_chain_task_teacher_skips_intermediates_with_near_misses():
+    """The chain variant: 4-6 terms; the teacher writes each intermediate result or skips it
+    (two operations in one step), exact when it never errs, near misses (+-1, +-2) on merged
+    steps at skip_error; held-out problems stay disjoint."""
+    import random
+    import re
+
+    from hapo_openrlhf.rewards import score
+
+    t = ArithmeticTask(n_terms=6, digits=2, min_terms=4, skip_prob=0.5, skip_error=0.0)
+    held = t.problems(200, 1, heldout=True)
+    assert {len(re.findall(r"[+\-]", p.problem)) + 1 for p in held} == {4, 5, 6}
+    assert not {p.problem for p in t.problems(500, 0, heldout=False)} & {p.problem for p in held}
+    rng = random.Random(0)
+    sols = [(p, t.solution(p.problem, rng)) for p in held]
+    assert all(score(s, p.answer) == 1.0 for p, s in sols)  # skipping alone never errs
+    n_ops = lambda step: len(re.findall(r"(?<=\d)[+\-]", step.split("=")[0]))  # noqa: E731 (not a sign)
+    steps = [step for _, s in sols for step in s.split(". ") if "=" in step]
+    merged, plain = [x for x in steps if n_ops(x) == 2], [x for x in steps if n_ops(x) == 1]
+    assert len(merged) + len(plain) == len(steps)
+    assert len(merged) > 100 and len(plain) > 100  # both branches of every fork are taught
+    lengths = [len(s) for _, s in sols]
+    assert 30 <= sum(lengths) / len(lengths) <= 80 and max(lengths) <= 96
+    # a merged step errs at skip_error, a written-out one at slip_prob (0 here)
+    t2 = ArithmeticTask(n_terms=6, digits=2, min_terms=4, skip_prob=1.0 - 1e-9, skip_error=1.0)
+    p = held[0]
+    assert score(t2.solution(p.problem, random.Random(1)), p.answer) == 0.0
+    assert score(t2.solution(p.problem), p.answer) == 1.0  # without an rng: the exact chain
+    with pytest.raises(ValueError, match="min_terms must be in"):
+        ArithmeticTask(n_terms=3, min_terms=5)
+    with pytest.raises(ValueError, match="skip_prob must be in"):
+        ArithmeticTask(skip_prob=1.0)
+
+
 def test_hugging_face_dataset_dir_and_save_to_disk(tmp_path):
     datasets = pytest.importorskip("datasets")
     repo = tmp_path / "repo"

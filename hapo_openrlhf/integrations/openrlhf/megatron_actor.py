@@ -9,8 +9,9 @@ engines, hapo's experience maker and its loss are unchanged:
 ``init_model_from_pretrained``  torch.distributed + Megatron parallel state (ranks
                             ordered tp-pp-dp, so each data-parallel replica is
                             ``TP x PP`` consecutive Ray actors: OpenRLHF's
-                            "duplicate actors"), a ``GPTModel`` stage (Qwen2, Qwen3 or Llama) loaded
-                            from the Hugging Face checkpoint inside Megatron's
+                            "duplicate actors"), a ``GPTModel`` stage (Qwen2,
+                            Qwen3 or Llama) loaded from the Hugging Face
+                            checkpoint inside Megatron's
                             DDP (fp32 grad buffers), Megatron's optimizer (the
                             distributed one at DP > 1), the LR schedule, hapo's
                             loss, resume, the vLLM sync group.
@@ -39,8 +40,9 @@ What OpenRLHF's DeepSpeed actor does and this one does not: EMA, LoRA,
 sleep/offload (so no colocated vLLM); the config loader rejects those settings for
 ``backend: megatron``. The KL-to-reference loss (``algo.kl.use_loss``, k1/k2/k3) is
 computed here with OpenRLHF's own ``compute_approx_kl`` and ``aggregate_loss`` from the
-reference log-probs a :class:`~.megatron_reference.MegatronReferenceActor` group returns. Packed samples (THD) and token-budget
-micro-batches (``dynamic_batch``) are this actor's own (``megatron.schedule``).
+log-probs a :class:`~.megatron_reference.MegatronReferenceActor` group returns. Packed
+samples (THD) and token-budget micro-batches (``dynamic_batch``) are this actor's own
+(``megatron.schedule``).
 """
 
 from __future__ import annotations
