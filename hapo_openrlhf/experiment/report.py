@@ -14,7 +14,11 @@ from pathlib import Path
 from ..algos.quadrants import QUADRANTS
 from ..jsonfile import read_json_object
 from ..report.plots import moving_average, save_png
+from .credit import credit_by_class, run_samples
+from .credit import markdown as credit_markdown
 from .findings import evaluate_findings
+from .verdicts import compare
+from .verdicts import markdown as verdict_table
 from .stats import RunStats, load_run, spread
 
 QUADRANT_VIEW = ("quadrant_phr", "quadrant_plr", "quadrant_nhr", "quadrant_nlr", "grpo", "dapo", "hapo")
@@ -56,10 +60,29 @@ def read_manifest(path: Path) -> dict:
         raise ValueError(f"{path}: 'runs' must map each run name to its directory")
     if not isinstance(m.get("suites_run", []), list) or not isinstance(m.get("jobs", {}), dict):
         raise ValueError(f"{path}: 'suites_run' must be a list and 'jobs' an object")
+    comps = m.get("comparisons", [])
+    if not (isinstance(comps, list) and all(isinstance(c, dict) and set(c) == {"a", "b"}
+                                            and all(isinstance(c[x], str) for x in "ab") for c in comps)):
+        raise ValueError(f"{path}: 'comparisons' must be a list of {{a: variant, b: variant}}")
     missing = sorted({f"{v}/seed_{s}" for vs in suites.values() for v in vs for s in seeds} - set(runs))
     if missing:
         raise ValueError(f"{path}: 'runs' lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     return m
+
+
+def credit_table(manifest: dict, variants: list[str]) -> dict[str, dict]:
+    """variant -> :func:`~.credit.credit_by_class` over the token samples of all its seeds'
+    finished runs (variants without samples are left out)."""
+    out = {}
+    for v in dict.fromkeys(variants):
+        rows = []
+        for seed in manifest["seeds"]:
+            d = Path(manifest["runs"][f"{v}/seed_{seed}"])
+            if (d / "summary.json").exists():
+                rows += run_samples(d)
+        if rows:
+            out[v] = credit_by_class(rows)
+    return out
 
 
 def suites_run(manifest: dict) -> list[str]:
@@ -175,6 +198,9 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     table = variant_table(runs, list(dict.fromkeys(variants)))
     findings = evaluate_findings(runs)
     (out / "findings.json").write_text(json.dumps(findings, indent=1))
+    comparisons = compare(runs, manifest.get("comparisons") or [])
+    if comparisons:
+        (out / "comparisons.json").write_text(json.dumps(comparisons, indent=1))
     (out / "stats.json").write_text(json.dumps(table, indent=1))
     pngs = _plots(runs, suites, out)
 
@@ -211,6 +237,24 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
                 f"{_f(t['entropy_start']['mean'])} → {_f(t['entropy_end']['mean'])} | "
                 f"{_ms(t['entropy_ratio'])} | {share} |")
         lines.append("")
+    if manifest.get("comparisons"):
+        lines += ["## Pre-registered comparisons", "",
+                  f"Stated in the experiment file before the runs: for each pair, the per-seed difference of the "
+                  f"final held-out Avg@{k} (paired: one warm start per seed), its mean, standard error and 95% "
+                  f"interval (Student's t, n - 1 df); **a > b** / **a < b** when the mean exceeds twice its "
+                  f"standard error in that direction, else **unresolved**; *seeds to resolve* = (2 sd / |mean|)^2 "
+                  f"(`hapo_openrlhf/experiment/verdicts.py`).", ""]
+        lines += verdict_table(comparisons, k) + [""]
+    credit = credit_table(manifest, variants)
+    if credit:
+        (out / "credit.json").write_text(json.dumps(credit, indent=1))
+        lines += ["## Token credit: where the advantage moved", "",
+                  "From every run's dumped token samples (all seeds pooled): each response token is a *fork* "
+                  "(the first token, and the character after a step's second operand: write the intermediate "
+                  "result or skip it), a *result* character (after `=`, inside `\\boxed{}`) or *routine*; the "
+                  "credit shift is `sum | |A^h| - |A| |`, the advantage a token-level method moved away from the "
+                  "sequence's (`hapo_openrlhf/experiment/credit.py`). GRPO and DAPO move none.", ""]
+        lines += credit_markdown(credit) + [""]
     lines += ["## Per-quadrant entropy at the end (mean of the last 10 steps)", "",
               "| variant | " + " | ".join(QUADRANTS) + " |", "|---|" + "---|" * len(QUADRANTS)]
     for v, t in table.items():

@@ -18,7 +18,8 @@ import yaml
 
 from ..config import RunConfig, _merge, apply_overrides, from_dict, read_raw
 
-_KEYS = {"run_config", "output_dir", "seeds", "workers", "threads_per_worker", "common", "variants", "suites"}
+_KEYS = {"run_config", "output_dir", "seeds", "workers", "threads_per_worker", "common", "variants", "suites",
+         "comparisons"}
 _VARIANT_KEYS = {"config", "override"}
 # a variant may change the algorithm, the optimiser, the rollout and the schedule, but
 # not what the shared warm start was built from
@@ -51,6 +52,8 @@ class Experiment:
     suites: dict[str, tuple[str, ...]]
     warm: dict[int, Job]
     runs: dict[tuple[str, int], Job]
+    # pre-registered paired comparisons {a, b} (experiment/verdicts.py), stated before the runs
+    comparisons: tuple[dict[str, str], ...] = ()
 
     def variants_of(self, suites: list[str]) -> list[str]:
         out: list[str] = []
@@ -64,6 +67,7 @@ class Experiment:
             "workers": self.workers, "threads_per_worker": self.threads_per_worker,
             "warm_starts": {s: str(j.out) for s, j in self.warm.items()},
             "runs": {f"{v}/seed_{s}": str(j.out) for (v, s), j in self.runs.items()},
+            "comparisons": [dict(c) for c in self.comparisons],
         }
 
 
@@ -111,6 +115,14 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
         suites[str(name)] = tuple(members)
     if "all" in suites:
         raise _err(path, "'all' is reserved (it runs every suite)")
+    comparisons = []
+    for c in raw.get("comparisons") or []:
+        if not (isinstance(c, dict) and set(c) == {"a", "b"} and all(isinstance(c[k], str) for k in "ab")):
+            raise _err(path, f"each comparison must be a mapping {{a: variant, b: variant}}, got {c!r}")
+        missing = [c[k] for k in "ab" if c[k] not in variants]
+        if missing or c["a"] == c["b"]:
+            raise _err(path, f"comparison {c!r} names unknown or identical variant(s) {missing or [c['a']]}")
+        comparisons.append({"a": c["a"], "b": c["b"]})
 
     warm = {}
     for s in seeds:
@@ -136,7 +148,7 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
                 "warmup": {"steps": 0}, "trainer": {"threads": threads},
             }, path, f"variant {v!r}")
             runs[(v, s)] = Job(v, s, run_out, cfg)
-    return Experiment(path, out, seeds, workers, threads, suites, warm, runs)
+    return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons))
 
 
 def _resolve(raw: Mapping[str, Any], forced: Mapping[str, Any], path: Path, what: str) -> dict[str, Any]:

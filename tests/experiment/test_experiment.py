@@ -147,3 +147,61 @@ def test_experiment_cli_smoke(tmp_path):
     (report.parent / "experiment.md").unlink()
     res = run_cli(["report", str(out)])
     assert res.returncode == 0 and Path(res.stdout.strip()).read_text().startswith("# Experiment report")
+
+
+def test_decisive_experiment_is_the_chain_task_with_its_preregistered_comparisons():
+    """configs/experiments/decisive.yaml: the chain task exactly as configs/cpu_tiny_chain.yaml
+    states it (one set of numbers), >= 8 held-out seeds disjoint from the development seeds
+    101-103, the six methods, and the comparisons stated before the run."""
+    from hapo_openrlhf.config import load_config
+
+    exp = load_experiment(REPO / "configs/experiments/decisive.yaml")
+    assert len(exp.seeds) >= 8 and not set(exp.seeds) & {101, 102, 103}
+    chain = load_config(REPO / "configs/cpu_tiny_chain.yaml").to_dict()
+    warm = exp.warm[exp.seeds[0]].config
+    for section in ("data", "warmup"):
+        assert warm[section] == chain[section], section
+    for k in ("max_new_tokens",):
+        assert warm["rollout"][k] == chain["rollout"][k] and warm["eval"][k] == chain["eval"][k]
+    assert warm["eval"]["n_samples"] == chain["eval"]["n_samples"] == 8 and warm["data"]["synthetic"]["eval_size"] >= 512
+    assert warm["model"] == {**chain["model"], "path": warm["model"]["path"]}
+    assert exp.suites["decisive"] == ("grpo", "dapo", "hapo", "hapo_multiplicative", "entro_adv", "forking")
+    algo = {v: exp.runs[(v, exp.seeds[0])].config["algorithm"] for v in exp.suites["decisive"]}
+    assert algo["hapo"]["estimator"] == "hapo" and algo["hapo"]["estimator_params"] == {"alpha": 0.2, "phi": 2.0}
+    assert algo["hapo_multiplicative"]["estimator_params"]["form"] == "multiplicative"
+    assert [algo[v]["estimator"] for v in ("grpo", "dapo", "entro_adv", "forking")] == \
+        ["grpo", "grpo", "entro_adv", "forking"]
+    assert {"a": "hapo", "b": "grpo"} in exp.manifest()["comparisons"]
+    # the RL runs share every setting but the algorithm (steps, lr, evaluation) with each other
+    others = [{k: v for k, v in exp.runs[(v, exp.seeds[0])].config.items() if k not in ("algorithm", "run_name",
+                                                                                          "output_dir")}
+              for v in exp.suites["decisive"]]
+    assert all(o == others[0] for o in others)
+
+
+def test_decisive_experiment_smoke(tmp_path):
+    """The decisive experiment reduced (two seeds, two RL steps, a tiny evaluation): every
+    method runs from the shared warm start, and the report reads the runs into the
+    pre-registered verdict table and the token-credit table."""
+    out = tmp_path / "decisive"
+    cmd = ["experiment", "decisive", "--config", str(REPO / "configs/experiments/decisive.yaml"), "--seeds", "1,2",
+           "--output-dir", str(out), *_sets([s for s in SMOKE if not s.startswith("trainer.sample_every")]),
+           *_sets(["trainer.sample_every=1", "trainer.sample_count=4"])]
+    res = run_cli(cmd, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    last = json.loads(res.stdout.strip().splitlines()[-1])
+    assert last["failed"] == [] and last["skipped"] == []
+    report = Path(last["report"])
+    md = report.read_text()
+    assert "## Pre-registered comparisons" in md and "## Token credit" in md
+    rows = json.loads((report.parent / "comparisons.json").read_text())
+    assert [(r["a"], r["b"]) for r in rows] == [("hapo", "grpo"), ("hapo", "dapo"), ("hapo", "entro_adv"),
+                                                ("hapo", "forking"), ("hapo_multiplicative", "grpo"),
+                                                ("hapo_multiplicative", "hapo")]
+    for r in rows:
+        assert r["n"] == 2 and r["verdict"] in ("a > b", "a < b", "unresolved") and len(r["per_seed"]) == 2
+        assert f"| {r['a']} | {r['b']} | 2 |" in md
+    credit = json.loads((report.parent / "credit.json").read_text())
+    assert set(credit) == {"grpo", "dapo", "hapo", "hapo_multiplicative", "entro_adv", "forking"}
+    assert credit["hapo"]["fork"]["tokens"] > 0
+    assert credit["grpo"]["fork"]["shift_share"] != credit["grpo"]["fork"]["shift_share"]  # NaN: GRPO moves nothing

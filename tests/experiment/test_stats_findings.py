@@ -115,6 +115,7 @@ def test_findings_need_their_variants():
     (lambda m: {**m, "seeds": ["1"]}, "'seeds' must be a list of integers"),
     (lambda m: {**m, "runs": {}}, "'runs' lacks"),
     (lambda m: {**m, "jobs": []}, "'jobs' an object"),
+    (lambda m: {**m, "comparisons": [{"a": "hapo"}]}, "'comparisons' must be a list of"),
 ])
 def test_a_damaged_experiment_manifest_is_named(tmp_path, edit, why):
     import json
@@ -139,3 +140,70 @@ def test_scale_throughput_names_a_corrupt_metrics_line(tmp_path):
                  '{"step": 2, "time/step_s": 3.0, "response/tokens": 300}\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2: corrupt line"):
         _throughput(m)
+
+
+def test_preregistered_comparison_hand_computed():
+    """verdicts.compare on hand-built finals: paired diff, s.e., the t interval, the 2 s.e.
+    rule in both directions, unresolved, and the seeds a measured spread would need."""
+    from hapo_openrlhf.experiment.verdicts import A_WINS, B_WINS, UNRESOLVED, compare, markdown, t975
+
+    # a - b per seed: 0.02, 0.04, 0.03, 0.05 -> mean 0.035, sd 0.012910, se 0.006455
+    finals = {"hapo": [0.52, 0.54, 0.53, 0.55], "grpo": [0.50, 0.50, 0.50, 0.50],
+              "dapo": [0.51, 0.57, 0.49, 0.58]}  # hapo - dapo: 0.01, -0.03, 0.04, -0.03
+    runs = [_run(v, s, evals=(0.45, f)) for v, fs in finals.items() for s, f in enumerate(fs, start=1)]
+    rows = {(r["a"], r["b"]): r for r in compare(runs, [{"a": "hapo", "b": "grpo"}, {"a": "grpo", "b": "hapo"},
+                                                         {"a": "hapo", "b": "dapo"}, {"a": "hapo", "b": "entro_adv"}])}
+    assert set(rows) == {("hapo", "grpo"), ("grpo", "hapo"), ("hapo", "dapo")}  # no entro_adv runs: no row
+    r = rows[("hapo", "grpo")]
+    sd = math.sqrt(sum((x - 0.035) ** 2 for x in (0.02, 0.04, 0.03, 0.05)) / 3)
+    assert r["n"] == 4 and r["diff"] == pytest.approx(0.035) and r["se"] == pytest.approx(sd / 2)
+    assert r["ci95"] == pytest.approx([0.035 - 3.182 * sd / 2, 0.035 + 3.182 * sd / 2])
+    assert r["verdict"] == A_WINS and rows[("grpo", "hapo")]["verdict"] == B_WINS
+    assert r["seeds_needed"] == math.ceil((2 * sd / 0.035) ** 2) == 1
+    d = rows[("hapo", "dapo")]  # mean -0.0025, sd 0.0377: unresolved; (2 sd / 0.0025)^2 seeds
+    assert d["verdict"] == UNRESOLVED and d["seeds_needed"] == math.ceil((2 * d["sd"] / 0.0025) ** 2) > 100
+    md = "\n".join(markdown(list(rows.values()), 4))
+    assert "| hapo | grpo | 4 | 0.5350 | 0.5000 | +0.0350 |" in md and "unresolved" in md
+    assert (t975(1), t975(7), t975(35), t975(500)) == (12.706, 2.365, 2.042, 1.96)
+    one = compare([_run("hapo", 1, evals=(0.5,)), _run("grpo", 1, evals=(0.4,))], [{"a": "hapo", "b": "grpo"}])
+    assert one[0]["verdict"] == UNRESOLVED and one[0]["seeds_needed"] is None  # one seed: no spread
+
+
+def test_comparisons_in_the_experiment_file_are_checked(tmp_path):
+    import yaml
+
+    from hapo_openrlhf.experiment import load_experiment
+
+    base = str((__import__("pathlib").Path(__file__).parents[2] / "configs" / "cpu_tiny.yaml").resolve())
+
+    def exp(comparisons):
+        p = tmp_path / "e.yaml"
+        p.write_text(yaml.safe_dump({"run_config": base, "variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]},
+                                     "comparisons": comparisons}))
+        return load_experiment(p, output_dir=str(tmp_path / "o"))
+
+    assert exp([{"a": "a", "b": "b"}]).manifest()["comparisons"] == [{"a": "a", "b": "b"}]
+    with pytest.raises(ValueError, match="unknown or identical variant"):
+        exp([{"a": "a", "b": "c"}])
+    with pytest.raises(ValueError, match="must be a mapping"):
+        exp([{"a": "a", "b": "b", "metric": "x"}])
+
+
+def test_token_classes_and_credit_shares_hand_computed(tmp_path):
+    """credit.token_classes on a chain response (a written step, a skipped intermediate, the
+    boxed answer) and credit_by_class on hand-made advantages; a damaged sample line is named."""
+    from hapo_openrlhf.experiment.credit import credit_by_class, run_samples, token_classes
+
+    text = "6-8=-2. -2+9-2=7. \\boxed{7}"
+    got = "".join({"fork": "F", "result": "R", "routine": "."}[c] for c in token_classes(list(text)))
+    assert got == "F..FRR......F.FR.........R."
+    # one row of 4 tokens: fork, routine, routine, fork; A = 1 everywhere, A^h doubles the forks
+    row = {"tokens": ["1", "+", "2", "="], "advantage": [2.0, 1.0, 1.0, 3.0], "base_advantage": [1.0] * 4}
+    t = credit_by_class([row])
+    assert t["fork"]["token_share"] == 0.5 and t["fork"]["shift_share"] == 1.0 and t["routine"]["shift_share"] == 0.0
+    assert t["fork"]["mean_scale"] == 2.5 and t["routine"]["mean_scale"] == 1.0
+    assert math.isnan(credit_by_class([{**row, "advantage": [1.0] * 4}])["fork"]["shift_share"])  # GRPO: no shift
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "samples" / "step_00000001.jsonl").write_text(json.dumps(row) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"step_00000001.jsonl:2: not a JSON token sample"):
+        run_samples(tmp_path)
