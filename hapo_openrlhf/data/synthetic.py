@@ -18,7 +18,7 @@ terms, and before each step but the last the teacher skips the intermediate resu
 probability ``skip_prob``, writing two operations at once ("47+38-19=66.") and getting
 that merged step wrong by +-1 or +-2 with probability ``skip_error``. Every step is then
 a decision (write the intermediate or not) followed by result digits whose reliability
-depends on it: 5-6 term chains give 40-70-token responses with 3-5 forks.
+depends on it: 4-6 single-digit terms give 30-60-token responses with 3-5 forks.
 """
 
 from __future__ import annotations
