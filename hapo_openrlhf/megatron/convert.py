@@ -33,6 +33,9 @@ from typing import Mapping
 
 import torch
 
+# the families (model_type -> what the layout needs) live in one module; re-exported here
+from .families import SUPPORTED_MODEL_TYPES, check_model_type, family_of  # noqa: F401
+
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     """Megatron's rule: pad the vocabulary to a multiple of ``multiple * tp``."""
@@ -45,10 +48,6 @@ def _dims(hf_config):
     nq, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     d = getattr(hf_config, "head_dim", None) or H // nq
     return H, nq, nkv, d
-
-
-# the families (model_type -> what the layout needs) live in one module; re-exported here
-from .families import SUPPORTED_MODEL_TYPES, check_model_type, family_of  # noqa: E402,F401
 
 
 def check_parallel_layout(hf_config, tp: int, pp: int) -> None:
