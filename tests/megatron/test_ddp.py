@@ -167,6 +167,28 @@ def test_distributed_optimizer_gpu_smoke_step_runs_on_cpu(tmp_path):
     assert res["state_bytes"] > 0
 
 
+def resume_step(ddp, opt, step: int, tp: int) -> tuple[float, float]:
+    """One optimizer step of the resume tests on this rank's share of ``_data(step % 2)``:
+    (the step's loss, the grad norm), equal on every rank (a collective over the job)."""
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.schedule import forward_backward
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    ids, am, w = _data(step % 2)
+    n_global = int(_valid(am).sum())
+    rows = range(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
+    mbs = [{"input_ids": ids[r:r + 1], "attention_mask": am[r:r + 1], "w": w[r:r + 1]} for r in rows]
+
+    def loss_fn(lp, en, mb):
+        return -(lp.float() * mb["w"] * _valid(mb["attention_mask"])).sum() / n_global * dp, {}
+
+    res = forward_backward(ddp, mbs, loss_fn, vocab_size=259)  # losses on the last stage only
+    loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp, dtype=torch.float64)
+    dist.all_reduce(loss)  # the step's loss (the trainer state is common: written once)
+    return float(loss) / tp, opt.step()  # every TP rank of the last stage reported it
+
+
 def _resume_worker(rank, tp, sharding, ckpt, phase, out):
     """phase 'full': 4 steps; 'first': 2 steps, save; 'resume': load, steps 3-4. A bf16
     model (fp32 masters in the optimizer), the weights of the saved steps' HF start."""
@@ -175,10 +197,9 @@ def _resume_worker(rank, tp, sharding, ckpt, phase, out):
     from hapo_openrlhf.megatron import checkpoint
     from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
     from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
-    from hapo_openrlhf.megatron.schedule import forward_backward
 
     init_megatron(tp=tp)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dp = ps.get_data_parallel_world_size()
     hf = tiny_qwen2(True, layers=2)
     model = build_qwen2_gpt_model(hf.config, tp=tp, params_dtype=torch.bfloat16, perform_initialization=False)
     if phase != "resume":  # a resumed run must get every weight and state from disk
@@ -195,18 +216,7 @@ def _resume_worker(rank, tp, sharding, ckpt, phase, out):
             return
         start, losses = state["step"], list(state["losses"])
     for step in range(start, 2 if phase == "first" else 4):
-        ids, am, w = _data(step % 2)
-        n_global = int(_valid(am).sum())
-        rows = range(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
-        mbs = [{"input_ids": ids[r:r + 1], "attention_mask": am[r:r + 1], "w": w[r:r + 1]} for r in rows]
-
-        def loss_fn(lp, en, mb):
-            return -(lp.float() * mb["w"] * _valid(mb["attention_mask"])).sum() / n_global * dp, {}
-
-        res = forward_backward(ddp, mbs, loss_fn, vocab_size=259)
-        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp, dtype=torch.float64)
-        dist.all_reduce(loss)  # the step's loss (the trainer state is common: written once)
-        losses.append((float(loss) / tp, opt.step()))  # every TP rank of the last stage reported it
+        losses.append(resume_step(ddp, opt, step, tp))
     if phase == "first":
         checkpoint.save(ckpt, 2, ddp, opt, {"step": 2, "losses": losses})
     inner = opt.torch_optimizers[0]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ._dist import init_megatron, load_hf_into, spawn
 from .test_convert import tiny_model
-from .test_ddp import CLIP, EPS, LR, ROWS, _data, _valid
+from .test_ddp import CLIP, EPS, LR, resume_step
 
 FAMILY, LAYERS = "qwen3", 4
 
@@ -24,10 +24,8 @@ def _worker(rank, tp, pp, ckpt, phase, out, distributed=None):
     from hapo_openrlhf.megatron.convert import gather_hf_state_dict
     from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
     from hapo_openrlhf.megatron.model import build_gpt_model
-    from hapo_openrlhf.megatron.schedule import forward_backward
-
     init_megatron(tp=tp, pp=pp)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dp = ps.get_data_parallel_world_size()
     hf = tiny_model(FAMILY, tied=False, layers=LAYERS)
     model = build_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
                             perform_initialization=False)
@@ -46,18 +44,7 @@ def _worker(rank, tp, pp, ckpt, phase, out, distributed=None):
         start, losses = state["step"], list(state["losses"])
         snaps["loaded"] = gather_hf_state_dict(model, hf.config)
     for step in range(start, 2 if phase == "first" else 4):
-        ids, am, w = _data(step % 2)
-        n_global = int(_valid(am).sum())
-        rows = range(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
-        mbs = [{"input_ids": ids[r:r + 1], "attention_mask": am[r:r + 1], "w": w[r:r + 1]} for r in rows]
-
-        def loss_fn(lp, en, mb):
-            return -(lp.float() * mb["w"] * _valid(mb["attention_mask"])).sum() / n_global * dp, {}
-
-        res = forward_backward(ddp, mbs, loss_fn, vocab_size=259)  # losses on the last stage only
-        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp, dtype=torch.float64)
-        dist.all_reduce(loss)  # every TP rank of the last stage reported it
-        losses.append((float(loss) / tp, opt.step()))
+        losses.append(resume_step(ddp, opt, step, tp))
         if step == 1:
             snaps["step2"] = gather_hf_state_dict(model, hf.config)
     if phase == "first":
