@@ -240,7 +240,7 @@ class LocalTrainer:
         ro = batch.rollout
         mask = ro.response_mask_BR
         old_logp, ent, *logmass = self._behaviour(ro, nucleus=True)
-        if logmass:  # top-p rollouts: the mean log P(nucleus) over response tokens (docs/metrics.md)
+        if logmass:  # top-p rollouts: the mean log P(nucleus) over response tokens (docs/method.md 6b)
             metrics["rollout/nucleus_logmass"] = float(logmass[0].sum() / mask.sum().clamp(min=1))
         inputs = algos.AdvantageInputs(
             rewards=batch.rewards, response_mask=mask, entropy=ent, group_index=batch.group_index,
