@@ -94,6 +94,15 @@ class SyntheticConfig:
     train_size: int = 4000
     eval_size: int = 128
 
+    def __post_init__(self):
+        # named here, at load, rather than when the task is first built (data/synthetic.py checks again)
+        _require(self.min_terms is None or 2 <= self.min_terms <= self.n_terms,
+                 f"data.synthetic.min_terms must be in [2, n_terms={self.n_terms}], got {self.min_terms}")
+        for k in ("slip_prob", "shortcut_prob", "skip_prob"):
+            _require(0 <= getattr(self, k) < 1, f"data.synthetic.{k} must be in [0, 1), got {getattr(self, k)}")
+        for k in ("shortcut_error", "skip_error"):
+            _require(0 <= getattr(self, k) <= 1, f"data.synthetic.{k} must be in [0, 1], got {getattr(self, k)}")
+
 
 @dataclass(frozen=True)
 class DataConfig:

@@ -42,6 +42,8 @@ def test_cpu_tiny_uses_paper_hapo_defaults():
         ({"algorithm": {"estimator": "quadrant", "estimator_params": {"quadrants": ["XYZ"]}}}, "unknown quadrant"),
         ({"data": {"template": "llama"}}, "data.template must be one of"),
         ({"model": {"family": "mistral"}}, "model.family must be one of qwen2, qwen3, llama, got 'mistral'"),
+        ({"data": {"synthetic": {"min_terms": 7}}}, "data.synthetic.min_terms must be in \\[2, n_terms=3\\], got 7"),
+        ({"data": {"synthetic": {"skip_error": 2}}}, "data.synthetic.skip_error must be in \\[0, 1\\], got 2"),
     ],
 )
 def test_bad_configs_name_the_problem(raw, match):
