@@ -92,13 +92,14 @@ def sharded_nucleus_logmass(
     this process holds the whole vocabulary (a data-parallel job's ranks hold different
     rows, so the default group is never assumed).
 
-    One rank (or no process group) applies the sampler's sort rule to each chunk exactly
-    (:func:`nucleus_logmass`). Over several ranks no rank sees a whole row, so the nucleus
-    boundary is found as a probability threshold: the dropped tokens are those with
-    p <= t for the largest t whose dropped mass is <= 1 - top_p (the sort rule's longest
-    ascending prefix), by ``BISECT_STEPS`` bisection steps of one [C] all-reduce each,
-    then one more for the kept mass. Cost: a no-grad pass over [C, Vr] per step, for a
-    metric; 0 at ``top_p`` 1 without any compute.
+    No rank need see a whole row, so the nucleus boundary is found as a probability
+    threshold instead of by a sort: the dropped tokens are those with p <= t for the
+    largest t whose dropped mass is <= 1 - top_p (the sort rule's longest ascending
+    prefix), by ``BISECT_STEPS`` bisection steps (each one [C] all-reduce over ``group``),
+    then the kept mass. The same path serves one process: no [C, V] sort, index or cumsum
+    buffers, so a chunk holds its probabilities and one masked copy, as the fused heads'
+    log-prob pass does. Cost: ``BISECT_STEPS`` no-grad passes over [C, Vr], for a metric;
+    nothing at ``top_p`` 1.
     """
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -113,12 +114,14 @@ def sharded_nucleus_logmass(
         return out.view(lead)
     Vr = weight.shape[0] if weight is not None else flat.shape[-1]
     nv = Vr if n_valid is None else max(0, min(Vr, int(n_valid)))
-    ranks = dist.get_world_size(group) if group is not None else 1
-    SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+    if nv == 0 and group is None:
+        raise ValueError("no vocabulary columns (n_valid is 0)")
 
-    def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-        dist.all_reduce(t, op=op, group=group)
+    def reduce(t: torch.Tensor, op) -> torch.Tensor:  # over the shards of the same rows, if any
+        if group is not None:
+            dist.all_reduce(t, op=op, group=group)
         return t
+
     for s in range(0, flat.shape[0], chunk_size):
         if weight is not None:
             z = (flat[s:s + chunk_size].to(weight.dtype) @ weight[:nv].t()).float()
@@ -126,25 +129,16 @@ def sharded_nucleus_logmass(
             z = flat[s:s + chunk_size, :nv].float()
         if temperature != 1.0:
             z = z / temperature
-        if ranks == 1:
-            if nv == 0:
-                raise ValueError("no vocabulary columns (n_valid is 0)")
-            p = torch.softmax(z, -1)
-            out[s:s + chunk_size] = (p * _mask_of(p, top_p)).sum(-1).log()
-            continue
-        m = z.amax(-1) if nv else z.new_full((z.shape[0],), -torch.inf)
-        m = _all_reduce(m, MAX, group)
-        p = torch.exp(z - m.unsqueeze(-1))
-        p.div_(_all_reduce(p.sum(-1), SUM, group).unsqueeze(-1))
-        budget = 1.0 - top_p
+        m = reduce(z.amax(-1) if nv else z.new_full((z.shape[0],), -torch.inf), dist.ReduceOp.MAX)
+        p = torch.exp(z - m.unsqueeze(-1))  # not in place: z may be the caller's own logits
+        del z
+        p.div_(reduce(p.sum(-1), dist.ReduceOp.SUM).unsqueeze(-1))
         lo = torch.zeros_like(m)
-        hi = _all_reduce(p.amax(-1) if nv else torch.zeros_like(m), MAX, group)
+        hi = reduce(p.amax(-1) if nv else torch.zeros_like(m), dist.ReduceOp.MAX)
         for _ in range(BISECT_STEPS):
             mid = (lo + hi) / 2
-            dropped = _all_reduce((p * (p <= mid.unsqueeze(-1))).sum(-1), SUM, group)
-            ok = dropped <= budget
-            lo = torch.where(ok, mid, lo)
-            hi = torch.where(ok, hi, mid)
-        kept = _all_reduce((p * (p > lo.unsqueeze(-1))).sum(-1), SUM, group)
-        out[s:s + chunk_size] = kept.log()
+            dropped = reduce(p.masked_fill(p > mid.unsqueeze(-1), 0).sum(-1), dist.ReduceOp.SUM)
+            ok = dropped <= 1.0 - top_p
+            lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+        out[s:s + chunk_size] = reduce(p.masked_fill(p <= lo.unsqueeze(-1), 0).sum(-1), dist.ReduceOp.SUM).log()
     return out.view(lead)
