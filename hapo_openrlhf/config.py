@@ -78,6 +78,10 @@ class ModelConfig:
                  f"model.family must be one of qwen2, qwen3, llama, got {self.family!r}")
 
 
+def _optional_seed(x) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**62)
+
+
 @dataclass(frozen=True)
 class SyntheticConfig:
     n_terms: int = 3
@@ -93,8 +97,13 @@ class SyntheticConfig:
     skip_error: float = 0.0
     train_size: int = 4000
     eval_size: int = 128
+    # the held-out problems' draw; none: the run's seed + 1. A fixed value gives every run of an
+    # experiment one held-out set (train problems still follow the run's seed)
+    eval_seed: int | None = None
 
     def __post_init__(self):
+        _require(_optional_seed(self.eval_seed),
+                 f"data.synthetic.eval_seed must be none or an integer >= 0, got {self.eval_seed!r}")
         # named here, at load, rather than when the task is first built (data/synthetic.py checks again)
         _require(self.min_terms is None or 2 <= self.min_terms <= self.n_terms,
                  f"data.synthetic.min_terms must be in [2, n_terms={self.n_terms}], got {self.min_terms}")
@@ -275,9 +284,14 @@ class EvalConfig:
     top_p: float = 0.95
     n_samples: int = 4
     max_new_tokens: int = 40
+    # the sampling seed of held-out evaluations; none: the run's seed + 99. A fixed seed gives
+    # every run of an experiment the same sampling stream (common random numbers), so runs
+    # from one warm start share its evaluation and paired differences lose that noise
+    seed: int | None = None
 
     def __post_init__(self):
         _require(self.n_samples >= 1 and self.temperature > 0 and 0 < self.top_p <= 1, "eval: n_samples >= 1, temperature > 0, top_p in (0, 1]")
+        _require(_optional_seed(self.seed), f"eval.seed must be none or an integer >= 0, got {self.seed!r}")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ def make_datasets(cfg):
                                  on_bad_row=d.on_bad_row)
         task = None
     if d.eval == "synthetic":
-        evals = task.problems(s.eval_size, cfg.seed + 1, heldout=True) if task else None
+        eval_seed = cfg.seed + 1 if s.eval_seed is None else s.eval_seed
+        evals = task.problems(s.eval_size, eval_seed, heldout=True) if task else None
         if evals is None:
             raise ValueError("data.eval: synthetic needs data.train: synthetic")
     else:

@@ -27,6 +27,7 @@ from ..data.templates import apply_template
 from ..preemption import Preempted
 from ..rewards import MathVerifier, RewardStats
 from .data import make_datasets
+from . import eval_cache
 from .evaluate import evaluate
 from .logger import MetricsLogger
 from .model import load_or_build, save_hf
@@ -167,7 +168,21 @@ class LocalTrainer:
         e = self.cfg.eval
         return evaluate(self.model, self.tok, self.eval_problems, template=self.cfg.data.template, n=e.n_samples,
                         temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
-                        seed=self.cfg.seed + 99)
+                        seed=self.eval_seed)
+
+    @property
+    def eval_seed(self) -> int:
+        return self.cfg.seed + 99 if self.cfg.eval.seed is None else self.cfg.eval.seed
+
+    def _evaluate_start(self) -> dict[str, float]:
+        """The held-out evaluation before RL: reused from the starting model's ``eval.json``
+        when this run starts from a saved model with no warm-up and nothing that evaluation
+        depends on differs (local/eval_cache.py); evaluated otherwise."""
+        if self.cfg.model.path and self.cfg.warmup.steps == 0:
+            cached = eval_cache.lookup(self.cfg.model.path, eval_cache.eval_key(self.model, self.cfg, self.eval_problems, self.eval_seed))
+            if cached is not None:
+                return cached
+        return self.evaluate()
 
     def next_prompts(self, n: int):
         """The next ``n`` training problems: a fixed per-epoch permutation, so the data
@@ -336,7 +351,7 @@ class LocalTrainer:
         cfg = self.cfg
         if not self.state.warmup_done:
             self.run_warmup(on_step=progress.warmup if progress else None)
-            self.state.eval_before = self.evaluate()
+            self.state.eval_before = self._evaluate_start()
             self.logger.log(0, self.state.eval_before)
             if cfg.trainer.save_every:
                 self.save()
@@ -360,11 +375,15 @@ class LocalTrainer:
                 log.warning("stop requested: checkpointed step %d, exiting for requeue", s)
                 self.close()
                 raise Preempted(s)
-        final = self.evaluate()
+        # no RL step (a warm start): the model is the one evaluated before, so that evaluation is final
+        final = dict(self.state.eval_before) if cfg.trainer.steps == 0 and self.state.eval_before else self.evaluate()
         self.logger.log(self.state.step, {**final, "final": 1})
-        # hapo.json lets `hapo eval --template auto` pick the prompt format this model was trained on
+        # hapo.json lets `hapo eval --template auto` pick the prompt format this model was trained on;
+        # eval.json lets a run that starts from this model reuse ``final`` (local/eval_cache.py)
+        key = eval_cache.eval_key(self.model, cfg, self.eval_problems, self.eval_seed)
         save_hf(self.model, self.tok, self.out / "final_model",
-                extra_files={"hapo.json": json.dumps({"template": cfg.data.template})})
+                extra_files={"hapo.json": json.dumps({"template": cfg.data.template}),
+                             eval_cache.FILE: eval_cache.dumps(key, final)})
         summary = {"before": self.state.eval_before, "after": final}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         self.close()
