@@ -187,7 +187,7 @@ def _experiment(args) -> int:
 
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
     exp = load_experiment(args.config, seeds=seeds, output_dir=args.output_dir, workers=args.workers,
-                          overrides=args.set)
+                          overrides=args.set, warm_start_seed=args.warm_start_seed)
     suites = list(exp.suites) if "all" in args.suites else list(dict.fromkeys(args.suites))
     console = Console(stderr=True)
     state = {"done": 0, "total": 0}
@@ -306,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--config", default="configs/experiments/toy_repro.yaml", help="the experiment file")
     x.add_argument("--seeds", default=None, help="comma-separated; default: the experiment file's")
     x.add_argument("--workers", type=int, default=None, help="parallel runs; default: the experiment file's")
+    x.add_argument("--warm-start-seed", type=int, default=None,
+                   help="one warm start, trained with this seed, shared by every seed's runs; default: the "
+                        "experiment file's warm_start_seed (absent: a warm start per seed)")
     x.add_argument("--output-dir", default=None, help="default: the experiment file's output_dir")
     x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a run-config key in every run (merged into 'common')")

@@ -208,10 +208,13 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     jobs = manifest.get("jobs", {})
     job_s = sum(j.get("wall_s", 0.0) for j in jobs.values())
     steps = sorted({r.steps for r in runs})
+    ws = manifest.get("warm_start_seed")
+    warm = ("every run starts from one warm start (trained with seed {})".format(ws) if ws is not None
+            else "each seed's runs share one warm start")
     lines = [
         f"# Experiment report: {Path(manifest['experiment']).name}", "",
         f"Seeds {manifest['seeds']}; {len(runs)} finished runs; RL steps {steps}; "
-        f"held-out Avg@{k} / Pass@{k}. Mean ± sample std over seeds; each seed's runs share one warm start.",
+        f"held-out Avg@{k} / Pass@{k}. Mean ± sample std over seeds; {warm}.",
         f"Wall time of the last `hapo experiment` invocation: {_f(manifest.get('wall_s_this_invocation', 0) / 60, 1)} min "
         f"({manifest['workers']} workers x {manifest['threads_per_worker']} thread(s); "
         f"{_f(job_s / 60, 1)} min of run time over all runs, including earlier invocations).", "",
@@ -240,7 +243,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     if manifest.get("comparisons"):
         lines += ["## Pre-registered comparisons", "",
                   f"Stated in the experiment file before the runs: for each pair, the per-seed difference of the "
-                  f"final held-out Avg@{k} (paired: one warm start per seed), its mean, standard error and 95% "
+                  f"final held-out Avg@{k} (paired: same seed, same warm start), its mean, standard error and 95% "
                   f"interval (Student's t, n - 1 df); **a > b** / **a < b** when the mean exceeds twice its "
                   f"standard error in that direction, else **unresolved**; *seeds to resolve* = (2 sd / |mean|)^2 "
                   f"(`hapo_openrlhf/experiment/verdicts.py`).", ""]

@@ -1,8 +1,9 @@
 """Run an experiment's warm starts and RL runs in a pool of worker processes.
 
-Each seed's warm start is one embedded-trainer run with ``trainer.steps: 0`` (SFT
-warm-up, evaluation, Hugging Face model saved); each RL run then loads that model
-(``model.path``, ``warmup.steps: 0``). Runs are ordinary embedded-trainer runs with
+Each seed's warm start (or the one warm start of every seed) is one embedded-trainer run
+with ``trainer.steps: 0`` (SFT warm-up, evaluation, Hugging Face model saved); each RL
+run of that seed is submitted when it finishes and loads that model (``model.path``,
+``warmup.steps: 0``), reusing its evaluation as step 0 (local/eval_cache.py). Runs are ordinary embedded-trainer runs with
 their own ``config.yaml``, so any one of them can be rerun alone with
 ``hapo train --config RUN_DIR/config.yaml``.
 
@@ -99,7 +100,7 @@ def run_experiment(exp: Experiment, suites: list[str],
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; {exp.path} defines {sorted(exp.suites)} (or use 'all')")
     variants = exp.variants_of(suites)
-    warm = [exp.warm[s] for s in exp.seeds]
+    warm = exp.warm_jobs()
     runs = {s: [exp.runs[(v, s)] for v in variants] for s in exp.seeds}
     # fail on a conflicting finished run before anything starts
     results: dict[str, dict] = {}
@@ -134,14 +135,16 @@ def run_experiment(exp: Experiment, suites: list[str],
     with ProcessPoolExecutor(max_workers=exp.workers, mp_context=ctx) as pool:
         pending: dict[Future, Job] = {}
 
-        def submit_runs(seed: int) -> None:
-            for j in runs[seed]:
-                if j.name not in results:
-                    pending[pool.submit(_run_job, j)] = j
+        def submit_runs(warm_job: Job) -> None:
+            for seed in exp.seeds:
+                if exp.warm[seed].name == warm_job.name:
+                    for j in runs[seed]:
+                        if j.name not in results:
+                            pending[pool.submit(_run_job, j)] = j
 
         for j in warm:
             if j.name in results:
-                submit_runs(j.seed)
+                submit_runs(j)
             else:
                 pending[pool.submit(_run_job, j)] = j
         while pending:
@@ -156,7 +159,7 @@ def run_experiment(exp: Experiment, suites: list[str],
                     failed.append(job.name)
                     continue
                 if job.variant is None:
-                    submit_runs(job.seed)
+                    submit_runs(job)
     skipped = [j.name for s in exp.seeds for j in runs[s] if j.name not in results]
     manifest.update(failed=failed, skipped_after_failed_warm_start=skipped,
                     wall_s_this_invocation=time.perf_counter() - t_start)

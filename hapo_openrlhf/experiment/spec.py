@@ -2,9 +2,9 @@
 
 An experiment YAML names a base run config, the seeds, the variants (each a run
 config and/or an override merged on top) and the suites (named lists of
-variants). ``plan`` resolves it into one warm-start config per seed and one run
-config per (variant, seed), all validated up front, so a typo fails before any
-training starts.
+variants). ``load_experiment`` resolves it into one warm-start config per seed (or
+one for every seed, ``warm_start_seed``) and one run config per (variant, seed), all
+validated up front, so a typo fails before any training starts.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import yaml
 from ..config import RunConfig, _merge, apply_overrides, from_dict, read_raw
 
 _KEYS = {"run_config", "output_dir", "seeds", "workers", "threads_per_worker", "common", "variants", "suites",
-         "comparisons"}
+         "comparisons", "warm_start_seed"}
 _VARIANT_KEYS = {"config", "override"}
 # a variant may change the algorithm, the optimiser, the rollout and the schedule, but
 # not what the shared warm start was built from
@@ -50,10 +50,18 @@ class Experiment:
     workers: int
     threads_per_worker: int
     suites: dict[str, tuple[str, ...]]
-    warm: dict[int, Job]
+    warm: dict[int, Job]  # each seed's warm start (one Job for every seed under ``warm_start_seed``)
     runs: dict[tuple[str, int], Job]
     # pre-registered paired comparisons {a, b} (experiment/verdicts.py), stated before the runs
     comparisons: tuple[dict[str, str], ...] = ()
+    warm_start_seed: int | None = None  # one warm start, trained with this seed, shared by every seed's runs
+
+    def warm_jobs(self) -> list[Job]:
+        """The distinct warm-start jobs, in seed order."""
+        out: dict[str, Job] = {}
+        for s in self.seeds:
+            out.setdefault(self.warm[s].name, self.warm[s])
+        return list(out.values())
 
     def variants_of(self, suites: list[str]) -> list[str]:
         out: list[str] = []
@@ -67,7 +75,7 @@ class Experiment:
             "workers": self.workers, "threads_per_worker": self.threads_per_worker,
             "warm_starts": {s: str(j.out) for s, j in self.warm.items()},
             "runs": {f"{v}/seed_{s}": str(j.out) for (v, s), j in self.runs.items()},
-            "comparisons": [dict(c) for c in self.comparisons],
+            "comparisons": [dict(c) for c in self.comparisons], "warm_start_seed": self.warm_start_seed,
         }
 
 
@@ -76,9 +84,11 @@ def _err(path: Path, msg: str) -> ValueError:
 
 
 def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_dir: str | None = None,
-                    workers: int | None = None, overrides: list[str] | None = None) -> Experiment:
+                    workers: int | None = None, overrides: list[str] | None = None,
+                    warm_start_seed: int | None = None) -> Experiment:
     """Read and resolve an experiment file. ``overrides`` (``section.key=value``) are merged
-    into ``common``, i.e. into every run and warm start."""
+    into ``common``, i.e. into every run and warm start; ``warm_start_seed`` replaces the
+    file's (one warm start, trained with that seed, for every seed's runs)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"experiment file {str(path)!r} not found")
@@ -124,13 +134,19 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
             raise _err(path, f"comparison {c!r} names unknown or identical variant(s) {missing or [c['a']]}")
         comparisons.append({"a": c["a"], "b": c["b"]})
 
+    shared = warm_start_seed if warm_start_seed is not None else raw.get("warm_start_seed")
+    if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool)):
+        raise _err(path, f"warm_start_seed must be an integer (one warm start shared by every seed) or absent "
+                         f"(a warm start per seed), got {shared!r}")
     warm = {}
-    for s in seeds:
+    for s in ([shared] if shared is not None else seeds):
         cfg = _resolve(_merge(read_raw(base_file), common), {
             "seed": s, "run_name": f"warm_start_seed_{s}", "output_dir": str(out / "warm_start" / f"seed_{s}"),
             "trainer": {"steps": 0, "save_every": 0, "eval_every": 0, "threads": threads},
         }, path, "the warm start")
         warm[s] = Job(None, s, out / "warm_start" / f"seed_{s}", cfg)
+    if shared is not None:
+        warm = {s: warm[shared] for s in seeds}
     runs = {}
     for v, spec in variants.items():
         spec = spec or {}
@@ -148,7 +164,7 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
                 "warmup": {"steps": 0}, "trainer": {"threads": threads},
             }, path, f"variant {v!r}")
             runs[(v, s)] = Job(v, s, run_out, cfg)
-    return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons))
+    return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons), shared)
 
 
 def _resolve(raw: Mapping[str, Any], forced: Mapping[str, Any], path: Path, what: str) -> dict[str, Any]:

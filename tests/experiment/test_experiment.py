@@ -64,10 +64,27 @@ def test_shipped_experiment_resolves_every_variant():
     ({"variants": {"a": {"override": {"algorithm": {"estimator": "nope"}}}}, "suites": {"s": ["a"]}},
      "variant 'a'.*nope"),
     ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "common": {"trainer": {"stepz": 1}}}, "trainer.stepz"),
+    ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "warm_start_seed": "7"}, "warm_start_seed must be an integer"),
+    ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "warm_start_seed": True}, "warm_start_seed must be an integer"),
 ])
 def test_bad_experiment_files_fail_before_training(tmp_path, body, match):
     with pytest.raises(ValueError, match=match):
         load_experiment(_write(tmp_path, body))
+
+
+def test_one_warm_start_shared_by_every_seed(tmp_path):
+    """``warm_start_seed``: one warm start, trained with that seed, that every seed's runs start
+    from (the paper's design: one base model, RL seeds); each run keeps its own seed."""
+    exp = load_experiment(_write(tmp_path, {"variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]},
+                                            "warm_start_seed": 7, "seeds": [1, 2, 3]}), output_dir=str(tmp_path / "o"))
+    (job,) = exp.warm_jobs()
+    assert job.seed == 7 and job.config["seed"] == 7 and job.out == tmp_path / "o" / "warm_start" / "seed_7"
+    assert {exp.warm[s].name for s in (1, 2, 3)} == {job.name}
+    for (v, s), run in exp.runs.items():
+        assert run.config["seed"] == s and run.config["model"]["path"] == str((job.out / "final_model").resolve())
+    assert exp.manifest()["warm_start_seed"] == 7
+    per_seed = load_experiment(_write(tmp_path, {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1, 2]}))
+    assert [j.seed for j in per_seed.warm_jobs()] == [1, 2] and per_seed.manifest()["warm_start_seed"] is None
 
 
 def test_a_failing_run_is_reported_not_raised(tmp_path):
@@ -181,8 +198,9 @@ def test_decisive_experiment_is_the_chain_task_with_its_preregistered_comparison
 
 def test_decisive_experiment_smoke(tmp_path):
     """The decisive experiment reduced (two seeds, two RL steps, a tiny evaluation): every
-    method runs from the shared warm start, and the report reads the runs into the
-    pre-registered verdict table and the token-credit table."""
+    method of every seed runs from the one shared warm start, whose evaluation is each run's
+    step 0 without evaluating again, and the report reads the runs into the pre-registered
+    verdict table and the token-credit table."""
     out = tmp_path / "decisive"
     cmd = ["experiment", "decisive", "--config", str(REPO / "configs/experiments/decisive.yaml"), "--seeds", "1,2",
            "--output-dir", str(out), *_sets([s for s in SMOKE if not s.startswith("trainer.sample_every")]),
@@ -191,8 +209,20 @@ def test_decisive_experiment_smoke(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     last = json.loads(res.stdout.strip().splitlines()[-1])
     assert last["failed"] == [] and last["skipped"] == []
+    manifest = json.loads((out / "experiment.json").read_text())
+    assert sorted(manifest["jobs"]) == sorted(["warm_start/seed_200"] + [f"{v}/seed_{s}" for v in manifest["suites"]["decisive"]
+                                                                        for s in (1, 2)])
+    warm = out / "warm_start" / "seed_200"
+    after = json.loads((warm / "summary.json").read_text())["after"]
+    for v in manifest["suites"]["decisive"]:
+        for s in (1, 2):
+            run = out / "runs" / v / f"seed_{s}"
+            assert json.loads((run / "summary.json").read_text())["before"] == after
+            assert "reused from" in (run / "run.log").read_text()
+            assert yaml.safe_load((run / "config.yaml").read_text())["seed"] == s
     report = Path(last["report"])
     md = report.read_text()
+    assert "every run starts from one warm start (trained with seed 200)" in md
     assert "## Pre-registered comparisons" in md and "## Token credit" in md
     rows = json.loads((report.parent / "comparisons.json").read_text())
     assert [(r["a"], r["b"]) for r in rows] == [("hapo", "grpo"), ("hapo", "dapo"), ("hapo", "entro_adv"),
