@@ -3,9 +3,9 @@
 Each seed's warm start (or the one warm start of every seed) is one embedded-trainer run
 with ``trainer.steps: 0`` (SFT warm-up, evaluation, Hugging Face model saved); each RL
 run of that seed is submitted when it finishes and loads that model (``model.path``,
-``warmup.steps: 0``), reusing its evaluation as step 0 (local/eval_cache.py). Runs are ordinary embedded-trainer runs with
-their own ``config.yaml``, so any one of them can be rerun alone with
-``hapo train --config RUN_DIR/config.yaml``.
+``warmup.steps: 0``), reusing its evaluation as step 0 (local/eval_cache.py). Runs are
+ordinary embedded-trainer runs with their own ``config.yaml``, so any one of them can be
+rerun alone with ``hapo train --config RUN_DIR/config.yaml``.
 
 Re-invoking the experiment reuses every finished run whose saved config equals the
 one asked for (a different one is an error, never overwritten), resumes a run that

@@ -4,8 +4,9 @@ run that starts from that model and would evaluate it again identically.
 An experiment's RL runs all start from a shared warm start, and each would begin by
 evaluating it (512 problems x 8 samples on the chain task: about 27 s a run on one
 thread). The evaluation is a deterministic function of the weights, the evaluation
-settings, the evaluation data, the sampling seed and the arithmetic (torch version and
-intra-op thread count), so ``final_model/eval.json`` records all of them with the
+settings, the held-out problems and prompt template, the sampling seed (it samples under
+a private RNG, so it leaves the training RNG untouched) and the arithmetic (torch version
+and intra-op thread count), so ``final_model/eval.json`` records all of them with the
 metrics, and a run reuses the metrics only when every one is equal. Anything else (no
 file, another seed, a damaged file) means the run evaluates as before.
 """
