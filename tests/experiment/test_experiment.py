@@ -196,6 +196,24 @@ def test_decisive_experiment_is_the_chain_task_with_its_preregistered_comparison
     assert all(o == others[0] for o in others)
 
 
+def test_decisive_followup_is_the_frozen_experiment_on_fresh_seeds():
+    """configs/experiments/decisive_followup.yaml replicates HAPO vs GRPO with the frozen
+    settings: the same warm start and run configs as decisive.yaml but the seed, on 28 seeds
+    no earlier run used."""
+    dec = load_experiment(REPO / "configs/experiments/decisive.yaml")
+    fol = load_experiment(REPO / "configs/experiments/decisive_followup.yaml")
+    assert len(fol.seeds) >= 28 and not set(fol.seeds) & (set(dec.seeds) | {101, 102, 103, 200})
+    strip = ("output_dir", "run_name", "model")
+    assert {k: v for k, v in fol.warm_jobs()[0].config.items() if k not in ("output_dir",)} == \
+        {k: v for k, v in dec.warm_jobs()[0].config.items() if k not in ("output_dir",)}
+    for v in ("grpo", "hapo"):
+        a, b = fol.runs[(v, fol.seeds[0])].config, dec.runs[(v, dec.seeds[0])].config
+        assert {k: x for k, x in a.items() if k not in (*strip, "seed")} == \
+            {k: x for k, x in b.items() if k not in (*strip, "seed")}
+        assert {**a["model"], "path": None} == {**b["model"], "path": None}
+    assert fol.manifest()["comparisons"] == [{"a": "hapo", "b": "grpo"}]
+
+
 def test_decisive_experiment_smoke(tmp_path):
     """The decisive experiment reduced (two seeds, two RL steps, a tiny evaluation): every
     method of every seed runs from the one shared warm start, whose evaluation is each run's
