@@ -470,6 +470,8 @@ class RunConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self):
+        _require(0 <= self.seed < 2**32 - 100, f"seed must be an integer in [0, 2^32 - 100) (numpy's seed range, less "
+                                               f"the offsets the trainer adds), got {self.seed}")
         _require(self.backend in ("local", "openrlhf", "megatron"), f"backend must be local, openrlhf or megatron, got {self.backend!r}")
         _require(bool(str(self.output_dir).strip()), "output_dir must not be empty (it would write into the current "
                                                       "directory); name a run directory")

@@ -26,6 +26,8 @@ def test_cpu_tiny_uses_paper_hapo_defaults():
     "raw,match",
     [
         ({"trainr": {}}, "unknown config key 'trainr' \\(did you mean 'trainer'\\?\\)"),
+        ({"seed": -1}, "seed must be an integer in \\[0, 2\\^32 - 100\\)"),
+        ({"seed": 2**32}, "seed must be an integer in"),
         ({"optim": {"lrr": 1e-4}}, "unknown config key 'optim.lrr' \\(did you mean 'optim.lr'\\?\\)"),
         ({"algorithm": {"estimator": "hapoo"}}, "unknown advantage estimator 'hapoo'"),
         ({"algorithm": {"estimator_params": {"alpha": 2.5}}}, "hapo.alpha \\(2.5\\) must be < hapo.phi \\(2\\)"),

@@ -66,6 +66,8 @@ def test_shipped_experiment_resolves_every_variant():
     ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "common": {"trainer": {"stepz": 1}}}, "trainer.stepz"),
     ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "warm_start_seed": "7"}, "warm_start_seed must be an integer"),
     ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "warm_start_seed": True}, "warm_start_seed must be an integer"),
+    ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "warm_start_seed": -1}, "the warm start: invalid config: seed must be an integer in"),
+    ({"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [2**32]}, "seed must be an integer in"),
 ])
 def test_bad_experiment_files_fail_before_training(tmp_path, body, match):
     with pytest.raises(ValueError, match=match):
