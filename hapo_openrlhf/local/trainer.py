@@ -26,8 +26,8 @@ from ..config import RunConfig, dump_config
 from ..data.templates import apply_template
 from ..preemption import Preempted
 from ..rewards import MathVerifier, RewardStats
-from .data import make_datasets
 from . import eval_cache
+from .data import make_datasets
 from .evaluate import evaluate
 from .logger import MetricsLogger
 from .model import load_or_build, save_hf
@@ -179,7 +179,8 @@ class LocalTrainer:
         when this run starts from a saved model with no warm-up and nothing that evaluation
         depends on differs (local/eval_cache.py); evaluated otherwise."""
         if self.cfg.model.path and self.cfg.warmup.steps == 0:
-            cached = eval_cache.lookup(self.cfg.model.path, eval_cache.eval_key(self.model, self.cfg, self.eval_problems, self.eval_seed))
+            key = eval_cache.eval_key(self.model, self.cfg, self.eval_problems, self.eval_seed)
+            cached = eval_cache.lookup(self.cfg.model.path, key)
             if cached is not None:
                 return cached
         return self.evaluate()
