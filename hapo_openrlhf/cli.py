@@ -184,8 +184,9 @@ def _experiment(args) -> int:
     from rich.console import Console
 
     from .experiment import build_experiment_report, load_experiment, run_experiment
+    from .experiment.spec import parse_seeds
 
-    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
+    seeds = parse_seeds(args.seeds) if args.seeds else None
     exp = load_experiment(args.config, seeds=seeds, output_dir=args.output_dir, workers=args.workers,
                           overrides=args.set, warm_start_seed=args.warm_start_seed)
     suites = list(exp.suites) if "all" in args.suites else list(dict.fromkeys(args.suites))

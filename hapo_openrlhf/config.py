@@ -48,18 +48,26 @@ def _require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+# The tiny model's architecture when model.path is unset. With model.path these keys
+# default to none: the loaded model's own config.json decides, and a key that is given is
+# checked against it (local/model.py: check_architecture), never silently ignored.
+TINY_ARCHITECTURE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                     "intermediate_size": 384, "max_position_embeddings": 256, "tie_word_embeddings": True,
+                     "family": "qwen2"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None  # a Hugging Face model dir; None builds the tiny model below
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    max_position_embeddings: int = 256
-    tie_word_embeddings: bool = True
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    intermediate_size: int | None = None
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool | None = None
     # the tiny model's architecture when path is unset: qwen2 (the paper's), qwen3, llama
-    family: str = "qwen2"
+    family: str | None = None
     # LM head + log-prob + entropy fused and chunked over tokens (no [B, T, V] logits)
     fused_head: bool = True
     # with fused_head and a row-local loss (ppo, entro_reg) the embedded trainer computes
@@ -70,16 +78,32 @@ class ModelConfig:
     packing: bool = False
 
     def __post_init__(self):
+        if not self.path:  # the tiny model: its defaults fill what is not given
+            for k, v in TINY_ARCHITECTURE.items():
+                if getattr(self, k) is None:
+                    object.__setattr__(self, k, v)
         for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings"):
-            _require(getattr(self, k) > 0, f"model.{k} must be > 0, got {getattr(self, k)}")
-        _require(self.hidden_size % self.num_heads == 0, "model.hidden_size must be divisible by model.num_heads")
-        _require(self.num_heads % self.num_kv_heads == 0, "model.num_heads must be divisible by model.num_kv_heads")
-        _require(self.family in ("qwen2", "qwen3", "llama"),
+            v = getattr(self, k)
+            _require(v is None or v > 0, f"model.{k} must be > 0, got {v}")
+        if self.hidden_size is not None and self.num_heads is not None:
+            _require(self.hidden_size % self.num_heads == 0, "model.hidden_size must be divisible by model.num_heads")
+        if self.num_heads is not None and self.num_kv_heads is not None:
+            _require(self.num_heads % self.num_kv_heads == 0, "model.num_heads must be divisible by model.num_kv_heads")
+        _require(self.family in (None, "qwen2", "qwen3", "llama"),
                  f"model.family must be one of qwen2, qwen3, llama, got {self.family!r}")
+
+    def architecture_given(self) -> dict[str, Any]:
+        """With ``path`` set: the architecture keys the config states (each must match the
+        loaded model); without: every key (the tiny model is built from them)."""
+        return {k: getattr(self, k) for k in TINY_ARCHITECTURE if getattr(self, k) is not None}
 
 
 def _optional_seed(x) -> bool:
     return x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**62)
+
+
+# the largest synthetic train or held-out set (the draw keeps every problem in memory)
+MAX_SYNTHETIC_PROBLEMS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -111,6 +135,24 @@ class SyntheticConfig:
             _require(0 <= getattr(self, k) < 1, f"data.synthetic.{k} must be in [0, 1), got {getattr(self, k)}")
         for k in ("shortcut_error", "skip_error"):
             _require(0 <= getattr(self, k) <= 1, f"data.synthetic.{k} must be in [0, 1], got {getattr(self, k)}")
+        _require(2 <= self.n_terms <= 64, f"data.synthetic.n_terms must be in [2, 64], got {self.n_terms}")
+        _require(1 <= self.digits <= 18, f"data.synthetic.digits must be in [1, 18], got {self.digits}")
+        _require(bool(self.ops) and not set(self.ops) - set("+-*"),
+                 f"data.synthetic.ops must be a non-empty string of '+', '-', '*', got {self.ops!r}")
+        # sizes are checked before the draw: it makes up to 50 x n attempts, so a size near or over
+        # what the task can produce would run for minutes before failing
+        from .data.synthetic import ArithmeticTask
+
+        task = ArithmeticTask(self.n_terms, self.digits, self.ops, min_terms=self.min_terms)
+        for k, heldout in (("train_size", False), ("eval_size", True)):
+            n = getattr(self, k)
+            _require(1 <= n <= MAX_SYNTHETIC_PROBLEMS,
+                     f"data.synthetic.{k} must be in [1, {MAX_SYNTHETIC_PROBLEMS}], got {n}")
+            cap = task.side_capacity(heldout)
+            _require(n <= cap * 0.95, f"data.synthetic.{k} ({n}) is more than 95% of the ~{cap} distinct "
+                                    f"{'held-out' if heldout else 'training'} problems this task has "
+                                    f"(n_terms {self.n_terms}, digits {self.digits}, ops {self.ops!r}); "
+                                    f"lower it or make the task larger")
 
 
 @dataclass(frozen=True)
@@ -278,6 +320,13 @@ class TrainerConfig:
         _require(self.sample_count >= 0, f"trainer.sample_count must be >= 0, got {self.sample_count}")
 
 
+# samples per problem (Avg@k / Pass@k): the papers use k <= 64; more is a typo that would
+# allocate k x problems x tokens before the first evaluation
+MAX_SAMPLES = 4096
+# a response budget: beyond any model this project trains (DeepScaleR's contexts are 24k)
+MAX_NEW_TOKENS = 1 << 20
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     temperature: float = 0.6
@@ -290,7 +339,10 @@ class EvalConfig:
     seed: int | None = None
 
     def __post_init__(self):
-        _require(self.n_samples >= 1 and self.temperature > 0 and 0 < self.top_p <= 1, "eval: n_samples >= 1, temperature > 0, top_p in (0, 1]")
+        _require(1 <= self.n_samples <= MAX_SAMPLES, f"eval.n_samples must be in [1, {MAX_SAMPLES}], got {self.n_samples}")
+        _require(self.temperature > 0 and 0 < self.top_p <= 1, "eval: temperature > 0, top_p in (0, 1]")
+        _require(1 <= self.max_new_tokens <= MAX_NEW_TOKENS,
+                 f"eval.max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
         _require(_optional_seed(self.seed), f"eval.seed must be none or an integer >= 0, got {self.seed!r}")
 
 
@@ -655,23 +707,47 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 _OPAQUE = ("estimator_params", "loss_params")
 
 
+# a ``base:`` chain longer than this is a mistake (a generated loop of files), not a config
+MAX_BASE_DEPTH = 32
+
+
 def read_raw(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The YAML mapping at ``path`` with its ``base:`` chain (relative paths) merged in."""
-    p = Path(path).resolve()
-    if not p.exists():
-        raise ValueError(f"config file {str(path)!r} not found")
-    if p in _seen:
-        raise ValueError(f"config base cycle: {' -> '.join(str(s) for s in (*_seen, p))}")
-    try:
-        raw = load_yaml(p.read_text(), f"config file {str(path)!r}") or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    return _merge(read_raw(p.parent / str(base), (*_seen, p)), raw)
+    """The YAML mapping at ``path`` with its ``base:`` chain (relative paths) merged in. Each
+    file is read bounded (a regular UTF-8 file of at most 16 MiB: ``jsonfile.read_small_text``),
+    and the chain may be at most ``MAX_BASE_DEPTH`` files deep."""
+    from .jsonfile import read_small_text
+
+    chain: list[dict[str, Any]] = []
+    p, shown = Path(path), str(path)
+    seen = list(_seen)
+    while True:
+        p = p.resolve()
+        if p in seen:
+            raise ValueError(f"config base cycle: {' -> '.join(str(s) for s in (*seen, p))}")
+        if len(seen) >= MAX_BASE_DEPTH:
+            raise ValueError(f"config file {shown!r}: its base: chain is more than {MAX_BASE_DEPTH} files deep "
+                             f"(from {str(seen[0])!r}); flatten it")
+        if not p.exists():
+            raise ValueError(f"config file {shown!r} not found")
+        text = read_small_text(p, f"config file {shown!r}" if shown != str(p) else "config file")
+        try:
+            raw = load_yaml(text, f"config file {shown!r}") or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {shown!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {shown!r} must hold a mapping at the top level")
+        seen.append(p)
+        base = raw.pop("base", None)
+        chain.append(raw)
+        if base is None:
+            break
+        if not isinstance(base, str) or not base.strip():
+            raise ValueError(f"config file {shown!r}: base must be a file name (a string), got {base!r}")
+        p, shown = p.parent / base, str(p.parent / base)
+    out: dict[str, Any] = {}
+    for raw in reversed(chain):
+        out = _merge(out, raw)
+    return out
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -82,7 +82,13 @@ def row_to_problem(
     return Problem(prob.strip(), golds, pid, source, meta)
 
 
-def _iter_rows(path: Path, on_bad_row: str, report: LoadReport) -> Iterator[tuple[int, dict]]:
+# how a bad row can be dropped, for the error: a training run's key (hapo eval has none)
+TRAIN_SKIP_HINT = "fix it or set data.on_bad_row: skip"
+EVAL_SKIP_HINT = "fix it (a benchmark is scored on every problem, so hapo eval skips no row)"
+
+
+def _iter_rows(path: Path, on_bad_row: str, report: LoadReport,
+               hint: str = TRAIN_SKIP_HINT) -> Iterator[tuple[int, dict]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         with path.open("rb") as f:  # decoded line by line: one bad line is that line's error (or skip)
@@ -98,14 +104,15 @@ def _iter_rows(path: Path, on_bad_row: str, report: LoadReport) -> Iterator[tupl
                     if on_bad_row == "skip":
                         report.skipped_malformed += 1
                         continue
-                    raise ValueError(f"{path}:{ln}: malformed row ({e}); fix it or set on_bad_row: skip") from e
+                    raise ValueError(f"{path}:{ln}: malformed row ({e}); {hint}") from e
                 yield ln, row
     elif suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except ValueError as e:  # UnicodeDecodeError is a ValueError too
-            raise ValueError(f"{path}: not a readable JSON file ({str(e)[:200]}); fix it, or use .jsonl with "
-                             f"data.on_bad_row: skip to drop bad rows") from None
+            raise ValueError(f"{path}: not a readable JSON file ({str(e)[:200]}); "
+                             + (hint if hint == EVAL_SKIP_HINT else
+                                "fix it, or use .jsonl with data.on_bad_row: skip to drop bad rows")) from None
         rows = data.get("data", data) if isinstance(data, dict) else data
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of objects (or {{'data': [...]}})")
@@ -115,7 +122,7 @@ def _iter_rows(path: Path, on_bad_row: str, report: LoadReport) -> Iterator[tupl
                     report.skipped_malformed += 1
                     continue
                 raise ValueError(f"{path}: item {i} is a JSON {type(row).__name__}, not an object with "
-                                 f"problem/answer fields; fix it or set data.on_bad_row: skip")
+                                 f"problem/answer fields; {hint}")
             yield i, row
     elif suffix == ".parquet":
         try:
@@ -151,6 +158,7 @@ def load_problems(
     split: str = "train",
     limit: int | None = None,
     on_bad_row: str = "error",
+    skip_hint: str = TRAIN_SKIP_HINT,
 ) -> tuple[list[Problem], LoadReport]:
     """Problems from ``source``: a bundled name (``aime24``, ``math_train`` ...), a file
     path, or ``hf:<dataset id>``. Returns (problems, report); raises on an empty result."""
@@ -158,14 +166,14 @@ def load_problems(
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     report = LoadReport(source)
     if source in BUNDLED:
-        rows = _iter_rows(BUNDLED[source], on_bad_row, report)
+        rows = _iter_rows(BUNDLED[source], on_bad_row, report, skip_hint)
     elif source.startswith("hf:"):
         rows = _iter_hf(source[3:], split)
     else:
         path = Path(source)
         if not path.exists():
             raise ValueError(f"dataset {source!r} not found: not a bundled name {sorted(BUNDLED)} nor a file")
-        rows = _iter_rows(path, on_bad_row, report)
+        rows = _iter_rows(path, on_bad_row, report, skip_hint)
     out: list[Problem] = []
     for idx, row in rows:
         report.rows += 1

@@ -66,6 +66,18 @@ class ArithmeticTask:
             acc = new
         return text, steps, acc
 
+    def distinct_problems(self) -> int:
+        """How many distinct problem texts ``sample`` can produce (both sides of the split)."""
+        hi, n_ops = 10**self.digits - 1, len(set(self.ops))
+        lo = self.n_terms if self.min_terms is None else self.min_terms
+        return sum(hi**n * n_ops ** (n - 1) for n in range(lo, self.n_terms + 1))
+
+    def side_capacity(self, heldout: bool) -> int:
+        """About how many distinct problems one side of the split holds (the hash buckets
+        split the problem texts evenly in expectation)."""
+        total = self.distinct_problems()
+        return total // self.heldout_buckets if heldout else total - total // self.heldout_buckets
+
     def is_heldout(self, text: str) -> bool:
         h = int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "little")
         return h % self.heldout_buckets == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..data.loader import BUNDLED, Problem, load_problems
+from ..data.loader import BUNDLED, EVAL_SKIP_HINT, Problem, load_problems
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def parse_benchmarks(spec: str) -> list[Benchmark]:
 
 
 def load_benchmark(b: Benchmark, limit: int | None = None) -> list[Problem]:
-    problems, _ = load_problems(b.name)
+    problems, _ = load_problems(b.name, skip_hint=EVAL_SKIP_HINT)
     return problems[:limit] if limit else problems
 
 

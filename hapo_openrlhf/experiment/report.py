@@ -60,14 +60,40 @@ def read_manifest(path: Path) -> dict:
         raise ValueError(f"{path}: 'runs' must map each run name to its directory")
     if not isinstance(m.get("suites_run", []), list) or not isinstance(m.get("jobs", {}), dict):
         raise ValueError(f"{path}: 'suites_run' must be a list and 'jobs' an object")
+    for name, entry in m.get("jobs", {}).items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("wall_s", 0.0), (int, float)):
+            raise ValueError(f"{path}: jobs[{name!r}] must be an object with a numeric wall_s, got {entry!r:.80}")
     comps = m.get("comparisons", [])
     if not (isinstance(comps, list) and all(isinstance(c, dict) and set(c) == {"a", "b"}
                                             and all(isinstance(c[x], str) for x in "ab") for c in comps)):
         raise ValueError(f"{path}: 'comparisons' must be a list of {{a: variant, b: variant}}")
+    reg, added = m.get("registration"), m.get("comparisons_added", [])
+    if reg is not None and not (isinstance(reg, dict) and isinstance(reg.get("at"), str)
+                                and isinstance(reg.get("comparisons"), list)):
+        raise ValueError(f"{path}: 'registration' must be an object with 'at' and 'comparisons'")
+    for c in (reg or {}).get("comparisons", []) + (added if isinstance(added, list) else [None]):
+        if not (isinstance(c, dict) and isinstance(c.get("a"), str) and isinstance(c.get("b"), str)):
+            raise ValueError(f"{path}: a registered or added comparison must be {{a: variant, b: variant}}, got {c!r}")
     missing = sorted({f"{v}/seed_{s}" for vs in suites.values() for v in vs for s in seeds} - set(runs))
     if missing:
         raise ValueError(f"{path}: 'runs' lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     return m
+
+
+def comparison_sets(manifest: dict) -> tuple[list[dict], list[dict], str | None]:
+    """(pre-registered comparisons, comparisons added after the runs started (each with its
+    ``at``), the registration time). A manifest written before registration was recorded
+    has no time, and its comparisons are reported as stated in the file."""
+    reg = manifest.get("registration")
+    if reg is None:
+        return [dict(c) for c in manifest.get("comparisons") or []], [], None
+    pair = lambda c: (c["a"], c["b"])  # noqa: E731
+    registered = [{"a": c["a"], "b": c["b"]} for c in reg["comparisons"]]
+    added = [dict(c) for c in manifest.get("comparisons_added", [])]
+    known = {pair(c) for c in registered + added}
+    added += [{"a": c["a"], "b": c["b"], "at": "unknown (not recorded by the runner)"}
+              for c in manifest.get("comparisons") or [] if pair(c) not in known]
+    return registered, added, reg["at"]
 
 
 def credit_table(manifest: dict, variants: list[str]) -> dict[str, dict]:
@@ -198,9 +224,13 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     table = variant_table(runs, list(dict.fromkeys(variants)))
     findings = evaluate_findings(runs)
     (out / "findings.json").write_text(json.dumps(findings, indent=1))
-    comparisons = compare(runs, manifest.get("comparisons") or [])
-    if comparisons:
-        (out / "comparisons.json").write_text(json.dumps(comparisons, indent=1))
+    registered, added, registered_at = comparison_sets(manifest)
+    comparisons = compare(runs, registered)
+    late = compare(runs, [{"a": c["a"], "b": c["b"]} for c in added])
+    for row, c in zip(late, added):
+        row["added_after_runs"] = c["at"]
+    if comparisons or late:
+        (out / "comparisons.json").write_text(json.dumps(comparisons + late, indent=1))
     (out / "stats.json").write_text(json.dumps(table, indent=1))
     pngs = _plots(runs, suites, out)
 
@@ -240,14 +270,28 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
                 f"{_f(t['entropy_start']['mean'])} → {_f(t['entropy_end']['mean'])} | "
                 f"{_ms(t['entropy_ratio'])} | {share} |")
         lines.append("")
-    if manifest.get("comparisons"):
+    if registered:
+        when = (f"registered by the runner when the first run started ({registered_at} UTC; "
+                f"`experiment.json`, `registration`)" if registered_at else
+                "stated in the experiment file (this manifest predates the runner's registration record)")
         lines += ["## Pre-registered comparisons", "",
-                  f"Stated in the experiment file before the runs: for each pair, the per-seed difference of the "
+                  f"Stated in the experiment file before the runs, {when}: for each pair, the per-seed difference of the "
                   f"final held-out Avg@{k} (paired: same seed, same warm start), its mean, standard error and 95% "
                   f"interval (Student's t, n - 1 df); **a > b** / **a < b** when the mean exceeds twice its "
                   f"standard error in that direction, else **unresolved**; *seeds to resolve* = (2 sd / |mean|)^2 "
                   f"(`hapo_openrlhf/experiment/verdicts.py`).", ""]
         lines += verdict_table(comparisons, k) + [""]
+    if late:
+        lines += ["## Comparisons added after the runs started", "",
+                  "Not pre-registered: each was first stated after the runs had started (" +
+                  "; ".join(f"{c['a']} vs {c['b']}: {c['at']}" for c in added) + "). Same statistics as above; "
+                  "read them as exploratory.", ""]
+        lines += verdict_table(late, k) + [""]
+    late_seeds, late_variants = manifest.get("seeds_added") or {}, manifest.get("variants_added") or {}
+    if registered_at and (late_seeds or late_variants):
+        lines += ["Added after the registration: " + "; ".join(
+            [f"seed {s} ({t})" for s, t in late_seeds.items()] + [f"variant {v} ({t})" for v, t in late_variants.items()])
+            + ".", ""]
     credit = credit_table(manifest, variants)
     if credit:
         (out / "credit.json").write_text(json.dumps(credit, indent=1))

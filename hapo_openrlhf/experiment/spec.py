@@ -9,14 +9,17 @@ validated up front, so a typo fails before any training starts.
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from ..config import RunConfig, _merge, apply_overrides, from_dict, read_raw
+from ..config import RunConfig, _merge, apply_overrides, from_dict, load_yaml, read_raw
+from ..jsonfile import read_small_text
 
 _KEYS = {"run_config", "output_dir", "seeds", "workers", "threads_per_worker", "common", "variants", "suites",
          "comparisons", "warm_start_seed"}
@@ -25,7 +28,7 @@ _VARIANT_KEYS = {"config", "override"}
 # not what the shared warm start was built from
 SHARED_SECTIONS = ("data", "warmup")
 SHARED_MODEL_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                     "max_position_embeddings", "tie_word_embeddings")
+                     "max_position_embeddings", "tie_word_embeddings", "family")
 
 
 @dataclass(frozen=True)
@@ -83,48 +86,117 @@ def _err(path: Path, msg: str) -> ValueError:
     return ValueError(f"experiment {str(path)!r}: {msg}")
 
 
+# variant and suite names become directory names (OUT/runs/<variant>/seed_<n>) and report
+# text: names, never paths (no '/', no '..', no leading '.'), and nothing markup could use
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
+SEED_MAX = 2**32 - 100  # RunConfig's seed range
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_name(path: Path, what: str, name: Any) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise _err(path, f"{what} {name!r} is not a valid name: 1-128 characters of letters, digits, '_', '.', "
+                         f"'+', '-', starting with a letter or digit (it names a directory under the output "
+                         f"directory, so it cannot be a path)")
+    return name
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 1,2,3`` -> [1, 2, 3]; a named error for anything else."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise ValueError(f"--seeds: {part!r} is not an integer; give comma-separated integers, e.g. "
+                             f"--seeds 1,2,3") from None
+    return out
+
+
+def _count(path: Path, key: str, value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise _err(path, f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
 def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_dir: str | None = None,
                     workers: int | None = None, overrides: list[str] | None = None,
                     warm_start_seed: int | None = None) -> Experiment:
     """Read and resolve an experiment file. ``overrides`` (``section.key=value``) are merged
     into ``common``, i.e. into every run and warm start; ``warm_start_seed`` replaces the
-    file's (one warm start, trained with that seed, for every seed's runs)."""
+    file's (one warm start, trained with that seed, for every seed's runs). Every key is
+    checked for shape and named with the file when it is wrong."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"experiment file {str(path)!r} not found")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = load_yaml(read_small_text(path, "experiment file"), f"experiment file {str(path)!r}") or {}
+    except yaml.YAMLError as e:
+        raise _err(path, f"not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise _err(path, "must hold a mapping at the top level")
     unknown = set(raw) - _KEYS
     if unknown:
-        raise _err(path, f"unknown key(s) {sorted(unknown)}; expected {sorted(_KEYS)}")
+        raise _err(path, f"unknown key(s) {sorted(unknown, key=str)}; expected {sorted(_KEYS)}")
     for k in ("run_config", "variants", "suites"):
         if k not in raw:
             raise _err(path, f"missing {k!r}")
-    seeds = tuple(seeds if seeds is not None else raw.get("seeds", [1]))
-    if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) for s in seeds):
-        raise _err(path, f"seeds must be distinct integers, got {list(seeds)}")
-    workers = int(workers if workers is not None else raw.get("workers", 1))
-    threads = int(raw.get("threads_per_worker", 1))
-    if workers < 1 or threads < 1:
-        raise _err(path, "workers and threads_per_worker must be >= 1")
-    out = Path(output_dir or raw.get("output_dir") or f"runs/{path.stem}")
-    common = apply_overrides(dict(raw.get("common") or {}), list(overrides or []))
+    if not isinstance(raw["run_config"], str) or not raw["run_config"].strip():
+        raise _err(path, f"run_config must be a file name, got {raw['run_config']!r}")
+    file_seeds = raw.get("seeds", [1])
+    if seeds is None and not isinstance(file_seeds, list):
+        raise _err(path, f"seeds must be a list of distinct integers, got {file_seeds!r}")
+    seeds = tuple(seeds if seeds is not None else file_seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or not all(_is_int(s) for s in seeds):
+        raise _err(path, f"seeds must be distinct integers, got {list(seeds)[:10]}")
+    bad = [s for s in seeds if not 0 <= s < SEED_MAX]
+    if bad:
+        raise _err(path, f"seeds: seed must be an integer in [0, 2^32 - 100) (numpy's seed range, less the offsets "
+                         f"the trainer adds), got {bad[0]}")
+    workers = _count(path, "--workers" if workers is not None else "workers",
+                     workers if workers is not None else raw.get("workers", 1))
+    threads = _count(path, "threads_per_worker", raw.get("threads_per_worker", 1))
+    out_raw = output_dir or raw.get("output_dir") or f"runs/{path.stem}"
+    if not isinstance(out_raw, str) or "\n" in out_raw:
+        raise _err(path, f"output_dir must be a directory name (one line of text), got {out_raw!r}")
+    out = Path(out_raw)
+    common = raw.get("common") or {}
+    if not isinstance(common, dict):
+        raise _err(path, f"common must be a mapping of run-config sections, got {common!r}")
+    common = apply_overrides(dict(common), list(overrides or []))
 
-    base_file = path.parent / str(raw["run_config"])
+    base_file = path.parent / raw["run_config"]
     variants = raw["variants"]
     if not isinstance(variants, dict) or not variants:
         raise _err(path, "variants must be a non-empty mapping name -> {config, override}")
+    for v, spec in variants.items():
+        check_name(path, "variant", v)
+        if spec is not None and (not isinstance(spec, dict) or set(spec) - _VARIANT_KEYS):
+            raise _err(path, f"variant {v!r} must be a mapping with keys from {sorted(_VARIANT_KEYS)}")
+        if spec and spec.get("override") is not None and not isinstance(spec["override"], dict):
+            raise _err(path, f"variant {v!r}: override must be a mapping of run-config sections, "
+                             f"got {spec['override']!r}")
+        if spec and spec.get("config") is not None and not isinstance(spec["config"], str):
+            raise _err(path, f"variant {v!r}: config must be a file name, got {spec['config']!r}")
+    if not isinstance(raw["suites"], dict) or not raw["suites"]:
+        raise _err(path, f"suites must be a non-empty mapping name -> [variant, ...], got {raw['suites']!r}")
     suites: dict[str, tuple[str, ...]] = {}
-    for name, members in (raw["suites"] or {}).items():
+    for name, members in raw["suites"].items():
+        check_name(path, "suite", name)
         if not isinstance(members, list) or not members:
             raise _err(path, f"suite {name!r} must be a non-empty list of variant names")
-        missing = [m for m in members if m not in variants]
+        missing = [m for m in members if not isinstance(m, str) or m not in variants]
         if missing:
             raise _err(path, f"suite {name!r} names unknown variant(s) {missing}")
         suites[str(name)] = tuple(members)
     if "all" in suites:
         raise _err(path, "'all' is reserved (it runs every suite)")
+    if not isinstance(raw.get("comparisons") or [], list):
+        raise _err(path, f"comparisons must be a list of {{a: variant, b: variant}}, got {raw['comparisons']!r}")
     comparisons = []
     for c in raw.get("comparisons") or []:
         if not (isinstance(c, dict) and set(c) == {"a", "b"} and all(isinstance(c[k], str) for k in "ab")):
@@ -135,36 +207,47 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
         comparisons.append({"a": c["a"], "b": c["b"]})
 
     shared = warm_start_seed if warm_start_seed is not None else raw.get("warm_start_seed")
-    if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool)):
+    if shared is not None and not _is_int(shared):
         raise _err(path, f"warm_start_seed must be an integer (one warm start shared by every seed) or absent "
                          f"(a warm start per seed), got {shared!r}")
+    # each config is resolved and validated once; the per-seed copies differ only in the seed
+    # (range-checked above) and in the names and paths derived from it
+    warm_cfg = _resolve(_merge(read_raw(base_file), common), {
+        "seed": shared if shared is not None else seeds[0], "run_name": "warm_start",
+        "output_dir": str(out / "warm_start"),
+        "trainer": {"steps": 0, "save_every": 0, "eval_every": 0, "threads": threads},
+    }, path, "the warm start")
     warm = {}
     for s in ([shared] if shared is not None else seeds):
-        cfg = _resolve(_merge(read_raw(base_file), common), {
-            "seed": s, "run_name": f"warm_start_seed_{s}", "output_dir": str(out / "warm_start" / f"seed_{s}"),
-            "trainer": {"steps": 0, "save_every": 0, "eval_every": 0, "threads": threads},
-        }, path, "the warm start")
-        warm[s] = Job(None, s, out / "warm_start" / f"seed_{s}", cfg)
+        w_out = out / "warm_start" / f"seed_{s}"
+        warm[s] = Job(None, s, w_out, _with(warm_cfg, seed=s, run_name=f"warm_start_seed_{s}", output_dir=str(w_out)))
     if shared is not None:
         warm = {s: warm[shared] for s in seeds}
     runs = {}
     for v, spec in variants.items():
         spec = spec or {}
-        if not isinstance(spec, dict) or set(spec) - _VARIANT_KEYS:
-            raise _err(path, f"variant {v!r} must be a mapping with keys from {sorted(_VARIANT_KEYS)}")
-        vfile = path.parent / str(spec["config"]) if spec.get("config") else base_file
+        vfile = path.parent / spec["config"] if spec.get("config") else base_file
         vraw = _merge(_merge(read_raw(vfile), common), spec.get("override") or {})
         # the variant as written (before the run-only settings below) must match the warm start
         _check_shares_warm_start(_resolve(vraw, {}, path, f"variant {v!r}"), warm[seeds[0]].config, v, path)
+        first = warm[seeds[0]].out / "final_model"
+        run_cfg = _resolve(vraw, {
+            "seed": seeds[0], "run_name": f"{v}_seed_{seeds[0]}", "output_dir": str(out / "runs" / v),
+            "model": {"path": str(first.resolve())}, "warmup": {"steps": 0}, "trainer": {"threads": threads},
+        }, path, f"variant {v!r}")
         for s in seeds:
             run_out = out / "runs" / v / f"seed_{s}"
-            cfg = _resolve(vraw, {
-                "seed": s, "run_name": f"{v}_seed_{s}", "output_dir": str(run_out),
-                "model": {"path": str((warm[s].out / "final_model").resolve())},
-                "warmup": {"steps": 0}, "trainer": {"threads": threads},
-            }, path, f"variant {v!r}")
+            cfg = _with(run_cfg, seed=s, run_name=f"{v}_seed_{s}", output_dir=str(run_out))
+            cfg["model"]["path"] = str((warm[s].out / "final_model").resolve())
             runs[(v, s)] = Job(v, s, run_out, cfg)
     return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons), shared)
+
+
+def _with(cfg: dict[str, Any], **top: Any) -> dict[str, Any]:
+    """A deep copy of a resolved config with top-level keys replaced."""
+    out = copy.deepcopy(cfg)
+    out.update(top)
+    return out
 
 
 def _resolve(raw: Mapping[str, Any], forced: Mapping[str, Any], path: Path, what: str) -> dict[str, Any]:

@@ -84,6 +84,44 @@ def build_model(cfg, tokenizer, seed: int):
     return model
 
 
+# ModelConfig key -> the Hugging Face config.json field it describes
+HF_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size",
+             "max_position_embeddings": "max_position_embeddings", "tie_word_embeddings": "tie_word_embeddings",
+             "family": "model_type"}
+
+
+def model_config_json(path: str | Path) -> dict:
+    """``path/config.json`` as a dict (a named error for a missing or damaged one)."""
+    from ..jsonfile import read_json_object
+
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise ValueError(f"model.path {str(path)!r} has no config.json (not a Hugging Face model directory)")
+    return read_json_object(f, "the model's config")
+
+
+def check_architecture(cfg, hf_config: dict) -> None:
+    """With ``model.path`` set, every architecture key the run config states (``model.family``,
+    ``model.hidden_size``, ...) must describe the model at that path: it cannot change a
+    trained model, and silently ignoring it would record an architecture in ``config.yaml``
+    that the run did not have. Refused by name, with both values."""
+    wrong = []
+    for key, value in cfg.architecture_given().items():
+        field = HF_FIELDS[key]
+        have = hf_config.get(field)
+        if key == "num_kv_heads" and have is None:  # absent in config.json: as many as attention heads
+            have = hf_config.get("num_attention_heads")
+        if key == "tie_word_embeddings" and have is None:
+            have = True  # transformers' PretrainedConfig default
+        if have != value:
+            wrong.append(f"model.{key}: {value!r} but the model's config.json has {field}: {have!r}")
+    if wrong:
+        raise ValueError(f"model.path {cfg.path!r} holds another architecture than the config states ("
+                         + "; ".join(wrong) + "); model keys cannot change a saved model: remove them, or "
+                         "point model.path at a model that has them")
+
+
 def load_or_build(cfg, seed: int):
     """(model, tokenizer): from ``cfg.path`` when set, else the tiny model + char tokenizer."""
     if cfg.path:
@@ -91,6 +129,7 @@ def load_or_build(cfg, seed: int):
 
         if not Path(cfg.path).exists():
             raise ValueError(f"model.path {cfg.path!r} does not exist (hub downloads are not used)")
+        check_architecture(cfg, model_config_json(cfg.path))  # before the weights load
         tok = load_tokenizer(cfg.path)
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)
         return model, tok
@@ -98,10 +137,13 @@ def load_or_build(cfg, seed: int):
     return build_model(cfg, tok, seed), tok
 
 
-def save_hf(model, tokenizer, path: str | Path, extra_files: dict[str, str] | None = None) -> None:
+def save_hf(model, tokenizer, path: str | Path, extra_files: dict[str, str] | None = None,
+            finalize=None) -> None:
     """A Hugging Face model directory, written like a checkpoint: into a temp directory,
     fsynced, then renamed into place (replacing an older one), so a kill never leaves
-    weights without a tokenizer at ``path``."""
+    weights without a tokenizer at ``path``. ``finalize(tmp_dir)``, when given, is called
+    once everything else is written and returns more files {name: text} (files derived from
+    the written ones, e.g. eval.json's digests)."""
     import os
     import shutil
 
@@ -113,6 +155,8 @@ def save_hf(model, tokenizer, path: str | Path, extra_files: dict[str, str] | No
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    for name, text in (finalize(tmp) if finalize else {}).items():
         (tmp / name).write_text(text)
     for f in tmp.iterdir():
         with open(f, "rb") as fh:

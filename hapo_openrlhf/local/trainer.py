@@ -179,7 +179,7 @@ class LocalTrainer:
         when this run starts from a saved model with no warm-up and nothing that evaluation
         depends on differs (local/eval_cache.py); evaluated otherwise."""
         if self.cfg.model.path and self.cfg.warmup.steps == 0:
-            key = eval_cache.eval_key(self.model, self.cfg, self.eval_problems, self.eval_seed)
+            key = eval_cache.eval_key(self.model, self.cfg, self.eval_problems, self.eval_seed, self.cfg.model.path)
             cached = eval_cache.lookup(self.cfg.model.path, key)
             if cached is not None:
                 return cached
@@ -381,10 +381,10 @@ class LocalTrainer:
         self.logger.log(self.state.step, {**final, "final": 1})
         # hapo.json lets `hapo eval --template auto` pick the prompt format this model was trained on;
         # eval.json lets a run that starts from this model reuse ``final`` (local/eval_cache.py)
-        key = eval_cache.eval_key(self.model, cfg, self.eval_problems, self.eval_seed)
         save_hf(self.model, self.tok, self.out / "final_model",
-                extra_files={"hapo.json": json.dumps({"template": cfg.data.template}),
-                             eval_cache.FILE: eval_cache.dumps(key, final)})
+                extra_files={"hapo.json": json.dumps({"template": cfg.data.template})},
+                finalize=lambda d: {eval_cache.FILE: eval_cache.dumps(
+                    eval_cache.eval_key(self.model, cfg, self.eval_problems, self.eval_seed, d), final)})
         summary = {"before": self.state.eval_before, "after": final}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         self.close()

@@ -1,13 +1,25 @@
-"""`hapo report`: plots + token-credit pages + one index.html."""
+"""`hapo report`: plots + token-credit pages + one index.html.
+
+Every value from a run directory (its name, a samples file's name, a metric) is escaped
+before it reaches the page: text with ``html.escape``, paths in ``href``/``src`` percent-
+encoded and then escaped (``_href``); tests parse the page to check that nothing from a
+name becomes an element or an attribute."""
 
 from __future__ import annotations
 
 import html
 from pathlib import Path
+from urllib.parse import quote
 
 from ..jsonfile import read_json_object
 from .plots import plot_runs
 from .token_credit import render_token_credit
+
+
+def _href(rel) -> str:
+    """A relative file path as an attribute value: percent-encoded as a URL path (so a run
+    named ``a"><img ...`` or ``javascript:x`` stays one relative path), then HTML-escaped."""
+    return html.escape(quote(Path(rel).as_posix(), safe="/"), quote=True)
 
 
 def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
@@ -27,7 +39,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         samples = sorted((d / "samples").glob("step_*.jsonl"))
         for f in samples[:1] + samples[-1:] if len(samples) > 1 else samples:
             page = render_token_credit(f, out / "token_credit" / f"{d.name}_{f.stem}.html")
-            credit_links.append(f'<li><a href="{page.relative_to(out)}">{html.escape(d.name)} {f.stem}</a></li>')
+            credit_links.append(f'<li><a href="{_href(page.relative_to(out))}">{html.escape(d.name)} '
+                                f'{html.escape(f.stem)}</a></li>')
     parts = [
         "<!doctype html><meta charset='utf-8'><title>hapo report</title>"
         "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}img{max-width:100%}"
@@ -39,7 +52,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
                      "<th>accuracy after</th><th>tokens before</th><th>tokens after</th></tr>" + "".join(rows) + "</table>")
     if credit_links:
         parts.append("<h2>token credit</h2><ul>" + "".join(credit_links) + "</ul>")
-    parts += [f'<h2>{p.stem}</h2><img src="{p.name}">' for p in pngs]
+    parts += [f'<h2>{html.escape(p.stem)}</h2><img src="{_href(p.name)}">' for p in pngs]
     index = out / "index.html"
     index.write_text("\n".join(parts))
     return index

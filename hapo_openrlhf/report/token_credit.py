@@ -8,6 +8,9 @@ import json
 from pathlib import Path
 
 from ..algos.quadrants import QUADRANTS
+from ..jsonfile import read_small_text
+
+MAX_SAMPLES_FILE = 256 * 2**20  # a step's dumped samples: a few MB at the paper's scale
 
 QUAD_COLOR = {"PHR": "#1a9850", "PLR": "#91cf60", "NHR": "#d73027", "NLR": "#fc8d59", "": "#cccccc"}
 
@@ -27,7 +30,7 @@ def _row(rec: dict, view: str, hmax: float) -> str:
     spans = []
     for tok, h, m, q, a in zip(rec["tokens"], rec["entropy"], rec["multiplier"], rec["quadrant"], rec["advantage"]):
         bg = _entropy_bg(h, hmax) if view == "entropy" else _mult_bg(m)
-        tip = f"H={h:.3f}  mult={m:.3f}  A={a:.3f}  {q or 'no quadrant'}"
+        tip = html.escape(f"H={h:.3f}  mult={m:.3f}  A={a:.3f}  {q or 'no quadrant'}", quote=True)
         text = html.escape(tok).replace("\n", "\u21b5") or "&nbsp;"
         spans.append(f'<span class="t" style="background:{bg};border-bottom:3px solid {QUAD_COLOR[q]}" '
                      f'title="{tip}">{text}</span>')
@@ -44,7 +47,7 @@ def read_samples(samples_file: str | Path) -> list[dict]:
     object, a missing or mistyped field, per-token lists of different lengths) is an error
     naming file and line."""
     recs = []
-    for i, line in enumerate(Path(samples_file).read_text(errors="replace").splitlines(), 1):
+    for i, line in enumerate(read_small_text(samples_file, "token samples", MAX_SAMPLES_FILE).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -55,6 +58,9 @@ def read_samples(samples_file: str | Path) -> list[dict]:
                 v = r.get(k)
                 if not isinstance(v, list) or not all(isinstance(x, tp) and not isinstance(x, bool) for x in v):
                     raise ValueError(f"{k!r} must be a list of {'numbers' if tp is _NUM else 'strings'}")
+            unknown = sorted({q for q in r["quadrant"] if q not in QUAD_COLOR})
+            if unknown:
+                raise ValueError(f"unknown quadrant label(s) {unknown[:3]}; expected {QUADRANTS} or '' (none)")
             if len({len(r[k]) for k in _LISTS if k != "base_advantage"}) != 1:
                 raise ValueError("the per-token lists have different lengths")
             if not isinstance(r.get("reward"), _NUM) or not isinstance(r.get("row"), int):

@@ -92,6 +92,22 @@ def engine_logprobs_mode(cfg: RunConfig) -> str | None:
                      f"both scaled and untruncated; set behaviour: processed to use the nucleus-renormalised ones")
 
 
+def _check_model_keys(cfg: RunConfig) -> None:
+    """OpenRLHF and Megatron train the model at ``model.path`` as it is: an architecture key in
+    the config (``model.family``, ``model.hidden_size``, ...) is checked against its
+    ``config.json``, or refused when the path is a hub id there is no local file to check."""
+    from ...local.model import check_architecture, model_config_json
+
+    given = cfg.model.architecture_given()
+    if not given:
+        return
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        raise ValueError(f"model.path {cfg.model.path!r} is not a local model directory, so "
+                         f"{', '.join('model.' + k for k in given)} cannot be checked against it; remove "
+                         f"{'them' if len(given) > 1 else 'it'} (the model's own config.json decides)")
+    check_architecture(cfg.model, model_config_json(cfg.model.path))
+
+
 def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
     """``[PROGRAM, --flag, value, ...]``: the argv OpenRLHF's ``train_ppo_ray`` main parses."""
     if cfg.backend not in ("openrlhf", "megatron"):
@@ -99,6 +115,7 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
     engine_logprobs_mode(cfg)  # refuses a behaviour vLLM cannot serve before anything starts
     if not cfg.model.path:
         raise ValueError(f"backend {cfg.backend} needs model.path (a Hugging Face model directory or hub id)")
+    _check_model_keys(cfg)
     paths = RunPaths(Path(out or cfg.output_dir))
     o, r, a, opt = cfg.openrlhf, cfg.rollout, cfg.algorithm, cfg.optim
     if r.max_new_tokens >= o.max_len:
