@@ -31,6 +31,8 @@ def _files(tmp_path):
         (d / "config.json").write_text(text)
         (d / "tokenizer.json").write_text("{}")
     (tmp_path / "hint_model" / "hapo.json").write_text("[1, 2")
+    (tmp_path / "devzero.yaml").write_text("base: /dev/zero\n")
+    (tmp_path / "latin1.yaml").write_bytes(b"base: " + CFG.encode() + b"\nrun_name: caf\xe9\n")
     run = tmp_path / "run_bad_step"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": "x"}\n{"step": 3}\n')
@@ -82,6 +84,15 @@ CASES = [
     (["eval", "--model", "{tmp}/badcfg_model", "--template", "tiny"], "config.json .* is unreadable or not JSON"),
     (["eval", "--model", "{tmp}/hint_model"], "hapo.json .* is unreadable or not JSON"),
     (["report", "{tmp}/run_bad_step"], "metrics.jsonl:2: corrupt line \\('step' must be an integer"),
+    # sizes checked at load, before any allocation or draw (issue 42)
+    (["train", "--config", CFG, "--set", "data.synthetic.eval_size=1000000000000"],
+     "data.synthetic.eval_size must be in \\[1, 1000000\\], got 1000000000000"),
+    (["train", "--config", CFG, "--set", "data.synthetic.eval_size=100000"],
+     "data.synthetic.eval_size \\(100000\\) is more than 95% of the ~291 distinct held-out problems"),
+    (["train", "--config", CFG, "--set", "eval.n_samples=1000000000"], "eval.n_samples must be in \\[1, 4096\\]"),
+    (["train", "--config", CFG, "--set", "eval.max_new_tokens=0"], "eval.max_new_tokens must be in \\[1, "),
+    (["train", "--config", "{tmp}/devzero.yaml"], "/dev/zero \\(config file\\) is a device, not a regular file"),
+    (["train", "--config", "{tmp}/latin1.yaml"], "latin1.yaml \\(config file\\) is not UTF-8 text"),
 ]
 
 
@@ -98,6 +109,14 @@ def test_bad_input_is_one_clear_line(tmp_path, args, match):
     assert len(err) == 1 and re.search(match, err[0]), p.stderr[-2000:]
     assert not re.search(r"\b[A-Z]\w*(Error|Exception)\b", err[0]), err[0]  # names the input, not a Python class
     assert not (d / "out" / "checkpoints").exists()
+
+
+def test_a_base_chain_thousands_of_files_deep_is_one_named_line(tmp_path):
+    for i in range(3000):
+        (tmp_path / f"c{i}.yaml").write_text(f"base: c{i + 1}.yaml\n")
+    p = run_cli(["train", "--config", str(tmp_path / "c0.yaml")], cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "RecursionError" not in p.stderr
+    assert "its base: chain is more than 32 files deep" in p.stderr
 
 
 def test_unexpected_exceptions_are_one_line_and_verbose_shows_the_traceback(monkeypatch, capsys):

@@ -182,3 +182,18 @@ def test_tiny_tokenizer_survives_autotokenizer_round_trip(tmp_path):
         assert auto(text, add_special_tokens=False).input_ids == ids
         assert auto.decode(ids) == tok.decode(ids) == text
     assert (auto.pad_token_id, auto.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
+
+
+def test_hapo_evals_bad_row_error_names_no_training_key(tmp_path):
+    """A benchmark is scored on every problem: its bad row is named with file and line, and
+    the advice is to fix it, not the training key data.on_bad_row that hapo eval cannot take."""
+    from hapo_openrlhf.eval.benchmarks import Benchmark, load_benchmark
+
+    bad = tmp_path / "bench.jsonl"
+    bad.write_text('{"problem": "1+1", "answer": "2"}\n{torn\n')
+    with pytest.raises(ValueError) as e:
+        load_benchmark(Benchmark(str(bad), 4))
+    assert f"{bad}:2: malformed row" in str(e.value) and "on_bad_row" not in str(e.value)
+    assert "hapo eval skips no row" in str(e.value)
+    with pytest.raises(ValueError, match="set data.on_bad_row: skip"):  # training still offers its key
+        load_problems(str(bad))

@@ -139,3 +139,65 @@ def test_weights_digest_sees_one_ulp():
     with torch.no_grad():
         m.weight[0, 0] = torch.nextafter(m.weight[0, 0], torch.tensor(10.0))
     assert weights_digest(m) != d
+
+
+def _edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data, indent=2))
+
+
+# each edit changes what generation produces, while the weights stay the same (issue 42:
+# all four reused the warm start's evaluation before the key covered the model's files)
+EDITS = {
+    "config.json rms_norm_eps": lambda d: _edit_json(d / "config.json", rms_norm_eps=0.5),
+    "generation_config.json repetition_penalty": lambda d: _edit_json(d / "generation_config.json",
+                                                                      repetition_penalty=5.0),
+    "tokenizer_config.json eos_token": lambda d: _edit_json(d / "tokenizer_config.json", eos_token="."),
+    "tokenizer.json": lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text() + "\n"),
+}
+
+
+@pytest.mark.parametrize("edit", [None, *EDITS], ids=["unedited", *EDITS])
+def test_an_edit_to_any_model_file_that_changes_generation_misses_the_cache(warm, tmp_path, counted, edit):
+    warm_dir, _ = warm
+    copy = tmp_path / "model"
+    shutil.copytree(warm_dir / "final_model", copy)
+    if edit is not None:
+        EDITS[edit](copy)
+    _fit(tmp_path / "run", ["warmup.steps=0", f"model.path={copy}", "trainer.steps=1", "seed=6", "eval.seed=11"])
+    assert len(counted) == (1 if edit is None else 2)  # the copy itself is reused; every edit evaluates afresh
+
+
+@pytest.mark.parametrize("metrics", [{"eval/response_len": 3.0}, {"eval/accuracy": float("nan"), "eval/response_len": 3.0},
+                                     {"eval/accuracy": True, "eval/response_len": 3.0}],
+                         ids=["no accuracy", "nan", "bool"])
+def test_cached_metrics_that_are_not_an_evaluation_are_ignored(warm, tmp_path, counted, caplog, metrics):
+    warm_dir, _ = warm
+    copy = tmp_path / "model"
+    shutil.copytree(warm_dir / "final_model", copy)
+    saved = json.loads((copy / FILE).read_text())
+    (copy / FILE).write_text(json.dumps({"key": saved["key"], "metrics": metrics}))  # the key still matches
+    with caplog.at_level(logging.WARNING):
+        summary = _fit(tmp_path / "run", ["warmup.steps=0", f"model.path={copy}", "trainer.steps=1", "seed=6",
+                                          "eval.seed=11"])
+    assert len(counted) == 2 and summary["before"] == saved["metrics"]  # evaluated afresh: the true numbers
+    assert any("evaluating afresh" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo"])
+def test_a_special_file_as_eval_json_is_refused_without_reading_it(warm, tmp_path, counted, caplog, kind):
+    import os
+
+    warm_dir, _ = warm
+    copy = tmp_path / "model"
+    shutil.copytree(warm_dir / "final_model", copy)
+    (copy / FILE).unlink()
+    if kind == "dev-zero":
+        (copy / FILE).symlink_to("/dev/zero")
+    else:
+        os.mkfifo(copy / FILE)
+    with caplog.at_level(logging.WARNING):
+        _fit(tmp_path / "run", ["warmup.steps=0", f"model.path={copy}", "trainer.steps=1", "seed=6", "eval.seed=11"])
+    assert len(counted) == 2
+    assert any("not a regular file" in r.getMessage() for r in caplog.records)

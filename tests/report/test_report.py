@@ -92,3 +92,61 @@ def test_a_damaged_summary_is_named(tmp_path, summary):
     (run / "summary.json").write_text(summary)
     with pytest.raises(ValueError, match="summary.json"):
         build_report([run], tmp_path / "report")
+
+
+class _Tags:
+    """Every element and attribute of an HTML page, as a browser's parser would see them."""
+
+    def __init__(self, text: str):
+        from html.parser import HTMLParser
+
+        self.tags, self.attrs = [], []
+        outer = self
+
+        class P(HTMLParser):
+            def handle_starttag(self, tag, attrs):
+                outer.tags.append(tag)
+                outer.attrs += attrs
+
+        P().feed(text)
+
+
+def test_a_hostile_run_name_renders_as_text_and_its_links_still_resolve(two_runs, tmp_path):
+    """A run directory named like markup (issue 42): nothing of the name becomes an element or
+    an attribute of index.html or of the token-credit pages; the escaped links still point at
+    the pages that were written."""
+    import shutil
+    from urllib.parse import unquote
+
+    evil = 'y"><img src=x onerror=alert(7)>'
+    run = tmp_path / evil
+    shutil.copytree(two_runs[0], run)
+    index = build_report([run], tmp_path / "rep")
+    page = index.read_text()
+    tags = _Tags(page)
+    pngs = sorted((tmp_path / "rep").glob("*.png"))
+    assert tags.tags.count("img") == len(pngs) and "script" not in tags.tags
+    assert {name for name, _ in tags.attrs} <= {"charset", "src", "href"}
+    assert {v for n, v in tags.attrs if n == "src"} == {p.name for p in pngs}
+    hrefs = [v for n, v in tags.attrs if n == "href"]
+    assert len(hrefs) == 2 and all((tmp_path / "rep" / unquote(h)).is_file() for h in hrefs)
+    assert evil not in page and "&lt;img src=x onerror=alert(7)&gt;" in page  # shown, as text
+    for h in hrefs:
+        credit = _Tags((tmp_path / "rep" / unquote(h)).read_text())
+        assert "img" not in credit.tags and {n for n, _ in credit.attrs} <= {"charset", "class", "style", "title"}
+
+
+def test_an_unknown_quadrant_label_is_named_with_file_and_line(two_runs, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_runs[0], run)
+    f = sorted((run / "samples").glob("step_*.jsonl"))[0]
+    lines = f.read_text().splitlines()
+    rec = json.loads(lines[1])
+    rec["quadrant"][0] = '"><script>x</script>'
+    lines[1] = json.dumps(rec)
+    f.write_text("\n".join(lines) + "\n")
+    res = run_cli(["report", str(run), "--output-dir", str(tmp_path / "r")])
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"{f}:2: corrupt sample record (unknown quadrant label(s)" in res.stderr

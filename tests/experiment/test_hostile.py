@@ -1,0 +1,321 @@
+"""`hapo experiment` and its manifest under hostile input (issue 42): nothing outside the
+output directory is deleted or written, a second runner is refused, a killed worker fails
+only its own job, pre-registration is enforced, and every malformed file or value is one
+`hapo: error:` line naming the file and the key."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hapo_openrlhf.experiment import load_experiment
+from hapo_openrlhf.experiment.registration import register
+from hapo_openrlhf.experiment.report import comparison_sets, read_manifest
+from hapo_openrlhf.experiment.runner import MARKER, _prepare, run_experiment
+
+from ..conftest import REPO, run_cli
+
+BASE = str(REPO / "configs" / "cpu_tiny.yaml")
+# a warm start and a run of a few seconds each
+TINY = ["trainer.steps=2", "trainer.eval_every=0", "warmup.steps=10", "data.synthetic.eval_size=4",
+        "data.synthetic.train_size=100", "eval.n_samples=1", "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12", "eval.max_new_tokens=12",
+        "algorithm.max_gen_rounds=1", "trainer.sample_every=0", "trainer.save_every=0"]
+
+
+def _exp(tmp_path: Path, body: dict, name: str = "exp.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump({"run_config": BASE, **body}))
+    return p
+
+
+def _sets(xs):
+    return [a for x in xs for a in ("--set", x)]
+
+
+def _one_error(res) -> str:
+    assert res.returncode == 2, (res.returncode, res.stdout[-1500:], res.stderr[-1500:])
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    errs = [ln for ln in res.stderr.splitlines() if ln.startswith("hapo: error:")]
+    assert len(errs) == 1, res.stderr[-2000:]
+    return errs[0]
+
+
+def _tree(d: Path) -> dict:
+    """Every file under ``d`` with its bytes (what must survive untouched)."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------ confinement
+@pytest.mark.parametrize("variant", ["{victim}", "../../victim", "a/b", ".hidden", "..", "x y"])
+def test_a_variant_name_that_is_a_path_is_refused_and_nothing_outside_is_touched(tmp_path, variant):
+    victim = tmp_path / "victim"
+    (victim / "seed_1").mkdir(parents=True)
+    (victim / "seed_1" / "precious.txt").write_text("keep me")
+    name = variant.replace("{victim}", str(victim))
+    p = _exp(tmp_path, {"variants": {name: {}}, "suites": {"s": [name]}, "seeds": [1]})
+    before = _tree(tmp_path)
+    res = run_cli(["experiment", "s", "--config", str(p), "--output-dir", str(tmp_path / "out")])
+    err = _one_error(res)
+    assert str(p) in err and "variant" in err and "is not a valid name" in err
+    assert _tree(tmp_path) == before  # nothing deleted, nothing written (not even OUT)
+
+
+def test_a_symlink_inside_the_output_directory_is_refused_before_anything_runs(tmp_path):
+    victim = tmp_path / "victim"
+    (victim / "seed_1").mkdir(parents=True)
+    (victim / "seed_1" / "precious.txt").write_text("keep me")
+    out = tmp_path / "out"
+    (out / "runs").mkdir(parents=True)
+    (out / "runs" / "a").symlink_to(victim, target_is_directory=True)
+    before = _tree(victim)
+    p = _exp(tmp_path, {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1]})
+    err = _one_error(run_cli(["experiment", "s", "--config", str(p), "--output-dir", str(out), *_sets(TINY)]))
+    assert "runs/a is a symbolic link" in err
+    assert _tree(victim) == before and not (out / "warm_start").exists()
+
+
+def test_a_directory_the_runner_did_not_create_is_never_deleted(tmp_path):
+    """A warm-start directory with no checkpoint and no marker (not made by the runner) is
+    left as it is: its job fails by name, its runs are skipped, the exit status says so."""
+    out = tmp_path / "out"
+    foreign = out / "warm_start" / "seed_1"
+    foreign.mkdir(parents=True)
+    (foreign / "precious.txt").write_text("keep me")
+    p = _exp(tmp_path, {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1]})
+    res = run_cli(["experiment", "s", "--config", str(p), "--output-dir", str(out), *_sets(TINY)])
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert (foreign / "precious.txt").read_text() == "keep me" and sorted(os.listdir(foreign)) == ["precious.txt"]
+    job = json.loads((out / "experiment.json").read_text())["jobs"]["warm_start/seed_1"]
+    assert job["status"] == "failed" and "was not created by `hapo experiment`" in job["error"]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["skipped"] == ["a/seed_1"]
+
+
+def test_a_run_that_died_before_its_checkpoint_is_cleared_only_inside_its_marked_directory(tmp_path):
+    exp = load_experiment(_exp(tmp_path, {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1]}),
+                          output_dir=str(tmp_path / "out"))
+    job = exp.runs[("a", 1)]
+    _prepare(exp, job)  # creates it, with the marker
+    assert json.loads((job.out / MARKER).read_text()) == {"experiment": str(exp.output_dir), "job": "a/seed_1"}
+    (job.out / "metrics.jsonl").write_text('{"step": 1}\n')  # what a run leaves before its first checkpoint
+    (job.out / "sub").mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    (job.out / "link").symlink_to(outside)
+    _prepare(exp, job)
+    assert sorted(os.listdir(job.out)) == sorted([MARKER, ".hapo.lock"]) and outside.read_text() == "keep me"
+
+
+# ------------------------------------------------------------------ one runner
+def test_a_second_runner_is_refused_and_the_first_runs_as_if_alone(tmp_path):
+    p = _exp(tmp_path, {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1]})
+    out, alone = tmp_path / "out", tmp_path / "alone"
+    args = ["experiment", "s", "--config", str(p), *_sets(TINY)]
+    first = subprocess.Popen([sys.executable, "-m", "hapo_openrlhf", *args, "--output-dir", str(out)], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "warm_start" / "seed_1" / MARKER).exists():  # the first runner is at work
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.2)
+        err = _one_error(run_cli([*args, "--output-dir", str(out)]))
+        assert re.search(rf"output directory {re.escape(str(out.resolve()))} is in use by PID {first.pid} ", err), err
+        stdout, stderr = first.communicate(timeout=600)
+    finally:
+        first.kill()
+    assert first.returncode == 0, stderr[-3000:]
+    res = run_cli([*args, "--output-dir", str(alone)])
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    def recs(d):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+                for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+    for rel in ("warm_start/seed_1", "runs/a/seed_1"):
+        assert recs(out / rel) == recs(alone / rel), rel
+        assert (out / rel / "final_model" / "model.safetensors").read_bytes() == \
+            (alone / rel / "final_model" / "model.safetensors").read_bytes(), rel
+
+
+# ------------------------------------------------------------------ a killed worker
+def test_a_killed_worker_fails_its_job_alone_and_a_rerun_finishes_it(tmp_path):
+    """SIGKILL to the worker running variant a (as the out-of-memory killer would): a is
+    failed by name, b still runs, the manifest is written, the exit status is 1; a rerun
+    starts a again in its own (marked) directory and finishes."""
+    p = _exp(tmp_path, {"variants": {"a": {"override": {"trainer": {"steps": 30}}}, "b": {}},
+                        "suites": {"s": ["a", "b"]}, "seeds": [1], "workers": 1})
+    out = tmp_path / "out"
+    args = ["experiment", "s", "--config", str(p), "--output-dir", str(out), *_sets(TINY)]
+    runner = subprocess.Popen([sys.executable, "-m", "hapo_openrlhf", *args], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    lock = out / "runs" / "a" / "seed_1" / ".hapo.lock"
+    try:
+        deadline = time.time() + 300
+        while True:  # the worker writes its PID into the run's lock once the run has started
+            assert runner.poll() is None and time.time() < deadline, runner.communicate()
+            try:
+                pid = json.loads(lock.read_text())["pid"]
+                break
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = runner.communicate(timeout=600)
+    finally:
+        runner.kill()
+    assert runner.returncode == 1, stderr[-3000:]
+    jobs = json.loads((out / "experiment.json").read_text())["jobs"]
+    assert jobs["a/seed_1"]["status"] == "failed"
+    assert "worker process running it died (killed by signal 9 (SIGKILL" in jobs["a/seed_1"]["error"]
+    assert jobs["b/seed_1"]["status"] == "done" and (out / "runs" / "b" / "seed_1" / "summary.json").exists()
+    assert "a/seed_1 FAILED" in " ".join(stderr.split())
+    res = run_cli([*args, "--set", "optim.lr=3e-4"])  # settings differ from the registered ones: refused
+    assert res.returncode == 2 and "different configuration" in res.stderr
+    res = run_cli(args, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "runs" / "a" / "seed_1" / "summary.json").exists()
+
+
+# ------------------------------------------------------------------ pre-registration
+def test_preregistration_is_recorded_enforced_and_late_comparisons_are_reported_apart(tmp_path):
+    def exp(comparisons, lr=None, seeds=(1, 2)):
+        body = {"variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]}, "comparisons": comparisons,
+                "seeds": list(seeds)}
+        if lr is not None:
+            body["common"] = {"optim": {"lr": lr}}
+        return load_experiment(_exp(tmp_path, body), output_dir=str(tmp_path / "o"))
+
+    path = tmp_path / "o" / "experiment.json"
+    first = register({}, exp([{"a": "a", "b": "b"}]), ["a", "b"], path)
+    reg = first["registration"]
+    assert reg["comparisons"] == [{"a": "a", "b": "b"}] and reg["seeds"] == [1, 2] and set(reg["settings"]) == {"a", "b"}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", reg["at"])
+    # a comparison stated later is kept apart with its time; the registered one stays
+    later = register(first, exp([{"a": "b", "b": "a"}], seeds=(1, 2, 3)), ["a", "b"], path)
+    assert later["registration"]["comparisons"] == [{"a": "a", "b": "b"}]
+    assert [(c["a"], c["b"]) for c in later["comparisons_added"]] == [("b", "a")] and later["seeds_added"].keys() == {"3"}
+    manifest = {"comparisons": [{"a": "b", "b": "a"}], **later}
+    registered, added, at = comparison_sets(manifest)
+    assert registered == [{"a": "a", "b": "b"}] and [(c["a"], c["b"]) for c in added] == [("b", "a")] and at == reg["at"]
+    # the settings cannot change
+    with pytest.raises(ValueError, match=r"a, b now resolve to a different configuration than the one registered"):
+        register(first, exp([{"a": "a", "b": "b"}], lr=1e-3), ["a", "b"], path)
+    # a manifest from before registration: its comparisons are as stated, without a time
+    assert comparison_sets({"comparisons": [{"a": "a", "b": "b"}]}) == ([{"a": "a", "b": "b"}], [], None)
+
+
+def test_the_report_shows_late_comparisons_apart(tmp_path):
+    from hapo_openrlhf.experiment.report import build_experiment_report
+
+    from .test_stats_findings import _write_run
+
+    runs = {}
+    for v, finals in (("a", (0.6, 0.62)), ("b", (0.5, 0.55))):
+        for s, f in zip((1, 2), finals):
+            d = tmp_path / "runs" / v / f"seed_{s}"
+            _write_run(d, [(0, 0.4), (10, f)], [1.0] * 10)
+            (d / "summary.json").write_text(json.dumps({"before": {"eval/accuracy": 0.4}, "after": {"eval/accuracy": f}}))
+            runs[f"{v}/seed_{s}"] = str(d)
+    manifest = {"experiment": "e.yaml", "seeds": [1, 2], "suites": {"s": ["a", "b"]}, "suites_run": ["s"], "jobs": {},
+                "runs": runs, "workers": 1, "threads_per_worker": 1, "comparisons": [{"a": "a", "b": "b"}],
+                "registration": {"at": "2026-12-01T10:00:00Z", "comparisons": [], "seeds": [1, 2], "settings": {}},
+                "comparisons_added": [{"a": "a", "b": "b", "at": "2026-12-02T09:00:00Z"}]}
+    (tmp_path / "experiment.json").write_text(json.dumps(manifest))
+    md = build_experiment_report(tmp_path).read_text()
+    assert "## Pre-registered comparisons" not in md
+    assert "## Comparisons added after the runs started" in md and "a vs b: 2026-12-02T09:00:00Z" in md
+    rows = json.loads((tmp_path / "report" / "comparisons.json").read_text())
+    assert rows[0]["added_after_runs"] == "2026-12-02T09:00:00Z"
+
+
+# ------------------------------------------------------------------ named errors
+def _manifest(tmp_path):
+    return {"seeds": [1], "suites": {"s": ["a"]}, "suites_run": ["s"], "runs": {"a/seed_1": str(tmp_path / "r")},
+            "jobs": {"a/seed_1": 3}}
+
+
+def test_a_jobs_entry_that_is_not_an_object_is_named_by_rerun_and_report(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "experiment.json").write_text(json.dumps(_manifest(tmp_path)))
+    with pytest.raises(ValueError, match=r"experiment.json: jobs\['a/seed_1'\] must be an object"):
+        read_manifest(out / "experiment.json")
+    p = _exp(tmp_path, {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1]})
+    err = _one_error(run_cli(["experiment", "s", "--config", str(p), "--output-dir", str(out)]))
+    assert "experiment.json: jobs['a/seed_1'] must be an object" in err
+    err = _one_error(run_cli(["report", str(out)]))
+    assert "experiment.json: jobs['a/seed_1'] must be an object" in err
+
+
+BAD_FILES = [
+    ({"seeds": 5}, "seeds must be a list of distinct integers, got 5"),
+    ({"suites": ["x"]}, "suites must be a non-empty mapping"),
+    ({"variants": {"a": {"override": [1, 2]}}}, "variant 'a': override must be a mapping"),
+    ({"common": [1, 2]}, "common must be a mapping"),
+    ({"workers": [2]}, "workers must be an integer >= 1, got \\[2\\]"),
+    ({"workers": "abc"}, "workers must be an integer >= 1, got 'abc'"),
+    ({"output_dir": [1]}, "output_dir must be a directory name"),
+    ({"comparisons": {"a": "a"}}, "comparisons must be a list"),
+    ({"run_config": 3}, "run_config must be a file name"),
+    ({"variants": {"a": {"config": [1]}}}, "variant 'a': config must be a file name"),
+]
+
+
+@pytest.mark.parametrize("edit, match", BAD_FILES, ids=[next(iter(e)) for e, _ in BAD_FILES])
+def test_a_malformed_experiment_file_is_named_with_its_key(tmp_path, edit, match):
+    body = {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1], **edit}
+    p = tmp_path / "exp.yaml"
+    p.write_text(yaml.safe_dump({"run_config": BASE, **body}))
+    with pytest.raises(ValueError, match=match) as e:
+        load_experiment(p, output_dir=str(tmp_path / "o"))
+    assert str(p) in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["seeds a", "seeds 1,,2", "non-utf8", "base non-utf8", "dev-zero base", "fifo"])
+def test_bad_cli_values_and_special_files_are_one_named_line(tmp_path, kind):
+    p = _exp(tmp_path, {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1]})
+    args = ["experiment", "s", "--config", str(p), "--output-dir", str(tmp_path / "o")]
+    if kind.startswith("seeds"):
+        args += ["--seeds", kind.split()[1]]
+        match = rf"--seeds: '{'a' if kind == 'seeds a' else ''}' is not an integer"
+    elif kind == "non-utf8":
+        p.write_bytes(b"run_config: cpu\xff.yaml\n")
+        match = rf"{re.escape(str(p))} \(experiment file\) is not UTF-8 text"
+    elif kind in ("base non-utf8", "dev-zero base"):
+        base = tmp_path / "run.yaml"
+        if kind == "base non-utf8":
+            base.write_bytes(b"seed: 1\nrun_name: \xff\n")
+            match = "run.yaml.* is not UTF-8 text"
+        else:
+            base.write_text("base: /dev/zero\n")
+            match = "/dev/zero.* is a device, not a regular file"
+        p.write_text(yaml.safe_dump({"run_config": str(base), "variants": {"a": {}}, "suites": {"s": ["a"]}}))
+    else:
+        fifo = tmp_path / "fifo.yaml"
+        os.mkfifo(fifo)
+        args[3] = str(fifo)
+        match = "fifo.yaml.* is a FIFO, not a regular file"
+    err = _one_error(run_cli(args, timeout=60))  # a FIFO must not block
+    assert re.search(match, err), err
+
+
+def test_twenty_thousand_seeds_resolve_into_their_own_jobs(tmp_path):
+    """Each variant is validated once and copied per seed (40,000 full validations took over
+    five minutes); every copy has its own seed, name, directory and warm start."""
+    seeds = list(range(20000))
+    p = _exp(tmp_path, {"variants": {"a": {}, "b": {"override": {"optim": {"lr": 1e-3}}}}, "suites": {"s": ["a", "b"]},
+                        "seeds": seeds})
+    exp = load_experiment(p, output_dir=str(tmp_path / "o"))
+    assert len(exp.runs) == 40000 and len(exp.warm_jobs()) == 20000
+    for v, s in (("a", 0), ("b", 19999), ("b", 7)):
+        c = exp.runs[(v, s)].config
+        assert c["seed"] == s and c["run_name"] == f"{v}_seed_{s}" and c["output_dir"] == str(tmp_path / "o" / "runs" / v / f"seed_{s}")
+        assert c["model"]["path"] == str((tmp_path / "o" / "warm_start" / f"seed_{s}" / "final_model").resolve())
+        assert c["optim"]["lr"] == (1e-3 if v == "b" else exp.runs[("a", 1)].config["optim"]["lr"])
+    assert exp.runs[("a", 0)].config["model"] is not exp.runs[("a", 1)].config["model"]
