@@ -298,3 +298,37 @@ def test_an_empty_training_file_under_a_4_gib_address_space_limit_is_named(tmp_p
     (err,) = [ln for ln in p.stderr.splitlines() if ln.startswith("hapo: error:")]
     assert "empty.jsonl' yielded no usable problems" in err, err
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_a_user_chosen_save_path_is_replaced_only_when_hapo_wrote_it(tmp_path):
+    """fsguard.remove_owned (the Megatron actor's Hugging Face saves, whose directory comes
+    from OpenRLHF's --save_path / --ckpt.path): a marked directory or a bare model save is
+    replaced; a directory with anything else, a link or a file is a named error and intact."""
+    from hapo_openrlhf.fsguard import claim, remove_owned
+
+    marked, model, home, victim = (tmp_path / n for n in ("marked", "model", "home", "victim"))
+    for d in (marked, model, home, victim):
+        d.mkdir()
+    claim(marked)
+    (marked / "notes.txt").write_text("ours")
+    for f in ("config.json", "model-00001-of-00002.safetensors", "tokenizer.json", "generation_config.json"):
+        (model / f).write_text("{}")
+    (home / "config.json").write_text("{}")
+    (home / "thesis.tex").write_text("precious")
+    (victim / "precious.txt").write_text("precious")
+    link = tmp_path / "link"
+    link.symlink_to(victim, target_is_directory=True)
+    remove_owned(tmp_path / "absent", "x")
+    remove_owned(marked, "x")
+    remove_owned(model, "x", check_only=True)
+    assert model.exists()
+    remove_owned(model, "x")
+    assert not marked.exists() and not model.exists()
+    with pytest.raises(ValueError, match=r"home exists and holds files hapo did not write"):
+        remove_owned(home, "the Hugging Face save's directory", check_only=True)
+    with pytest.raises(ValueError, match="is a symbolic link; refusing to replace it"):
+        remove_owned(link, "x")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        remove_owned(tmp_path / "file", "x")
+    assert (home / "thesis.tex").read_text() == "precious" and (victim / "precious.txt").read_text() == "precious"

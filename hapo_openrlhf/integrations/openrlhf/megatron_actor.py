@@ -72,6 +72,7 @@ from openrlhf.trainer.ppo_utils.experience import (
 from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
+from ...fsguard import claim, remove_owned
 from .actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV
 
@@ -566,14 +567,17 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         if dist.get_rank() == 0:
             out = Path(out)
             tmp = out.with_name(out.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
+            # out comes from the user (--save_path, --ckpt.path): replace only what hapo wrote (fsguard)
+            remove_owned(out, "the Hugging Face save's directory", check_only=True)  # before the work
+            remove_owned(tmp, "the Hugging Face save's temp directory")
             hf = AutoModelForCausalLM.from_config(self.hf_config, torch_dtype=self.params_dtype)
             missing, unexpected = hf.load_state_dict(sd, strict=False)
             if unexpected or any(k != "lm_head.weight" for k in missing):
                 raise RuntimeError(f"Megatron -> Hugging Face conversion mismatch: {missing[:5]} {unexpected[:5]}")
             hf.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
-            shutil.rmtree(out, ignore_errors=True)
+            claim(tmp)
+            remove_owned(out, "the Hugging Face save's directory")
             os.replace(tmp, out)
         dist.barrier()
 
