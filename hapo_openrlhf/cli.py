@@ -254,9 +254,10 @@ def _doctor(args) -> int:
 
 
 def _list(args) -> int:
-    from .algos import list_estimators, list_losses
+    from .algos import ESTIMATORS, list_estimators, list_losses
 
-    print(json.dumps({"estimators": list_estimators(), "losses": list_losses()}))
+    print(json.dumps({"estimators": list_estimators(), "losses": list_losses(),
+                      "not_implemented": ESTIMATORS.refused()}))
     return 0
 
 

@@ -27,7 +27,8 @@ class AdvantageInputs:
     """rewards [B]; response_mask [B,T]; entropy [B,T] (behaviour policy, detached);
     group_index [B] (same value = same prompt); optional logprobs/old_logprobs [B,T];
     optional correct [B] bool (the verifier's outcome, before any length penalty:
-    the quadrants' polarity)."""
+    the quadrants' polarity); optional step (optimizer steps so far) and response_ids
+    [B,T] (token ids), for the estimators that need them."""
 
     rewards: torch.Tensor
     response_mask: torch.Tensor
@@ -36,6 +37,11 @@ class AdvantageInputs:
     logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     correct: torch.Tensor | None = None
+    # optimizer steps taken before this rollout batch (schedules keyed to the step: EAPO's
+    # kappa decay); every back end checkpoints its step, so a resumed schedule is exact
+    step: int | None = None
+    # the response's token ids [B,T] (LESS matches low-entropy segments across a group)
+    response_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         m = self.response_mask
@@ -48,7 +54,7 @@ class AdvantageInputs:
                 continue
             if t.dim() != 1 or t.shape[0] != B:
                 raise ValueError(f"{name} must be [B]=[{B}], got shape {tuple(t.shape)}")
-        for name in ("entropy", "logprobs", "old_logprobs"):
+        for name in ("entropy", "logprobs", "old_logprobs", "response_ids"):
             t = getattr(self, name)
             if t is not None and t.shape != m.shape:
                 raise ValueError(f"{name} must be [B, T]={tuple(m.shape)}, got {tuple(t.shape)}")

@@ -38,6 +38,7 @@ class Registry:
         # loss must apply the rollout/training mismatch weight): checked at registration
         self.required = required
         self._entries: dict[str, Entry] = {}
+        self._refused: dict[str, str] = {}  # name -> why it is not implemented (algos/unpublished.py)
 
     def register(self, name: str, validate: Callable[[Mapping[str, Any]], None] | None = None):
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -61,10 +62,21 @@ class Registry:
 
         return deco
 
+    def refuse(self, name: str, why: str) -> None:
+        """Name a method that is deliberately not implemented: a config naming it gets ``why``."""
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is registered; it cannot also be refused")
+        self._refused[name] = why
+
+    def refused(self) -> dict[str, str]:
+        return dict(sorted(self._refused.items()))
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 
     def get(self, name: str) -> Entry:
+        if name in self._refused:
+            raise ValueError(f"{self.kind} {name!r} is not implemented, by design: {self._refused[name]}")
         if name not in self._entries:
             hint = difflib.get_close_matches(str(name), self._entries, n=1)
             extra = f"; did you mean {hint[0]!r}?" if hint else ""

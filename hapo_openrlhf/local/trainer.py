@@ -261,6 +261,8 @@ class LocalTrainer:
         inputs = algos.AdvantageInputs(
             rewards=batch.rewards, response_mask=mask, entropy=ent, group_index=batch.group_index,
             old_logprobs=old_logp, correct=batch.correct,
+            step=self.state.step * cfg.optim.ppo_epochs,  # optimizer steps so far (one per PPO epoch)
+            response_ids=ro.response_ids_BR,
         )
         adv_out = algos.run_estimator(a.estimator, inputs, **a.estimator_params)
         loss_mask = adv_out.loss_mask if adv_out.loss_mask is not None else mask

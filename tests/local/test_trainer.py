@@ -245,3 +245,36 @@ def test_behaviour_under_top_p_is_the_full_vocabulary_at_the_rollout_temperature
     assert -0.1 < metrics["rollout/nucleus_logmass"] < 0
     t.cfg = replace(cfg, rollout=replace(cfg.rollout, top_p=1.0))
     assert len(t._behaviour(ro, nucleus=True)) == 2
+
+
+def test_a_stopped_eapo_run_with_kappa_decay_resumes_exactly(tmp_path):
+    """eapo_entropic's kappa decay is keyed to the optimizer step, which every checkpoint
+    holds: stopped at step 2 (a preemption's checkpoint) and resumed, the run equals the
+    uninterrupted one, kappa schedule included."""
+    from hapo_openrlhf.preemption import Preempted
+
+    extra = [*SMALL, "trainer.steps=4", "optim.ppo_epochs=2", "algorithm.estimator=eapo_entropic",
+             "algorithm.estimator_params={decay_steps: 6}", "algorithm.dynamic_sampling=false"]
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    LocalTrainer(load_config(CONFIG, extra), full).fit()
+
+    class StopAt2:
+        def __init__(self, t):
+            self.t = t
+
+        def warmup(self, *a, **k):
+            pass
+
+        def step(self, s, metrics):
+            if s == 2:
+                self.t.stop_requested = True
+
+    t = LocalTrainer(load_config(CONFIG, extra), stopped)
+    with pytest.raises(Preempted):
+        t.fit(progress=StopAt2(t))
+    LocalTrainer(load_config(CONFIG, extra), stopped, resume=True).fit()
+    a, b = records(full), records(stopped)
+    assert a == b
+    kappas = [r["eapo/kappa"] for r in a if "eapo/kappa" in r]
+    k = 1.3862943611198906
+    assert kappas == pytest.approx([k * (1 - min(s * 2 / 6, 1)) for s in range(4)])  # 2 optimizer steps per RL step

@@ -65,6 +65,10 @@ def _whole_batch(rows, n):
 @pytest.mark.parametrize("estimator, params", [
     ("hapo", {"alpha": 0.2, "phi": 2.0}), ("grpo", {}), ("quadrant", {"quadrants": ["PHR", "NLR"]}),
     ("forking", {"rho": 0.2}), ("hapo", {"alpha": 0.2, "phi": 2.0, "ablate": ["PLR"]}),
+    # eapo_entropic's percentiles are over every valid token of the rollout batch: the whole
+    # batch meets in the controller, so rows spread over micro-batches (or data-parallel
+    # ranks) give the one-batch result
+    ("eapo_entropic", {}), ("eapo_entropic", {"kappa": 0.5}), ("pepo", {"window": 5, "temperature": 0.6}),
 ])
 def test_split_micro_batches_equal_the_whole_batch_registry_output(estimator, params):
     rows, n = _rollout(), 4

@@ -1,0 +1,187 @@
+"""The methods HAPO competes with (SPEC 2.8, issue 39): eapo_entropic and pepo against what
+their sources compute, their invariants, and the methods refused by name.
+
+The EAPO reference is wgcyeo/EAPO ``src/trainers/eapo_trainer.py``; the functions below
+marked "mirrors" restate, loop by loop, what its ``_linear_quantile``,
+``normalize_token_entropies``, ``eapo_token_advantages`` and the kappa schedule in
+``_generate_and_score_completions`` compute (read with the search tool, not copied). PEPO
+publishes no code: its oracle is the paper's formula evaluated with numpy (``np.pad``
+with ``mode="reflect"`` and an explicit window sum)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hapo_openrlhf import algos
+from hapo_openrlhf.algos.advantages import grpo_sequence_advantage
+from hapo_openrlhf.algos.eapo import kappa_at, linear_quantile
+from hapo_openrlhf.algos.pepo import window_softmax
+from hapo_openrlhf.config import load_config
+
+from ..conftest import REPO
+
+
+def _batch(seed: int, groups: int = 3, G: int = 4, T: int = 11, binary: bool = True):
+    """Several groups, uneven lengths (right padding holding garbage), mixed outcomes."""
+    g = torch.Generator().manual_seed(seed)
+    B = groups * G
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    entropy = torch.rand(B, T, generator=g) * 3
+    entropy[~mask] = float("nan")  # padding never enters any statistic
+    rewards = (torch.rand(B, generator=g) > 0.5).float() if binary else torch.randn(B, generator=g)
+    rewards[:G] = 1.0  # one all-correct group: A = 0 there
+    return algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=entropy,
+                                 group_index=torch.arange(B) // G, correct=rewards > 0.5)
+
+
+# ------------------------------------------------------------------------- EAPO
+def _mirror_linear_quantile(values: list[float], q: float) -> float:
+    """mirrors eapo_trainer.py ``_linear_quantile``: the (k+1)-th smallest at floor/ceil of
+    q (n - 1), linearly interpolated."""
+    v = sorted(values)
+    rank = q * (len(v) - 1)
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return v[lo] + (v[hi] - v[lo]) * (rank - lo)
+
+
+def _mirror_eapo(A: list[float], H: torch.Tensor, mask: torch.Tensor, kappa: float) -> torch.Tensor:
+    """mirrors eapo_trainer.py ``normalize_token_entropies`` then ``eapo_token_advantages``
+    (one row at a time, in float64)."""
+    valid = [float(H[i, t]) for i in range(H.shape[0]) for t in range(H.shape[1]) if mask[i, t]]
+    q10, q90 = _mirror_linear_quantile(valid, 0.1), _mirror_linear_quantile(valid, 0.9)
+    out = torch.zeros(H.shape, dtype=torch.float64)
+    for i in range(H.shape[0]):
+        ts = [t for t in range(H.shape[1]) if mask[i, t]]
+        h = [min(max((float(H[i, t]) - q10) / (q90 - q10 + 1e-8), 0.0), 1.0) for t in ts]
+        sign = (A[i] > 0) - (A[i] < 0)
+        raw = [math.exp(kappa * sign * x) for x in h]
+        mean = sum(raw) / max(len(raw), 1)
+        for t, r in zip(ts, raw):
+            out[i, t] = A[i] * r / max(mean, 1e-8)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eapo_equals_the_reference_computation(seed):
+    inputs = _batch(seed, binary=seed % 2 == 0)
+    out = algos.run_estimator("eapo_entropic", inputs)
+    A = grpo_sequence_advantage(inputs).tolist()
+    want = _mirror_eapo(A, inputs.entropy, inputs.response_mask, math.log(4.0))
+    torch.testing.assert_close(out.advantages.double(), want, rtol=1e-5, atol=1e-6)
+    assert out.metrics["eapo/kappa"] == pytest.approx(math.log(4.0))
+
+
+def test_linear_quantile_is_numpys_linear_percentile():
+    x = torch.rand(1001, generator=torch.Generator().manual_seed(0))
+    for q in (0.0, 0.1, 0.37, 0.9, 1.0):
+        assert float(linear_quantile(x, q)) == pytest.approx(float(np.percentile(x.numpy(), 100 * q)), abs=1e-6)
+        assert float(linear_quantile(x[:7], q)) == pytest.approx(_mirror_linear_quantile(x[:7].tolist(), q), abs=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_eapo_keeps_each_responses_mean_and_kappa_zero_is_grpo(seed):
+    inputs = _batch(seed, binary=False)
+    mask = inputs.mask
+    A = grpo_sequence_advantage(inputs)
+    out = algos.run_estimator("eapo_entropic", inputs).advantages
+    n = mask.sum(-1)
+    torch.testing.assert_close((out * mask).sum(-1) / n, A, rtol=1e-5, atol=1e-6)  # mean kept per response
+    grpo = algos.run_estimator("grpo", inputs).advantages
+    assert torch.equal(algos.run_estimator("eapo_entropic", inputs, kappa=0.0).advantages, grpo)
+    assert torch.equal(out[A == 0], torch.zeros_like(out[A == 0]))  # A_i = 0 stays 0
+    # failures weight their lowest-entropy tokens most; successes their highest (within the clamp)
+    for i in torch.nonzero(A != 0).flatten().tolist():
+        ts = mask[i].bool()
+        if ts.sum() < 2:
+            continue
+        H, w = inputs.entropy[i][ts], out[i][ts] / A[i]
+        lo, hi = int(H.argmin()), int(H.argmax())
+        assert (w[hi] >= w[lo]) if A[i] > 0 else (w[lo] >= w[hi])
+        assert float(w.max() / w.min()) <= 4.0 + 1e-4  # kappa = ln 4: at most a 4x weight ratio
+
+
+def test_eapo_kappa_decays_linearly_with_the_optimizer_step():
+    """mirrors the schedule in ``_generate_and_score_completions``: kappa (1 - min(step / K, 1))."""
+    k = math.log(4.0)
+    assert [kappa_at(k, 10, s) for s in (0, 5, 10, 20)] == pytest.approx([k, k / 2, 0.0, 0.0])
+    assert kappa_at(k, 0, None) == k
+    inputs = _batch(0)
+    half = algos.AdvantageInputs(**{**inputs.__dict__, "step": 5})
+    torch.testing.assert_close(algos.run_estimator("eapo_entropic", half, decay_steps=10).advantages,
+                               algos.run_estimator("eapo_entropic", inputs, kappa=k / 2).advantages)
+    with pytest.raises(ValueError, match="needs the optimizer step"):
+        algos.run_estimator("eapo_entropic", inputs, decay_steps=10)
+
+
+# ------------------------------------------------------------------------- PEPO
+def _numpy_window(h: np.ndarray, window: int, temp: float) -> np.ndarray:
+    """The paper's e_t: exp(H_t / temp) over the sum of exp in the centred window, ends reflected."""
+    half = window // 2
+    x = np.exp(h / temp)
+    padded = np.pad(x, (half, half), mode="reflect") if len(h) > 1 else np.full(len(h) + 2 * half, x[0])
+    return np.array([x[t] / padded[t:t + window].sum() for t in range(len(h))])
+
+
+def test_pepo_windows_by_hand():
+    # H = [0, ln 2, 0], window 3: exp = [1, 2, 1], reflected ends -> [2, 1, 2, 1, 2]
+    e = window_softmax(torch.tensor([0.0, math.log(2.0), 0.0]), 3, 1.0)
+    torch.testing.assert_close(e.double(), torch.tensor([1 / 5, 2 / 4, 1 / 5], dtype=torch.float64))
+    # a window longer than the response: H = [0, ln 3], window 5 -> padded [1, 3, 1, 3, 1, 3]
+    e = window_softmax(torch.tensor([0.0, math.log(3.0)]), 5, 1.0)
+    torch.testing.assert_close(e.double(), torch.tensor([1 / 9, 3 / 11], dtype=torch.float64))
+    # both edges at temperature 2, window 5 over 4 tokens, against numpy
+    h = np.array([0.3, 1.7, 0.2, 2.5])
+    torch.testing.assert_close(window_softmax(torch.tensor(h), 5, 2.0).double(),
+                               torch.tensor(_numpy_window(h, 5, 2.0)))
+    assert float(window_softmax(torch.tensor([0.7]), 101, 1.0)) == pytest.approx(1 / 101)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pepo_equals_the_formula_keeps_the_sum_and_leaves_failures(seed):
+    inputs = _batch(seed, T=40)
+    window = (3, 7, 101)[seed % 3]
+    out = algos.run_estimator("pepo", inputs, window=window, temperature=0.8)
+    A = grpo_sequence_advantage(inputs)
+    mask = inputs.response_mask
+    for i in range(len(A)):
+        m = mask[i]
+        if not bool(inputs.correct[i]):
+            torch.testing.assert_close(out.advantages[i], A[i] * mask[i].float())  # failures unchanged
+            continue
+        e = _numpy_window(inputs.entropy[i][m].double().numpy(), window, 0.8)
+        c = e * m.sum().item() / e.sum()
+        torch.testing.assert_close(out.advantages[i][m].double(), float(A[i]) * torch.tensor(c), rtol=1e-5, atol=1e-6)
+        if A[i] != 0:
+            assert float(out.advantages[i][m].sum() / A[i]) == pytest.approx(int(m.sum()), rel=1e-5)  # sum c = T
+        assert torch.equal(out.advantages[i][~m], torch.zeros_like(out.advantages[i][~m]))
+
+
+# ------------------------------------------------------------------------- refusals and hostile values
+@pytest.mark.parametrize("name", ["ep_grpo", "papo", "erpo", "ces", "prime"])
+def test_methods_without_a_formulation_are_refused_by_name(name):
+    with pytest.raises(ValueError, match=rf"'{name}' is not implemented, by design: .*(no formulation|trainable)"):
+        load_config(REPO / "configs" / "cpu_tiny.yaml", [f"algorithm.estimator={name}", "algorithm.estimator_params={}"])
+    with pytest.raises(ValueError, match="is not implemented, by design"):
+        load_config(REPO / "configs" / "cpu_tiny.yaml", [f"algorithm.loss={name}", "algorithm.loss_params={}"])
+    assert name in algos.ESTIMATORS.refused() and name not in algos.list_estimators()
+
+
+@pytest.mark.parametrize("est, params, named", [
+    ("eapo_entropic", "{kappa: -1}", "eapo_entropic.kappa must be >= 0"),
+    ("eapo_entropic", "{kappa: .nan}", "kappa must be a finite number"),
+    ("eapo_entropic", "{kappa: .inf}", "kappa must be a finite number"),
+    ("eapo_entropic", "{kappa: 'x'}", "kappa must be a finite number"),
+    ("eapo_entropic", "{decay_steps: -3}", "eapo_entropic.decay_steps must be >= 0"),
+    ("eapo_entropic", "{decay_steps: 2.5}", "decay_steps must be an integer"),
+    ("pepo", "{window: 100}", "pepo.window must be an odd integer >= 1"),
+    ("pepo", "{window: 0}", "pepo.window must be an odd integer >= 1"),
+    ("pepo", "{temperature: 0}", "pepo.temperature must be > 0"),
+    ("pepo", "{temperature: -1}", "pepo.temperature must be > 0"),
+    ("pepo", "{temperature: .nan}", "temperature must be a finite number"),
+])
+def test_hostile_parameters_are_named(est, params, named):
+    with pytest.raises(ValueError, match=named):
+        load_config(REPO / "configs" / "cpu_tiny.yaml", [f"algorithm.estimator={est}", f"algorithm.estimator_params={params}"])
