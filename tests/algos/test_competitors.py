@@ -185,3 +185,106 @@ def test_methods_without_a_formulation_are_refused_by_name(name):
 def test_hostile_parameters_are_named(est, params, named):
     with pytest.raises(ValueError, match=named):
         load_config(REPO / "configs" / "cpu_tiny.yaml", [f"algorithm.estimator={est}", f"algorithm.estimator_params={params}"])
+
+
+# ------------------------------------------------------------------------- LESS
+# Hand-built groups for QWE-CXZ/LESS recipe/less/revise_advantage.py (``revise_adv``, with
+# ``extract_low_entropy_traces``, ``find_max_subset_multisets`` and ``get_subtrace_idx``).
+# Rows 0, 1 are correct and 2, 3 wrong (n_right = n_wrong = 2); L = 12 tokens each, low
+# entropy (0.1) on the segments, 1.0 elsewhere, so tau = 1.0 (the 11th smallest) and every
+# token starts at weight 1/2. GRPO's A = +-0.866 (rewards 1, 1, 0, 0).
+L = 12
+
+
+def _row(ids_low: list[int], at: int, filler: int) -> tuple[list[int], list[float]]:
+    ids = [filler * 100 + t for t in range(L)]
+    h = [1.0] * L
+    for k, tok in enumerate(ids_low):
+        ids[at + k], h[at + k] = tok, 0.1
+    return ids, h
+
+
+def _group(rows):
+    ids = torch.tensor([r[0] for r in rows])
+    h = torch.tensor([r[1] for r in rows])
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    return algos.AdvantageInputs(rewards=rewards, response_mask=torch.ones(4, L, dtype=torch.bool), entropy=h,
+                                 group_index=torch.zeros(4, dtype=torch.long), correct=rewards > 0.5, response_ids=ids)
+
+
+def _weights(inputs):
+    out = algos.run_estimator("less", inputs)
+    A = grpo_sequence_advantage(inputs).unsqueeze(-1)
+    return (out.advantages / A), out.metrics
+
+
+def _expect(zero=(), one=()):
+    w = torch.full((4, L), 0.5)
+    for r, pos in zero:
+        w[r, pos] = 0.0
+    for r, pos in one:
+        w[r, pos] = 1.0
+    return w
+
+
+def test_less_a_segment_shared_across_outcomes_is_zeroed_in_both():
+    seg = [1, 2, 3, 4, 5, 6, 7]
+    w, m = _weights(_group([_row(seg, 0, 1), _row([], 0, 2), _row(seg, 3, 3), _row([], 0, 4)]))
+    torch.testing.assert_close(w, _expect(zero=[(0, slice(0, 7)), (2, slice(3, 10))]))
+    assert m["less/clusters"] == 1 and m["less/mixed_clusters"] == 1 and m["less/zeroed_frac"] == 14 / 48
+
+
+def test_less_a_segment_shared_within_one_outcome_is_raised_to_its_share():
+    seg = [1, 2, 3, 4, 5]
+    w, m = _weights(_group([_row(seg, 2, 1), _row(seg, 6, 2), _row([], 0, 3), _row([], 0, 4)]))
+    torch.testing.assert_close(w, _expect(one=[(0, slice(2, 7)), (1, slice(6, 11))]))  # max(1/2, 2 of 2)
+    assert m["less/mixed_clusters"] == 0
+
+
+def test_less_nested_segments_rekey_the_cluster_and_apply_in_order():
+    """Row 0's (1..7) lies in row 2's (0..8): a cluster keyed (1..7). Row 3's (2..6) lies in
+    row 0's segment and in the key: the cluster is re-keyed (2..6), every member's
+    positions narrowed to it, and it is mixed: zeroed there in rows 0, 2 and 3."""
+    w, m = _weights(_group([_row([1, 2, 3, 4, 5, 6, 7], 0, 1), _row([], 0, 2),
+                            _row([0, 1, 2, 3, 4, 5, 6, 7, 8], 1, 3), _row([2, 3, 4, 5, 6], 4, 4)]))
+    torch.testing.assert_close(w, _expect(zero=[(0, slice(1, 6)), (2, slice(3, 8)), (3, slice(4, 9))]))
+    assert m["less/clusters"] == 1 and m["less/mixed_clusters"] == 1
+
+
+def test_less_overlapping_clusters_apply_in_the_references_order():
+    """Row 1's (2..6) lies in row 0's (1..7): a correct-only cluster raises it to 1 in both.
+    Row 2's (3..7) also lies in row 0's segment: a second, mixed cluster, applied after the
+    first, zeroes (3..7) in rows 0 and 2 -- overwriting part of the first's raise in row 0."""
+    w, m = _weights(_group([_row([1, 2, 3, 4, 5, 6, 7], 0, 1), _row([2, 3, 4, 5, 6], 5, 2),
+                            _row([3, 4, 5, 6, 7], 2, 3), _row([], 0, 4)]))
+    want = _expect(one=[(0, slice(1, 2)), (1, slice(5, 10))], zero=[(0, slice(2, 7)), (2, slice(2, 7))])
+    torch.testing.assert_close(w, want)
+    assert m["less/clusters"] == 2 and m["less/mixed_clusters"] == 1
+
+
+def test_less_without_shared_segments_keeps_the_base_weights_and_zero_advantages_alone():
+    g = torch.Generator().manual_seed(3)
+    B, T = 8, 20
+    inputs = algos.AdvantageInputs(
+        rewards=torch.tensor([1.0, 0, 1, 0, 1, 1, 1, 1]), response_mask=torch.arange(T)[None] < torch.tensor(
+            [20, 17, 9, 20, 5, 12, 20, 3])[:, None], entropy=torch.rand(B, T, generator=g),
+        group_index=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), correct=torch.tensor([1, 0, 1, 0, 1, 1, 1, 1]).bool(),
+        response_ids=torch.randint(0, 10**6, (B, T), generator=g))  # random ids: nothing shared
+    out = algos.run_estimator("less", inputs)
+    A = grpo_sequence_advantage(inputs)
+    assert torch.equal(out.advantages[4:], torch.zeros(4, T))  # an all-correct group: A = 0, untouched
+    for i in range(4):
+        n = int(inputs.response_mask[i].sum())
+        h = inputs.entropy[i, :n].tolist()
+        tau = sorted(h)[min(round(0.8 * n), n - 1)]
+        want = [float(A[i]) * (0.5 if x <= tau else 1.0) for x in h]  # 2 right, 2 wrong in group 0
+        torch.testing.assert_close(out.advantages[i, :n], torch.tensor(want))
+        assert float(out.advantages[i, n:].abs().sum()) == 0
+
+
+def test_less_needs_token_ids_and_a_positive_segment_length():
+    inputs = _batch(0)
+    with pytest.raises(ValueError, match="needs the responses' token ids"):
+        algos.run_estimator("less", inputs)
+    with pytest.raises(ValueError, match="less.min_len must be an integer >= 1"):
+        load_config(REPO / "configs" / "cpu_tiny.yaml", ["algorithm.estimator=less", "algorithm.estimator_params={min_len: 0}"])

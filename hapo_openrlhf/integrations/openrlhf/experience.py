@@ -76,10 +76,21 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     entropy = _pad_cat([e.behaviour_entropy.float() for e in experiences], W)
     if int(index.max()) + 1 != len(index) or len(index) % n_samples:
         raise ValueError(f"rollout batch of {len(index)} rows is not whole groups of {n_samples}")
+    # the response tokens: OpenRLHF's action_mask covers the last A_i positions of each row's sequences
+    response_ids = _pad_cat([e.sequences[:, e.sequences.shape[1] - e.action_mask.shape[1]:] for e in experiences], W)
     inputs = algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=entropy,
                                    group_index=torch.div(index, n_samples, rounding_mode="floor"),
-                                   correct=correct)
-    out = algos.run_estimator(a["estimator"], inputs, **dict(a["estimator_params"]))
+                                   correct=correct, response_ids=response_ids)
+    # the estimator sees the rows in rollout order (the order the embedded trainer and verl
+    # give it): LESS's clustering depends on the order of a group's responses
+    order = torch.argsort(index)
+    inv = torch.argsort(order)
+    in_order = algos.AdvantageInputs(rewards=rewards[order], response_mask=mask[order], entropy=entropy[order],
+                                     group_index=inputs.group_index[order], correct=correct[order],
+                                     response_ids=response_ids[order])
+    out = algos.run_estimator(a["estimator"], in_order, **dict(a["estimator_params"]))
+    out.advantages = out.advantages[inv]
+    out.loss_mask = out.loss_mask[inv] if out.loss_mask is not None else None
     loss_mask = out.loss_mask if out.loss_mask is not None else mask
 
     _, tau = algos.split_quadrants(inputs, a["quadrant_split"], a["quadrant_quantile"], a["quadrant_threshold"])

@@ -58,8 +58,10 @@ def _whole_batch(rows, n):
         mask[j, :L] = True
         ent[j, :L] = h
     rewards = torch.tensor([r for r, _, _ in rows])
+    # the experiences' sequences are all token 0: every low-entropy run is shared (LESS clusters)
     return algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=ent,
-                                 group_index=torch.arange(len(rows)) // n, correct=rewards > 0.5)
+                                 group_index=torch.arange(len(rows)) // n, correct=rewards > 0.5,
+                                 response_ids=torch.zeros(len(rows), W, dtype=torch.long))
 
 
 @pytest.mark.parametrize("estimator, params", [
@@ -69,6 +71,7 @@ def _whole_batch(rows, n):
     # batch meets in the controller, so rows spread over micro-batches (or data-parallel
     # ranks) give the one-batch result
     ("eapo_entropic", {}), ("eapo_entropic", {"kappa": 0.5}), ("pepo", {"window": 5, "temperature": 0.6}),
+    ("less", {"min_len": 2}),
 ])
 def test_split_micro_batches_equal_the_whole_batch_registry_output(estimator, params):
     rows, n = _rollout(), 4

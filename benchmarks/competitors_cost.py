@@ -1,0 +1,98 @@
+"""What each competitor estimator (SPEC 2.8) adds to a training step, as a ratio to GRPO
+measured in the same run (this CPU, 2 threads).
+
+On the embedded trainer's real batches (a few GRPO steps after a short warm-up; first step
+skipped) it times the advantage computation of ``grpo``, ``hapo``, ``eapo_entropic`` and
+``pepo`` (best of ``--repeat``), and reports each one's time over GRPO's and its extra time
+as a fraction of the measured step. The same estimators on a synthetic paper-scale batch
+(``--rows`` x ``--tokens``) show how the cost scales (there is no CPU step time for that).
+
+    python benchmarks/competitors_cost.py [--steps 3 --repeat 10 --rows 512 --tokens 4096]
+
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from hapo_openrlhf import algos
+from hapo_openrlhf.config import load_config
+from hapo_openrlhf.local.trainer import LocalTrainer
+
+METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}}
+
+
+def _best(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _times(inputs, repeat: int) -> dict[str, float]:
+    return {m: _best(lambda m=m: algos.run_estimator(m, inputs, **p), repeat) for m, p in METHODS.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=4096)
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    cfg = load_config("configs/cpu_tiny.yaml", ["warmup.steps=50", f"trainer.steps={a.steps}", "trainer.save_every=0",
+                                                "trainer.sample_every=0", "algorithm.estimator=grpo",
+                                                "algorithm.estimator_params={}", "algorithm.dynamic_sampling=false"])
+    tr = LocalTrainer(cfg, tempfile.mkdtemp())
+    tr.run_warmup()
+    captured = []
+    orig = algos.run_estimator
+
+    def spy(name, inputs, **kw):
+        captured.append(inputs)
+        return orig(name, inputs, **kw)
+
+    algos.run_estimator = spy
+    import hapo_openrlhf.local.trainer as lt
+
+    lt.algos.run_estimator = spy
+    steps = []
+    for i in range(a.steps):
+        m = tr.train_step()
+        if i:
+            steps.append(m["time/step_s"])
+    lt.algos.run_estimator = algos.run_estimator = orig
+    emb = _times(captured[-1], a.repeat)
+    step_s = sum(steps) / len(steps)
+    B, T = captured[-1].response_mask.shape
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(a.tokens // 4, a.tokens + 1, (a.rows,), generator=g)
+    mask = torch.arange(a.tokens)[None, :] < lens[:, None]
+    rewards = (torch.rand(a.rows, generator=g) > 0.5).float()
+    big = algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=torch.rand(a.rows, a.tokens, generator=g),
+                                group_index=torch.arange(a.rows) // 8, correct=rewards > 0.5)
+    paper = _times(big, max(2, a.repeat // 5))
+    out = {"embedded_batch": [B, T], "embedded_step_ms": step_s * 1e3, "paper_batch": [a.rows, a.tokens]}
+    print(f"{'method':15s} {'embedded ms':>12s} {'x grpo':>8s} {'% of step':>10s} {'paper-scale ms':>15s} {'x grpo':>8s}")
+    for m in METHODS:
+        row = {"embedded_ms": emb[m] * 1e3, "embedded_ratio": emb[m] / emb["grpo"],
+               "extra_pct_of_step": 100 * (emb[m] - emb["grpo"]) / step_s,
+               "paper_ms": paper[m] * 1e3, "paper_ratio": paper[m] / paper["grpo"]}
+        out[m] = row
+        print(f"{m:15s} {row['embedded_ms']:12.3f} {row['embedded_ratio']:8.2f} {row['extra_pct_of_step']:10.3f} "
+              f"{row['paper_ms']:15.1f} {row['paper_ratio']:8.2f}")
+    print(f"embedded step ({B} samples x {T} tokens): {step_s * 1e3:.1f} ms")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

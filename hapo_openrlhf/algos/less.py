@@ -1,0 +1,144 @@
+"""LESS (arXiv 2512.00908): low-entropy segments shared across a group's responses.
+
+Source of truth: QWE-CXZ/LESS ``recipe/less/revise_advantage.py`` (``revise_adv`` and its
+helpers); the tests mirror it token for token, order included. Per group, with n_right /
+n_wrong its correct / wrong responses and each response's valid tokens its leading run of
+the mask:
+
+1. tau = the response's sorted entropies at index min(round(0.8 T), T - 1); weight
+   1 / n_same (its outcome's count) on tokens with H <= tau, 1 elsewhere.
+2. Segments: maximal runs of H < tau of at least ``min_len`` tokens.
+3. Each segment (correct responses' first, then wrong ones', in order) that occurs
+   contiguously inside a segment of another response (the first such, same order) joins a
+   cluster keyed by its token ids: it joins the first cluster whose key it contains, or
+   becomes the key of the first cluster it is contained in (that cluster moves to the end),
+   or starts one. Each member keeps the positions of the key's first occurrence.
+4. A cluster with both outcomes zeroes its members' weights there; otherwise each member's
+   weight becomes max(weight, count of its outcome in the cluster / n_same).
+5. A' = weight * A for every response whose advantage is not zero.
+
+The reference compares the tokens' strings; this compares token ids (the same unless two
+ids decode to one string). It fails on an empty response; here one is left as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .advantages import ESTIMATORS, AdvantageInputs, AdvantageOutput, grpo_sequence_advantage
+
+Segment = tuple[int, tuple[int, ...], list[int]]  # (member, token ids, positions)
+
+
+def _find(sub: tuple[int, ...], seq: tuple[int, ...]) -> int:
+    """Start of the first contiguous occurrence of ``sub`` in ``seq``, or -1."""
+    n = len(sub)
+    return next((i for i in range(len(seq) - n + 1) if seq[i:i + n] == sub), -1)
+
+
+def _segments(member: int, ids: list[int], h: list[float], tau: float, min_len: int) -> list[Segment]:
+    out, t = [], 0
+    while t < len(h):
+        if h[t] < tau:
+            s = t
+            while t < len(h) and h[t] < tau:
+                t += 1
+            if t - s >= min_len:
+                out.append((member, tuple(ids[s:t]), list(range(s, t))))
+        else:
+            t += 1
+    return out
+
+
+def _clusters(segments: list[Segment], min_len: int) -> dict[tuple[int, ...], tuple[set[int], dict[int, list[int]]]]:
+    """Steps 3: key -> (members, member -> positions), in the reference's order."""
+    pairs = []
+    for seg in segments:
+        host = next((o for o in segments if o[0] != seg[0] and _find(seg[1], o[1]) >= 0), None)
+        if host is not None:
+            pairs.append((seg, host))
+    clusters: dict[tuple[int, ...], tuple[set[int], dict[int, list[int]]]] = {}
+    for (m, toks, pos), (hm, htoks, hpos) in pairs:
+        if len(toks) < min_len:
+            continue
+        for key in list(clusters):
+            members, where = clusters[key]
+            if (i := _find(key, toks)) >= 0:  # the key lies inside this segment
+                j = _find(key, htoks)
+                where[m], where[hm] = pos[i:i + len(key)], hpos[j:j + len(key)]
+                members.update((m, hm))
+                break
+            if (i := _find(toks, key)) >= 0:  # this segment lies inside the key: it becomes the key
+                for k in where:
+                    where[k] = where[k][i:i + len(toks)]
+                j = _find(toks, htoks)
+                where[m], where[hm] = pos, hpos[j:j + len(toks)]
+                members.update((m, hm))
+                del clusters[key]
+                clusters[toks] = (members, where)
+                break
+        else:
+            j = _find(toks, htoks)
+            clusters[toks] = ({m, hm}, {m: pos, hm: hpos[j:j + len(toks)]})
+    return clusters
+
+
+def group_weights(ids: list[list[int]], ent: list[list[float]], correct: list[bool], min_len: int):
+    """Steps 1-4 for one group: each response's per-token weights, and (clusters, mixed)."""
+    n = {True: sum(correct), False: len(correct) - sum(correct)}
+    weights, segs = [], {True: [], False: []}
+    for m, (t_ids, h) in enumerate(zip(ids, ent)):
+        if not h:
+            weights.append(torch.zeros(0))
+            continue
+        tau = sorted(h)[min(round(len(h) * 0.8), len(h) - 1)]
+        weights.append(torch.tensor([1.0 / n[correct[m]] if x <= tau else 1.0 for x in h], dtype=torch.float32))
+        segs[correct[m]] += _segments(m, t_ids, h, tau, min_len)
+    clusters = _clusters(segs[True] + segs[False], min_len)
+    mixed = 0
+    for members, where in clusters.values():
+        count = {c: sum(correct[k] == c for k in members) for c in (True, False)}
+        both = count[True] and count[False]
+        mixed += bool(both)
+        for k in members:
+            s, e = where[k][0], where[k][-1] + 1
+            w = weights[k]
+            w[s:e] = 0.0 if both else torch.clamp(w[s:e], min=count[correct[k]] / n[correct[k]])
+    return weights, len(clusters), mixed
+
+
+def _check(p: Mapping[str, Any]) -> None:
+    if p["min_len"] < 1:
+        raise ValueError(f"less.min_len must be an integer >= 1 (the reference's trace_length is 5), got {p['min_len']}")
+
+
+@ESTIMATORS.register("less", validate=_check)
+def less(inputs: AdvantageInputs, *, min_len: int = 5, eps: float = 1e-6) -> AdvantageOutput:
+    """GRPO's advantage reweighted token by token from low-entropy segments a group shares."""
+    if inputs.response_ids is None:
+        raise ValueError("the less estimator needs the responses' token ids (AdvantageInputs.response_ids)")
+    mask = inputs.response_mask.bool()
+    A = grpo_sequence_advantage(inputs, eps).float().unsqueeze(-1) * mask
+    correct = (inputs.correct.bool() if inputs.correct is not None else A.sum(-1) > 0).tolist()
+    lengths = mask.int().cumprod(-1).sum(-1).tolist()  # the leading run of the mask, as the reference counts
+    out = A.clone()
+    groups = {}
+    for i, g in enumerate(inputs.group_index.tolist()):
+        groups.setdefault(g, []).append(i)
+    n_clusters = n_mixed = zeroed = 0
+    for rows in groups.values():
+        ids = [inputs.response_ids[i, :lengths[i]].tolist() for i in rows]
+        ent = [inputs.entropy[i, :lengths[i]].detach().float().tolist() for i in rows]
+        w, c, mx = group_weights(ids, ent, [correct[i] for i in rows], min_len)
+        n_clusters, n_mixed = n_clusters + c, n_mixed + mx
+        for i, wi in zip(rows, w):
+            if float(A[i].abs().sum()) < 1e-8:  # zero-advantage responses are left as they are
+                continue
+            out[i] = 0.0
+            out[i, :lengths[i]] = A[i, :lengths[i]] * wi
+            zeroed += int((wi == 0).sum())
+    valid = max(int(mask.sum()), 1)
+    return AdvantageOutput(out, metrics={"less/clusters": float(n_clusters), "less/mixed_clusters": float(n_mixed),
+                                         "less/zeroed_frac": zeroed / valid})
