@@ -3,11 +3,11 @@ measured in the same run (this CPU, 2 threads).
 
 On the embedded trainer's real batches (a few GRPO steps after a short warm-up; first step
 skipped) it times the advantage computation of ``grpo``, ``hapo``, ``eapo_entropic`` and
-``pepo`` (best of ``--repeat``), and reports each one's time over GRPO's and its extra time
+``pepo`` and ``less`` (best of ``--repeat``), and reports each one's time over GRPO's and its extra time
 as a fraction of the measured step. The same estimators on a synthetic paper-scale batch
 (``--rows`` x ``--tokens``) show how the cost scales (there is no CPU step time for that).
 
-    python benchmarks/competitors_cost.py [--steps 3 --repeat 10 --rows 512 --tokens 4096]
+    python benchmarks/competitors_cost.py [--steps 3 --repeat 10 --rows 256 --tokens 4096]
 
 Last line: one JSON object.
 """
@@ -25,7 +25,7 @@ from hapo_openrlhf import algos
 from hapo_openrlhf.config import load_config
 from hapo_openrlhf.local.trainer import LocalTrainer
 
-METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}}
+METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}, "less": {}}
 
 
 def _best(fn, repeat: int) -> float:
@@ -44,12 +44,13 @@ def _times(inputs, repeat: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=50, help="supervised warm-up steps before the measured RL steps")
     ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=4096)
     a = ap.parse_args()
     torch.set_num_threads(2)
-    cfg = load_config("configs/cpu_tiny.yaml", ["warmup.steps=50", f"trainer.steps={a.steps}", "trainer.save_every=0",
+    cfg = load_config("configs/cpu_tiny.yaml", [f"warmup.steps={a.warmup}", f"trainer.steps={a.steps}", "trainer.save_every=0",
                                                 "trainer.sample_every=0", "algorithm.estimator=grpo",
                                                 "algorithm.estimator_params={}", "algorithm.dynamic_sampling=false"])
     tr = LocalTrainer(cfg, tempfile.mkdtemp())
@@ -79,7 +80,9 @@ def main() -> None:
     mask = torch.arange(a.tokens)[None, :] < lens[:, None]
     rewards = (torch.rand(a.rows, generator=g) > 0.5).float()
     big = algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=torch.rand(a.rows, a.tokens, generator=g),
-                                group_index=torch.arange(a.rows) // 8, correct=rewards > 0.5)
+                                group_index=torch.arange(a.rows) // 8, correct=rewards > 0.5,
+                                # a small vocabulary, so that LESS finds shared segments to cluster
+                                response_ids=torch.randint(0, 4, (a.rows, a.tokens), generator=g))
     paper = _times(big, max(2, a.repeat // 5))
     out = {"embedded_batch": [B, T], "embedded_step_ms": step_s * 1e3, "paper_batch": [a.rows, a.tokens]}
     print(f"{'method':15s} {'embedded ms':>12s} {'x grpo':>8s} {'% of step':>10s} {'paper-scale ms':>15s} {'x grpo':>8s}")

@@ -29,10 +29,11 @@ QUANTILES = (0.10, 0.90)
 NORM_EPS = 1e-8  # the reference's normalisation epsilon (percentile spread and mean weight)
 
 
-def linear_quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+def linear_quantile(values: torch.Tensor, q: float, presorted: bool = False) -> torch.Tensor:
     """The q-quantile with linear interpolation (numpy's default), by sorting: no 2^24 input
-    limit as in ``torch.quantile``."""
-    v = values.flatten().sort().values
+    limit as in ``torch.quantile``. ``presorted``: ``values`` is sorted already (one sort
+    serves both percentiles)."""
+    v = values.flatten() if presorted else values.flatten().sort().values
     rank = q * (v.numel() - 1)
     lo, hi = math.floor(rank), math.ceil(rank)
     return torch.lerp(v[lo], v[hi], rank - lo)
@@ -43,7 +44,8 @@ def normalized_entropy(entropy: torch.Tensor, mask: torch.Tensor) -> tuple[torch
     valid = entropy.detach().float()[mask.bool()]
     if valid.numel() == 0:
         return torch.zeros_like(entropy, dtype=torch.float32), math.nan, math.nan
-    q_lo, q_hi = (linear_quantile(valid, q) for q in QUANTILES)
+    ordered = valid.sort().values
+    q_lo, q_hi = (linear_quantile(ordered, q, presorted=True) for q in QUANTILES)
     h = ((entropy.detach().float() - q_lo) / (q_hi - q_lo + NORM_EPS)).clamp(0.0, 1.0)
     # padding may hold anything (NaN included): it is 0 here, as in the reference
     return torch.where(mask.bool(), h, torch.zeros((), device=h.device)), float(q_lo), float(q_hi)

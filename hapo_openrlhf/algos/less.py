@@ -23,6 +23,7 @@ ids decode to one string). It fails on an empty response; here one is left as it
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import torch
@@ -32,10 +33,17 @@ from .advantages import ESTIMATORS, AdvantageInputs, AdvantageOutput, grpo_seque
 Segment = tuple[int, tuple[int, ...], list[int]]  # (member, token ids, positions)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _text(toks: tuple[int, ...]) -> str:
+    return "," + ",".join(map(str, toks)) + ","
+
+
 def _find(sub: tuple[int, ...], seq: tuple[int, ...]) -> int:
-    """Start of the first contiguous occurrence of ``sub`` in ``seq``, or -1."""
-    n = len(sub)
-    return next((i for i in range(len(seq) - n + 1) if seq[i:i + n] == sub), -1)
+    """Start of the first contiguous occurrence of ``sub`` in ``seq``, or -1. Searched as
+    text (",a,b,c," inside ",x,a,b,c,y,": whole tokens only), so the search runs at C speed:
+    the token-by-token scan took 4.5 s for one group of 8 x 4,096 tokens."""
+    at = _text(seq).find(_text(sub))
+    return -1 if at < 0 else _text(seq).count(",", 0, at)
 
 
 def _segments(member: int, ids: list[int], h: list[float], tau: float, min_len: int) -> list[Segment]:
@@ -55,8 +63,9 @@ def _segments(member: int, ids: list[int], h: list[float], tau: float, min_len: 
 def _clusters(segments: list[Segment], min_len: int) -> dict[tuple[int, ...], tuple[set[int], dict[int, list[int]]]]:
     """Steps 3: key -> (members, member -> positions), in the reference's order."""
     pairs = []
-    for seg in segments:
-        host = next((o for o in segments if o[0] != seg[0] and _find(seg[1], o[1]) >= 0), None)
+    texts = [_text(toks) for _, toks, _ in segments]
+    for seg, text in zip(segments, texts):
+        host = next((o for o, t in zip(segments, texts) if o[0] != seg[0] and len(t) >= len(text) and text in t), None)
         if host is not None:
             pairs.append((seg, host))
     clusters: dict[tuple[int, ...], tuple[set[int], dict[int, list[int]]]] = {}
