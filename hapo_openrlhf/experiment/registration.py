@@ -71,6 +71,8 @@ def register(previous: dict[str, Any], exp, variants: list[str], path: Path) -> 
     reg = previous.get("registration")
     if reg is None:
         reg = {"at": t, "comparisons": comps, "seeds": list(exp.seeds), "settings": settings, "warm_start": warm}
+        if previous.get("jobs"):  # a manifest from before registration records: runs exist already
+            reg["recorded_after_runs"] = True
         return {"registration": reg, "comparisons_added": [], "seeds_added": {}, "variants_added": {}}
     changed = [v for v, fp in settings.items() if reg["settings"].get(v, fp) != fp]
     if reg.get("warm_start", warm) != warm:

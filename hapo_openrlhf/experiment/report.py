@@ -93,6 +93,8 @@ def comparison_sets(manifest: dict) -> tuple[list[dict], list[dict], str | None]
     known = {pair(c) for c in registered + added}
     added += [{"a": c["a"], "b": c["b"], "at": "unknown (not recorded by the runner)"}
               for c in manifest.get("comparisons") or [] if pair(c) not in known]
+    if reg.get("recorded_after_runs"):  # first recorded on a manifest whose runs predate registration
+        return registered + [{"a": c["a"], "b": c["b"]} for c in added], [], None
     return registered, added, reg["at"]
 
 

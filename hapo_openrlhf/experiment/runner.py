@@ -184,6 +184,8 @@ class _Workers:
         return len(self.busy) < self.n
 
     def submit(self, job: Job) -> None:
+        while self.idle and not self.idle[-1][0].is_alive():  # an idle worker killed between jobs
+            self.idle.pop()[1].close()
         if self.idle:
             proc, conn = self.idle.pop()
         else:

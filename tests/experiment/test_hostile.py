@@ -206,8 +206,13 @@ def test_preregistration_is_recorded_enforced_and_late_comparisons_are_reported_
     # the settings cannot change
     with pytest.raises(ValueError, match=r"a, b now resolve to a different configuration than the one registered"):
         register(first, exp([{"a": "a", "b": "b"}], lr=1e-3), ["a", "b"], path)
-    # a manifest from before registration: its comparisons are as stated, without a time
+    # a manifest from before registration: its comparisons are as stated, without a time, and
+    # a registration first recorded on such a manifest claims no time either
     assert comparison_sets({"comparisons": [{"a": "a", "b": "b"}]}) == ([{"a": "a", "b": "b"}], [], None)
+    late = register({"jobs": {"a/seed_1": {"status": "done", "wall_s": 1.0}}}, exp([{"a": "a", "b": "b"}]), ["a", "b"],
+                    path)
+    assert late["registration"]["recorded_after_runs"] is True
+    assert comparison_sets({"comparisons": [{"a": "a", "b": "b"}], **late}) == ([{"a": "a", "b": "b"}], [], None)
 
 
 def test_the_report_shows_late_comparisons_apart(tmp_path):
