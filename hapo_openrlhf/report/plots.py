@@ -1,6 +1,7 @@
 """PNG plots from one or more runs' metrics.jsonl, runs overlaid (the paper's
 Figure 2 / 6 views: reward, entropy, clip fraction, per-quadrant token share,
-entropy and |A| over steps; Figure 3: accuracy vs response tokens)."""
+entropy and |A| over steps; Figure 3: accuracy vs response tokens), and each competitor
+method's own metrics (``method_eapo.png``, ...) for the runs that log them."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ PER_QUADRANT = {
     "quadrant_adv": ("adv_abs_mean", "mean |A|"),
     "quadrant_entropy_delta": ("entropy_delta", "entropy change per update"),
 }
+
+# each competitor's own metrics (docs/method.md 5b), one figure per method whose runs log them
+METHOD_METRICS = {"eapo": "EAPO-entropic", "pepo": "PEPO", "less": "LESS"}
 
 
 def moving_average(ys: list[float], w: int) -> list[float]:
@@ -92,6 +96,21 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         axes[1, 0].set_xlabel("RL step")
         axes[0, 0].legend(fontsize=7)
         save(fig, name)
+    for prefix, method in METHOD_METRICS.items():
+        keys = sorted({k for _, recs in runs for r in recs for k in r if k.startswith(prefix + "/")})
+        if not keys:
+            continue
+        cols = min(3, len(keys))
+        rows = -(-len(keys) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+        for ax, k in zip(axes.flat, keys):
+            _draw(ax, runs, k)
+            ax.set_title(k, fontsize=9)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        axes[0, 0].legend(fontsize=7)
+        fig.suptitle(f"{method}: its own metrics (moving average)", fontsize=10)
+        save(fig, f"method_{prefix}")
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, recs in runs:
         pts = [(r["eval/response_len"], r["eval/accuracy"]) for r in recs if "eval/accuracy" in r]

@@ -150,3 +150,18 @@ def test_an_unknown_quadrant_label_is_named_with_file_and_line(two_runs, tmp_pat
     res = run_cli(["report", str(run), "--output-dir", str(tmp_path / "r")])
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert f"{f}:2: corrupt sample record (unknown quadrant label(s)" in res.stderr
+
+
+def test_each_competitors_metrics_get_their_own_figure(tmp_path):
+    """EAPO's weight range and kappa, PEPO's largest c, LESS's clusters: plotted for the runs
+    that log them (hand-written metrics), and no figure for a method no run used."""
+    from hapo_openrlhf.report.plots import plot_runs
+
+    run = tmp_path / "eapo_run"
+    run.mkdir()
+    recs = [{"step": s, "reward/mean": 0.5, "actor/entropy": 1.0, "eapo/kappa": 1.386 * (1 - s / 10),
+             "eapo/weight_min": 0.5, "eapo/weight_max": 2.0, "less/clusters": float(s)} for s in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    written = {p.name for p in plot_runs([run], tmp_path / "rep")}
+    assert {"method_eapo.png", "method_less.png"} <= written and "method_pepo.png" not in written
+    assert (tmp_path / "rep" / "method_eapo.png").read_bytes()[:8] == PNG
