@@ -405,6 +405,12 @@ class OpenRLHFConfig:
                  "openrlhf.vllm_num_engines and vllm_tensor_parallel_size must be >= 1 (HAPO rollouts need an engine)")
         _require(self.zero_stage in (0, 1, 2, 3), f"openrlhf.zero_stage must be 0-3, got {self.zero_stage}")
         _require(self.param_dtype in ("bf16", "fp16"), f"openrlhf.param_dtype must be bf16 or fp16, got {self.param_dtype!r}")
+        # refused, not cast: the DeepSpeed actor's weight sync is OpenRLHF's own broadcast
+        _require(self.param_dtype != "fp16",
+                 "openrlhf.param_dtype: fp16 cannot run: OpenRLHF 0.11.2 creates every vLLM engine with dtype "
+                 "bfloat16 (trainer/ray/vllm_engine.py, create_vllm_engines) and its worker asserts that each synced "
+                 "weight has the engine's dtype (trainer/ray/vllm_worker_wrap.py, update_weight), so an fp16 actor "
+                 "fails at the first weight sync; use bf16")
         _require(self.vllm_sync_backend in ("nccl", "gloo"), "openrlhf.vllm_sync_backend must be nccl or gloo")
         _require(self.ring_attn_size >= 1, "openrlhf.ring_attn_size must be >= 1")
         _require(self.ring_attn_size == 1 or self.packing_samples, "openrlhf.ring_attn_size > 1 needs packing_samples: true")

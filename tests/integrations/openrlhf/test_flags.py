@@ -335,3 +335,21 @@ def test_qwen3_extra_is_the_7b_megatron_setting_on_qwen3():
     for k in ("run_name", "output_dir"):
         assert "qwen3_8b_base" in str(extra.pop(k)) and paper.pop(k)
     assert extra == paper
+
+
+def test_fp16_is_refused_for_the_reason_openrlhfs_own_source_gives():
+    """issue 43: OpenRLHF 0.11.2 builds its vLLM engines in bf16 and asserts each synced
+    weight's dtype, so an fp16 DeepSpeed actor would crash at the first weight sync. The
+    refusal names both places; this checks they still say so in the installed OpenRLHF."""
+    import importlib.util
+
+    root = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0]) / "trainer" / "ray"
+    engine, worker = (root / "vllm_engine.py").read_text(), (root / "vllm_worker_wrap.py").read_text()
+    assert '"dtype": "bfloat16"' in engine and "def create_vllm_engines" in engine
+    assert "assert dtype == self.model_config.dtype" in worker
+    with pytest.raises(ValueError, match="openrlhf.param_dtype: fp16 cannot run: OpenRLHF 0.11.2 creates every vLLM "
+                                         "engine with dtype bfloat16 .* fails at the first weight sync; use bf16"):
+        load_config(REPO / "configs" / "qwen25_math_7b_hapo.yaml", ["openrlhf.param_dtype=fp16"])
+    with pytest.raises(ValueError, match="--ds.param_dtype is generated from the config"):
+        build_argv(load_config(REPO / "configs" / "qwen25_math_7b_hapo.yaml",
+                               ["openrlhf.extra_args=[--ds.param_dtype, fp16]"]), Path("/tmp/x"))
