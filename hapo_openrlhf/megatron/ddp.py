@@ -158,6 +158,12 @@ class MegatronOptimizer:
         if is_loading:
             self._init_empty_state()
         metadata = {"distrib_optim_sharding_type": self.sharding} if self.distributed else None
+        if self.distributed and self.sharding == "fully_reshardable":
+            # gathered over gloo onto DP rank 0 only (megatron-core's memory-efficient exchange);
+            # the default all-gathers the whole optimizer state onto every rank: three fp32 CPU
+            # copies of every buffer per rank (84 GB of host memory per rank at 7B) plus GPU
+            # receive buffers the size of a whole bucket per key (docs/megatron.md)
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
         return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
     def _init_empty_state(self) -> None:

@@ -217,10 +217,23 @@ def _resume_worker(rank, tp, sharding, ckpt, phase, out):
         start, losses = state["step"], list(state["losses"])
     for step in range(start, 2 if phase == "first" else 4):
         losses.append(resume_step(ddp, opt, step, tp))
+    gathers = []
     if phase == "first":
-        checkpoint.save(ckpt, 2, ddp, opt, {"step": 2, "losses": losses})
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        real = DistributedOptimizer.get_parameter_state_dp_zero
+
+        def recorded(self, *a, **kw):  # which gather megatron-core runs on save (issue 43)
+            gathers.append({k: kw.get(k) for k in ("use_gloo_comm", "return_on_all_ranks", "empty_data")})
+            return real(self, *a, **kw)
+
+        DistributedOptimizer.get_parameter_state_dp_zero = recorded
+        try:
+            checkpoint.save(ckpt, 2, ddp, opt, {"step": 2, "losses": losses})
+        finally:
+            DistributedOptimizer.get_parameter_state_dp_zero = real
     inner = opt.torch_optimizers[0]
-    torch.save({"losses": losses, "dp": dp,
+    torch.save({"losses": losses, "dp": dp, "gathers": gathers,
                 "weights": {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
                 "masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
                 "steps": {float(st["step"]) for st in inner.state.values()},
@@ -282,6 +295,12 @@ def test_distributed_optimizer_fully_reshardable_resumes_bitwise_and_under_anoth
     spawn(_resume_worker, 2, 1, "fully_reshardable", str(ckpt), "full", str(tmp_path / "full"))
     spawn(_resume_worker, 2, 1, "fully_reshardable", str(ckpt), "first", str(tmp_path / "first"))
     spawn(_resume_worker, 2, 1, "fully_reshardable", str(ckpt), "resume", str(tmp_path / "resumed"))
+    # the save gathered with megatron-core's memory-efficient exchange: over gloo, onto DP rank 0
+    # only (not the whole state onto every rank)
+    for r in range(2):
+        gathers = torch.load(tmp_path / f"first.{r}")["gathers"]
+        assert gathers and all(g == {"use_gloo_comm": True, "return_on_all_ranks": False, "empty_data": False}
+                               for g in gathers), gathers
     for r in range(2):
         full, resumed = torch.load(tmp_path / f"full.{r}"), torch.load(tmp_path / f"resumed.{r}")
         assert full["losses"] == resumed["losses"] and resumed["steps"] == {4.0}
