@@ -94,16 +94,19 @@ def _clusters(segments: list[Segment], min_len: int) -> dict[tuple[int, ...], tu
     return clusters
 
 
-def group_weights(ids: list[list[int]], ent: list[list[float]], correct: list[bool], min_len: int):
-    """Steps 1-4 for one group: each response's per-token weights, and (clusters, mixed)."""
+def group_weights(ids: list[list[int]], ent: list[list[float]], correct: list[bool], min_len: int,
+                  device: torch.device | str = "cpu"):
+    """Steps 1-4 for one group: each response's per-token weights (on ``device``), and
+    (clusters, mixed)."""
     n = {True: sum(correct), False: len(correct) - sum(correct)}
     weights, segs = [], {True: [], False: []}
     for m, (t_ids, h) in enumerate(zip(ids, ent)):
         if not h:
-            weights.append(torch.zeros(0))
+            weights.append(torch.zeros(0, device=device))
             continue
         tau = sorted(h)[min(round(len(h) * 0.8), len(h) - 1)]
-        weights.append(torch.tensor([1.0 / n[correct[m]] if x <= tau else 1.0 for x in h], dtype=torch.float32))
+        weights.append(torch.tensor([1.0 / n[correct[m]] if x <= tau else 1.0 for x in h], dtype=torch.float32,
+                                    device=device))
         segs[correct[m]] += _segments(m, t_ids, h, tau, min_len)
     clusters = _clusters(segs[True] + segs[False], min_len)
     mixed = 0
@@ -140,7 +143,7 @@ def less(inputs: AdvantageInputs, *, min_len: int = 5, eps: float = 1e-6) -> Adv
     for rows in groups.values():
         ids = [inputs.response_ids[i, :lengths[i]].tolist() for i in rows]
         ent = [inputs.entropy[i, :lengths[i]].detach().float().tolist() for i in rows]
-        w, c, mx = group_weights(ids, ent, [correct[i] for i in rows], min_len)
+        w, c, mx = group_weights(ids, ent, [correct[i] for i in rows], min_len, device=A.device)
         n_clusters, n_mixed = n_clusters + c, n_mixed + mx
         for i, wi in zip(rows, w):
             if float(A[i].abs().sum()) < 1e-8:  # zero-advantage responses are left as they are

@@ -37,6 +37,8 @@ def _batch(seed=0, B=8, T=6):
         group_index=torch.arange(2).repeat_interleave(4),
         correct=torch.tensor([True, False, False, True, True, True, False, False]),
         logprobs=-torch.rand(B, T, generator=g),
+        response_ids=torch.randint(0, 3, (B, T), generator=g),  # a tiny vocabulary: LESS finds segments
+        step=3,
     )
 
 
@@ -61,7 +63,8 @@ def test_meta_default_device_catches_a_factory_call_without_device():
 def test_every_estimator_is_device_safe(name):
     b = _batch()
     inputs = algos.AdvantageInputs(rewards=b["rewards"], response_mask=b["response_mask"], entropy=b["entropy"],
-                                   group_index=b["group_index"], correct=b["correct"])
+                                   group_index=b["group_index"], correct=b["correct"], step=b["step"],
+                                   response_ids=b["response_ids"])
     ref = algos.run_estimator(name, inputs)
     with default_device_meta():
         out = algos.run_estimator(name, inputs)

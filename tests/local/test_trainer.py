@@ -253,7 +253,8 @@ def test_a_stopped_eapo_run_with_kappa_decay_resumes_exactly(tmp_path):
     uninterrupted one, kappa schedule included."""
     from hapo_openrlhf.preemption import Preempted
 
-    extra = [*SMALL, "trainer.steps=4", "warmup.steps=15", "data.synthetic.eval_size=4", "eval.n_samples=1",
+    extra = [*SMALL, "trainer.steps=4", "warmup.steps=10", "data.synthetic.eval_size=2", "eval.n_samples=1",
+             "rollout.max_new_tokens=12", "eval.max_new_tokens=12", "rollout.prompts_per_step=2",
              "optim.ppo_epochs=2", "algorithm.estimator=eapo_entropic",
              "algorithm.estimator_params={decay_steps: 6}", "algorithm.dynamic_sampling=false"]
     full, stopped = tmp_path / "full", tmp_path / "stopped"
