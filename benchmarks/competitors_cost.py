@@ -16,29 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
-import time
 
 import torch
 
 from hapo_openrlhf import algos
-from hapo_openrlhf.config import load_config
-from hapo_openrlhf.local.trainer import LocalTrainer
+
+from _embedded import best_of, grpo_step_batches  # benchmarks/_embedded.py (the script's own folder is on sys.path)
 
 METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}, "less": {}}
 
 
-def _best(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _times(inputs, repeat: int) -> dict[str, float]:
-    return {m: _best(lambda m=m: algos.run_estimator(m, inputs, **p), repeat) for m, p in METHODS.items()}
+    return {m: best_of(lambda m=m: algos.run_estimator(m, inputs, **p), repeat) for m, p in METHODS.items()}
 
 
 def main() -> None:
@@ -49,32 +38,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=4096)
     a = ap.parse_args()
-    torch.set_num_threads(2)
-    cfg = load_config("configs/cpu_tiny.yaml", [f"warmup.steps={a.warmup}", f"trainer.steps={a.steps}", "trainer.save_every=0",
-                                                "trainer.sample_every=0", "algorithm.estimator=grpo",
-                                                "algorithm.estimator_params={}", "algorithm.dynamic_sampling=false"])
-    tr = LocalTrainer(cfg, tempfile.mkdtemp())
-    tr.run_warmup()
-    captured = []
-    orig = algos.run_estimator
-
-    def spy(name, inputs, **kw):
-        captured.append(inputs)
-        return orig(name, inputs, **kw)
-
-    algos.run_estimator = spy
-    import hapo_openrlhf.local.trainer as lt
-
-    lt.algos.run_estimator = spy
     steps = []
-    for i in range(a.steps):
-        m = tr.train_step()
-        if i:
-            steps.append(m["time/step_s"])
-    lt.algos.run_estimator = algos.run_estimator = orig
-    emb = _times(captured[-1], a.repeat)
+    for inputs, step_s in grpo_step_batches(a.steps, a.warmup):
+        steps.append(step_s)
+    emb = _times(inputs, a.repeat)
     step_s = sum(steps) / len(steps)
-    B, T = captured[-1].response_mask.shape
+    B, T = inputs.response_mask.shape
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(a.tokens // 4, a.tokens + 1, (a.rows,), generator=g)
     mask = torch.arange(a.tokens)[None, :] < lens[:, None]

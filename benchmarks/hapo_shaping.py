@@ -16,28 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
-import time
 
 import torch
 
 from hapo_openrlhf import algos
-from hapo_openrlhf.config import load_config
-from hapo_openrlhf.local.trainer import LocalTrainer
 
-
-def _best(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from _embedded import best_of, grpo_step_batches  # benchmarks/_embedded.py (the script's own folder is on sys.path)
 
 
 def _time_estimators(inputs, repeat):
-    t_grpo = _best(lambda: algos.run_estimator("grpo", inputs), repeat)
-    t_hapo = _best(lambda: algos.run_estimator("hapo", inputs, alpha=0.2, phi=2.0), repeat)
+    t_grpo = best_of(lambda: algos.run_estimator("grpo", inputs), repeat)
+    t_hapo = best_of(lambda: algos.run_estimator("hapo", inputs, alpha=0.2, phi=2.0), repeat)
     return t_grpo, t_hapo
 
 
@@ -46,32 +35,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=20)
     a = ap.parse_args()
-    torch.set_num_threads(2)
-    cfg = load_config("configs/cpu_tiny.yaml", ["warmup.steps=50", f"trainer.steps={a.steps}", "trainer.save_every=0",
-                                                "trainer.sample_every=0", "algorithm.estimator=grpo",
-                                                "algorithm.estimator_params={}", "algorithm.dynamic_sampling=false"])
-    tr = LocalTrainer(cfg, tempfile.mkdtemp())
-    tr.run_warmup()
-    captured = []
-    orig = algos.run_estimator
-
-    def spy(name, inputs, **kw):
-        captured.append(inputs)
-        return orig(name, inputs, **kw)
-
-    import hapo_openrlhf.local.trainer as lt
-
-    lt.algos.run_estimator = spy
     steps, shaping = [], []
-    for i in range(a.steps):
-        m = tr.train_step()
-        if i == 0:
-            continue
-        t_grpo, t_hapo = _time_estimators(captured[-1], a.repeat)
-        steps.append(m["time/step_s"])
+    for inputs, step_s in grpo_step_batches(a.steps):
+        t_grpo, t_hapo = _time_estimators(inputs, a.repeat)
+        steps.append(step_s)
         shaping.append(t_hapo - t_grpo)
-    lt.algos.run_estimator = orig
-    B, T = captured[-1].response_mask.shape
+    B, T = inputs.response_mask.shape
     step_s = sum(steps) / len(steps)
     extra_s = sum(shaping) / len(shaping)
     print(f"embedded step ({B} samples x {T} tokens): {step_s * 1e3:.1f} ms; hapo - grpo estimator: {extra_s * 1e3:.3f} ms")
