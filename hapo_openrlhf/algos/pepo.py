@@ -43,9 +43,14 @@ def window_softmax(h: torch.Tensor, window: int, temperature: float) -> torch.Te
     return torch.exp(x) / denom
 
 
+# the padded row holds T + window values: a window of 1e9 would allocate gigabytes per row
+MAX_WINDOW = (1 << 20) + 1
+
+
 def _check(p: Mapping[str, Any]) -> None:
-    if p["window"] < 1 or p["window"] % 2 == 0:
-        raise ValueError(f"pepo.window must be an odd integer >= 1 (a centred window), got {p['window']}")
+    if not 1 <= p["window"] <= MAX_WINDOW or p["window"] % 2 == 0:
+        raise ValueError(f"pepo.window must be an odd integer in [1, {MAX_WINDOW}] (a centred window), "
+                         f"got {p['window']}")
     if not p["temperature"] > 0:
         raise ValueError(f"pepo.temperature must be > 0, got {p['temperature']}")
 

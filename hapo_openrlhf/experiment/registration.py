@@ -40,6 +40,15 @@ def fingerprint(cfg: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()
 
 
+def check_jobs(m: dict[str, Any], path: Path, advice: str = "") -> None:
+    """Every ``jobs`` entry of a manifest is an object with a numeric ``wall_s`` (a rerun and
+    the report both read them); a damaged one is named."""
+    for name, entry in m.get("jobs", {}).items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("wall_s", 0.0), (int, float)):
+            raise ValueError(f"{path}: jobs[{name!r}] must be an object with a numeric wall_s, got {entry!r:.80}"
+                             + (f"; {advice}" if advice else ""))
+
+
 def read_manifest_for_update(path: Path) -> dict[str, Any]:
     """The previous ``experiment.json`` (empty when there is none), with every field the
     runner reuses checked: a damaged one is named, never a crash halfway through."""
@@ -49,10 +58,7 @@ def read_manifest_for_update(path: Path) -> dict[str, Any]:
     aside = "move the file aside to start the manifest afresh (finished runs are found again from their directories)"
     if not isinstance(m.get("suites_run", []), list) or not isinstance(m.get("jobs", {}), dict):
         raise ValueError(f"{path}: 'suites_run' must be a list and 'jobs' an object; {aside}")
-    for name, entry in m.get("jobs", {}).items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("wall_s", 0.0), (int, float)):
-            raise ValueError(f"{path}: jobs[{name!r}] must be an object with a numeric wall_s, got {entry!r:.80}; "
-                             f"{aside}")
+    check_jobs(m, path, aside)
     reg = m.get("registration")
     if reg is not None and not (isinstance(reg, dict) and isinstance(reg.get("at"), str)
                                 and isinstance(reg.get("settings"), dict) and isinstance(reg.get("comparisons"), list)

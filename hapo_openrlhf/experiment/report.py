@@ -15,6 +15,7 @@ from ..algos.quadrants import QUADRANTS
 from ..jsonfile import read_json_object
 from ..report.plots import moving_average, save_png
 from .credit import credit_by_class, run_samples
+from .registration import check_jobs
 from .credit import markdown as credit_markdown
 from .findings import evaluate_findings
 from .verdicts import compare
@@ -60,9 +61,7 @@ def read_manifest(path: Path) -> dict:
         raise ValueError(f"{path}: 'runs' must map each run name to its directory")
     if not isinstance(m.get("suites_run", []), list) or not isinstance(m.get("jobs", {}), dict):
         raise ValueError(f"{path}: 'suites_run' must be a list and 'jobs' an object")
-    for name, entry in m.get("jobs", {}).items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("wall_s", 0.0), (int, float)):
-            raise ValueError(f"{path}: jobs[{name!r}] must be an object with a numeric wall_s, got {entry!r:.80}")
+    check_jobs(m, path)
     comps = m.get("comparisons", [])
     if not (isinstance(comps, list) and all(isinstance(c, dict) and set(c) == {"a", "b"}
                                             and all(isinstance(c[x], str) for x in "ab") for c in comps)):

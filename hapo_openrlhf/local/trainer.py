@@ -178,7 +178,9 @@ class LocalTrainer:
         """The held-out evaluation before RL: reused from the starting model's ``eval.json``
         when this run starts from a saved model with no warm-up and nothing that evaluation
         depends on differs (local/eval_cache.py); evaluated otherwise."""
-        if self.cfg.model.path and self.cfg.warmup.steps == 0:
+        saved = Path(self.cfg.model.path or ".") / eval_cache.FILE
+        if self.cfg.model.path and self.cfg.warmup.steps == 0 and (saved.exists() or saved.is_symlink()):
+            # the key hashes the weights and the model's files: only worth it when there is a file to match
             key = eval_cache.eval_key(self.model, self.cfg, self.eval_problems, self.eval_seed, self.cfg.model.path)
             cached = eval_cache.lookup(self.cfg.model.path, key)
             if cached is not None:
