@@ -291,6 +291,9 @@ class OptimConfig:
     grad_clip: float = 1.0
     ppo_epochs: int = 1
     micro_batch_size: int = 32
+    # optimizer steps in a row with a non-finite gradient (each skipped) before the run stops
+    # (every back end; hapo_openrlhf/grad_guard.py)
+    max_consecutive_skips: int = 3
 
     def __post_init__(self):
         _require(math.isfinite(self.lr) and self.lr > 0, f"optim.lr must be a finite number > 0, got {self.lr}")
@@ -299,6 +302,8 @@ class OptimConfig:
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas must be two values in [0, 1)")
         _require(self.ppo_epochs >= 1 and self.micro_batch_size >= 1, "optim.ppo_epochs and optim.micro_batch_size must be >= 1")
         _require(math.isfinite(self.grad_clip) and self.grad_clip > 0, "optim.grad_clip must be a finite number > 0")
+        _require(self.max_consecutive_skips >= 1,
+                 f"optim.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,17 @@ import logging
 import math
 from pathlib import Path
 
+from ..grad_guard import metric_value
+
 log = logging.getLogger(__name__)
 
 
 def read_jsonl_records(path: Path) -> list[dict]:
     """The records of a JSONL log. A torn *last* line (a crash or a full disk mid-write) is
     dropped with a warning; a corrupt line before the end -- not JSON, not an object, or a
-    ``step`` that is not a non-negative integer -- is an error naming file and line."""
+    ``step`` that is not a non-negative integer -- is an error naming file and line. A
+    non-finite metric, written as ``"nan"`` / ``"inf"`` / ``"-inf"`` (JSON has no literal for
+    it; :func:`hapo_openrlhf.grad_guard.metric_value`), is read back as that float."""
     lines = path.read_text(errors="replace").splitlines()
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
     out = []
@@ -32,8 +36,11 @@ def read_jsonl_records(path: Path) -> list[dict]:
                 log.warning("%s:%d: dropping a torn last line (%s)", path, i + 1, e)
                 continue
             raise ValueError(f"{path}:{i + 1}: corrupt line ({e}); repair or remove it") from None
-        out.append(rec)
+        out.append({k: float(v) if isinstance(v, str) and v in NONFINITE else v for k, v in rec.items()})
     return out
+
+
+NONFINITE = ("nan", "inf", "-inf")
 
 
 class MetricsLogger:
@@ -61,7 +68,7 @@ class MetricsLogger:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        rec = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}}
+        rec = {"step": step, **{k: metric_value(v) for k, v in metrics.items()}}  # a NaN is logged, as "nan"
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         if self._tb is not None:

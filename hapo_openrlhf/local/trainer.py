@@ -24,6 +24,7 @@ from .. import runlock
 from ..checkpoint import list_complete, load_checkpoint, resumable_checkpoints, rng_state, save_checkpoint, set_rng_state
 from ..config import RunConfig, dump_config
 from ..data.templates import apply_template
+from ..grad_guard import SkipGuard
 from ..preemption import Preempted
 from ..rewards import MathVerifier, RewardStats
 from . import eval_cache
@@ -44,6 +45,8 @@ class TrainState:
     consumed_prompts: int = 0
     warmup_done: bool = False
     eval_before: dict = field(default_factory=dict)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (grad_guard.py)
+    consecutive_skips: int = 0
 
 
 @dataclass
@@ -296,7 +299,7 @@ class LocalTrainer:
         self.model.train()
         sums: dict[str, float] = {}
         epochs, total = cfg.optim.ppo_epochs, 0.0
-        for _ in range(epochs):
+        for epoch in range(epochs):
             self.optim.zero_grad(set_to_none=True)
             for s in range(0, B, cfg.optim.micro_batch_size):
                 idx = list(range(s, min(B, s + cfg.optim.micro_batch_size)))
@@ -324,16 +327,25 @@ class LocalTrainer:
                 w = len(idx) / B
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + w * v / epochs
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(
-                    f"non-finite gradient norm at step {self.state.step + 1}; the update was not applied "
-                    f"(the last checkpoint is intact)"
-                )
+            # the norm before clipping; a NaN norm would not clip (nan < max_norm is False): skip instead
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip))
+            if self._skip_update(grad_norm, optimizer_step=self.state.step * epochs + epoch + 1):
+                self.optim.zero_grad(set_to_none=True)  # weights, moments, step count and schedule untouched
+                continue
             self.optim.step()
             self.sched.step()
-        sums.update({"actor/loss": total, "actor/grad_norm": float(grad_norm), "actor/lr": self.sched.get_last_lr()[0]})
+        sums.update({"actor/loss": total, "actor/grad_norm": grad_norm, "actor/lr": self.sched.get_last_lr()[0],
+                     "actor/skipped_steps": float(self.state.skipped_steps)})
         return sums
+
+    def _skip_update(self, grad_norm: float, optimizer_step: int) -> bool:
+        """The shared rule (grad_guard.py); its counters live in the checkpointed TrainState."""
+        g = SkipGuard(self.cfg.optim.max_consecutive_skips, "the embedded trainer")
+        g.load_state_dict({"skipped": self.state.skipped_steps, "consecutive": self.state.consecutive_skips})
+        try:
+            return g.update(grad_norm, step=optimizer_step)
+        finally:
+            self.state.skipped_steps, self.state.consecutive_skips = g.skipped, g.consecutive
 
     def _rollout_metrics(self, batch: Batch, ent, ent_after, adv) -> dict[str, float]:
         mask = batch.rollout.response_mask_BR.bool()

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ..grad_guard import nonfinite_flags, norm_from_flags
+
 # megatron.optimizer_sharding: how the distributed optimizer's state is checkpointed, and
 # which layout changes a resume may make (megatron-core's DistributedOptimizer
 # .sharded_state_dict; named explicitly: 0.19 deprecates the implicit default)
@@ -97,6 +99,7 @@ class MegatronOptimizer:
             for group in opt.param_groups:
                 group["weight_decay"] = float(weight_decay) * float(group.get("wd_mult", 1.0))
                 group["lr"] = float(lr) * float(group.get("lr_mult", 1.0))
+        self.skipped = False  # whether the last step() skipped the update (a non-finite gradient)
         self.zero_grad()
 
     @property
@@ -115,7 +118,13 @@ class MegatronOptimizer:
 
     def step(self) -> float:
         """Reduce the accumulated gradients (collective over DP and the embedding group),
-        clip, step, gather the updated parameters; returns the grad norm before clipping."""
+        clip, step, gather the updated parameters; returns the grad norm before clipping.
+
+        A non-finite gradient on any rank skips the update (``hapo_openrlhf/grad_guard.py``):
+        megatron-core checks for inf/NaN only with a grad scaler, which bf16 and fp32 do not
+        have, and its clipping does not clip at a NaN norm. The gradients are cleared; the
+        weights, masters, moments and step counts are untouched; :attr:`skipped` is True and
+        the norm returned is ``nan`` (a NaN anywhere) or ``inf``."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
@@ -123,6 +132,15 @@ class MegatronOptimizer:
         dp = ps.get_data_parallel_world_size()
         if dp > 1:  # the losses are per-replica shares of the global mean: average, not sum
             self.model.scale_gradients(1.0 / dp)
+        # every rank's whole fp32 grad buffer: its reduced shard (distributed optimizer) or the
+        # reduced gradients, plus its own contribution elsewhere -- a non-finite reduced value
+        # has a non-finite contribution on some rank. One 2-element all-reduce over every rank
+        bad = norm_from_flags(nonfinite_flags(
+            b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers))
+        self.skipped = bad is not None
+        if self.skipped:
+            self.zero_grad()
+            return bad
         ok, norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("Megatron's optimizer skipped the step (a non-finite gradient)")

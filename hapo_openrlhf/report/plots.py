@@ -5,6 +5,7 @@ method's own metrics (``method_eapo.png``, ...) for the runs that log them."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..algos.quadrants import QUADRANTS
@@ -49,7 +50,9 @@ def _smooth(ys: list[float]) -> tuple[list[float], int]:
 
 
 def _series(recs, key):
-    pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None and "reward/mean" in r]
+    pts = [(r["step"], r[key]) for r in recs
+           if r.get(key) is not None and "reward/mean" in r
+           and not (isinstance(r[key], float) and not math.isfinite(r[key]))]
     return zip(*pts) if pts else ((), ())
 
 

@@ -280,3 +280,47 @@ def test_a_stopped_eapo_run_with_kappa_decay_resumes_exactly(tmp_path):
     kappas = [r["eapo/kappa"] for r in a if "eapo/kappa" in r]
     k = 1.3862943611198906
     assert kappas == pytest.approx([k * (1 - min(s * 2 / 6, 1)) for s in range(4)])  # 2 optimizer steps per RL step
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_gradient_skips_the_step_and_n_in_a_row_stop(tmp_path, bad):
+    """A hook puts one bad element into one gradient: the update is skipped (weights, AdamW's
+    moments and step, the LR schedule untouched), the norm and the count are logged, a good
+    step resets the run of skips, and the Nth skip in a row stops with a named error."""
+    import copy
+    import math
+
+    from hapo_openrlhf.grad_guard import NonFiniteGradientError
+    from hapo_openrlhf.local.logger import read_metrics
+
+    t = _trainer(tmp_path, ["optim.max_consecutive_skips=2"])
+    t.train_step()  # AdamW has moments to keep
+
+    def snapshot():
+        return ({k: v.clone() for k, v in t.model.state_dict().items()}, copy.deepcopy(t.optim.state_dict()),
+                t.sched.state_dict()["last_epoch"])
+
+    p = t.model.lm_head.weight
+    hook = p.register_hook(lambda g: g.clone().view(-1).index_fill_(0, torch.tensor([3]), bad).view_as(g))
+    w0, o0, s0 = snapshot()
+    m = t.train_step()
+    w1, o1, s1 = snapshot()
+    assert m["actor/skipped_steps"] == 1
+    assert math.isnan(m["actor/grad_norm"]) if math.isnan(bad) else m["actor/grad_norm"] == math.inf
+    assert s1 == s0 and all(torch.equal(v, w1[k]) for k, v in w0.items())
+    for pid, st in o0["state"].items():
+        assert st["step"] == o1["state"][pid]["step"]
+        assert torch.equal(st["exp_avg"], o1["state"][pid]["exp_avg"])
+        assert torch.equal(st["exp_avg_sq"], o1["state"][pid]["exp_avg_sq"])
+    t.logger.log(t.state.step, m)  # the value is logged, not dropped, and read back as a float
+    rec = read_metrics(t.out)[-1]
+    assert rec["actor/skipped_steps"] == 1 and (math.isnan(rec["actor/grad_norm"]) if math.isnan(bad)
+                                                 else rec["actor/grad_norm"] == math.inf)
+    hook.remove()
+    assert math.isfinite(t.train_step()["actor/grad_norm"])  # a good step resets the run of skips
+    hook = p.register_hook(lambda g: g * bad)
+    assert t.train_step()["actor/skipped_steps"] == 2
+    # the counters are in the checkpointed state
+    assert (t.state.skipped_steps, t.state.consecutive_skips) == (2, 1)
+    with pytest.raises(NonFiniteGradientError, match=r"2 step\(s\) in a row \(optim.max_consecutive_skips = 2\)"):
+        t.train_step()

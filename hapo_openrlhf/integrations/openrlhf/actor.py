@@ -15,6 +15,8 @@ a Ray ``runtime_env``; see docs/openrlhf.md).
   kept in a FIFO on the actor and fetched by the experience maker with
   ``pop_behaviour`` (same micro-batch dispatch, so the same order); each entry
   carries a fingerprint of its sequences and a mismatch is an error.
+* a non-finite gradient skips the optimizer step (``nonfinite.py``), counted as
+  ``actor_skipped_steps`` in ``fit``'s status;
 * ``init_model_from_pretrained`` builds the upstream actor, swaps the policy
   model's forward for the fused LM head (``fused_head.py``; upstream's is kept,
   with a logged reason, where the fused head cannot serve), replaces
@@ -39,6 +41,7 @@ from ...algos.entropy import entropy_from_logits
 from ...algos.nucleus import sharded_nucleus_logmass
 from .fused_head import install_fused_head
 from .loss import DUMP_ENV, HapoPolicyLoss
+from .nonfinite import DeepSpeedGradGuard
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,7 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
 
             self.trainer.training_step = training_step
         self.trainer.actor.register_forward_hook(self._training_forward_hook, with_kwargs=True)
+        self._install_grad_guard(int(hapo_cfg["optim"]["max_consecutive_skips"]))
         self._fused = False
         self._nucleus_top_p = float(hapo_cfg["rollout"]["top_p"])
         if hapo_cfg["model"].get("fused_head", True):
@@ -119,6 +123,30 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
             self._fused = why_not is None
             if why_not:
                 logger.warning("hapo: fused LM head off, OpenRLHF's head is used: %s", why_not)
+
+    def _install_grad_guard(self, max_consecutive: int) -> None:
+        """A non-finite gradient skips the step (nonfinite.py): the strategy's optimizer step
+        for the actor goes through the guard, and its grad norm is the guard's (nan / inf for a
+        skipped step; upstream would report the previous step's)."""
+        self.grad_guard = DeepSpeedGradGuard(self.actor.model, max_consecutive)
+        step, norm = self.strategy.optimizer_step, self.strategy.get_grad_norm
+
+        def optimizer_step(optimizer, model, scheduler, name="model", **kwargs):
+            if model is self.actor or model is self.actor.model:
+                return self.grad_guard.step()
+            return step(optimizer, model, scheduler, name=name, **kwargs)
+
+        def get_grad_norm(model):
+            if (model is self.actor or model is self.actor.model) and self.grad_guard.norm is not None:
+                return self.grad_guard.norm
+            return norm(model)
+
+        self.strategy.optimizer_step, self.strategy.get_grad_norm = optimizer_step, get_grad_norm
+
+    def fit(self, kl_ctl: float = 0):
+        status = super().fit(kl_ctl)
+        status["actor_skipped_steps"] = float(self.grad_guard.skipped)  # DeepSpeed's count, checkpointed
+        return status
 
     # ---------------------------------------------------------------- hooks
     def _training_forward_hook(self, module, args, kwargs, output):

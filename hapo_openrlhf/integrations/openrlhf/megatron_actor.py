@@ -73,6 +73,7 @@ from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from ...fsguard import claim, remove_owned
+from ...grad_guard import SkipGuard
 from .actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV
 
@@ -189,6 +190,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                                        if name in {"cosine_with_min_lr", "cosine_warmup_with_min_lr"} else {}))
             for opt in self.optimizer.torch_optimizers]
         self.loss_fn = loss_from_config(hcfg)
+        self.grad_guard = SkipGuard(int(hcfg["optim"]["max_consecutive_skips"]), "the Megatron actor")
         self.items: list[Experience] = []
         self.kl_ctl = 0.0
 
@@ -206,6 +208,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             state = load(found, self.ddp, self.optimizer)
             for sched, sd in zip(self.schedulers, state["scheduler"], strict=True):
                 sched.load_state_dict(sd)
+            self.grad_guard.load_state_dict(state.get("grad_guard", {}))
             self.checkpoint_states = state["client_states"]
 
         if self.vllm_engines is not None and dist.get_rank() == 0:
@@ -436,8 +439,13 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                                temperature=self.temperature, chunk_size=self.entropy_chunk, layout=self.layout)
         lr = self.schedulers[0].get_last_lr()[0]
         norm = self.optimizer.step()  # reduce over DP, clip at actor.max_norm, AdamW, gather parameters
-        for sched in self.schedulers:
-            sched.step()
+        # a non-finite gradient: the optimizer skipped the update (every rank alike), the schedule
+        # stays; N in a row stop the run (grad_guard.py)
+        skipped = self.grad_guard.update(norm if self.optimizer.skipped else None,
+                                         step=self.schedulers[0].last_epoch + 1)
+        if not skipped:
+            for sched in self.schedulers:
+                sched.step()
         stats = {"actor_grad_norm": norm, "actor_lr": lr}
         if out:  # last stage: the step's loss and the token-weighted PPO statistics (this replica)
             tokens = sum(float(o["tokens"]) for o in out)
@@ -522,6 +530,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         vec = vec.cpu().view(-1, 2)
         status = {k: float(v[0] / v[1]) if float(v[1]) > 0 else 0.0 for k, v in zip(keys, vec)}
         status.update(last)
+        status["actor_skipped_steps"] = float(self.grad_guard.skipped)  # the same on every rank
         return status
 
     # --------------------------------------------------------- weight sync
@@ -595,6 +604,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         if not args.ckpt.disable_ds:
             state = {"client_states": dict(client_states or {}),
                      "scheduler": [sched.state_dict() for sched in self.schedulers],
+                     "grad_guard": self.grad_guard.state_dict(),
                      "tag": tag, "metric_key": metric_key, "metric_value": metric_value}
             save(root, int(m.group(2)), self.ddp, self.optimizer, trainer_state=state)
             if dist.get_rank() == 0:

@@ -11,13 +11,13 @@ checkpoints, resume, evaluation, weight sync to vLLM -- is OpenRLHF's own.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
+from ...grad_guard import metric_value
 from ...preemption import Preempted, request_flag
 from .experience import HapoExperienceMaker
 
@@ -125,10 +125,11 @@ class HapoControllerMixin:
         self._metrics_started = True
         row = {"step": step}
         for k, v in status.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                row[k] = float(v)
-                if k in MISMATCH_METRICS:  # the mismatch correction, under hapo's metric names too
-                    row[MISMATCH_METRICS[k]] = float(v)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                # a non-finite value (the grad norm of a skipped step) is logged, as "nan" / "inf"
+                row[k] = metric_value(float(v))
+                if k in HAPO_NAMES:  # under hapo's metric names too
+                    row[HAPO_NAMES[k]] = row[k]
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -169,6 +170,8 @@ class HapoPPOTrainerImpl(HapoControllerMixin, PPOTrainer.__ray_actor_class__):
 # upstream's status keys of the rollout/training mismatch correction -> hapo's names (docs/method.md)
 MISMATCH_METRICS = {"vllm_kl": "actor/vllm_kl", "is_filter_ratio": "actor/is_filter_frac",
                     "is_ratio_mean": "actor/is_ratio_mean", "is_ratio_max": "actor/is_ratio_max"}
+# the mismatch correction and the non-finite-gradient guard (grad_guard.py), under hapo's names
+HAPO_NAMES = {**MISMATCH_METRICS, "actor_grad_norm": "actor/grad_norm", "actor_skipped_steps": "actor/skipped_steps"}
 
 
 HapoPPOTrainer = ray.remote(HapoPPOTrainerImpl)

@@ -50,6 +50,8 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
     assert (out / "final" / "config.json").exists() and json.loads((out / "final" / "hapo.json").read_text())
     m = jsonl(out / "metrics.jsonl")
     assert all("quadrant/threshold" in r and "policy_loss" in r for r in m)  # hapo metrics via experience.info
+    # the non-finite-gradient guard's count and the norm it read (nonfinite.py), under hapo's names
+    assert all(r["actor/skipped_steps"] == 0 and 0 < r["actor/grad_norm"] == r["actor_grad_norm"] for r in m)
 
     # the advantages are the registry's for the batch, and exactly those reached the loss
     loss_rows = jsonl(dump / "loss_rank0.jsonl")

@@ -411,3 +411,83 @@ def test_megatron_reference_actor_returns_the_models_log_probs(tmp_path):
                     want, _, _ = _hf_row(hf, ids, n, cfg.rollout.temperature)
                 torch.testing.assert_close(lp[i, :n].double(), want, rtol=0, atol=2e-5)
                 assert (lp[i, n:] == 0).all()
+
+
+def _nonfinite_worker(rank, world, port, args, model_dir, data, out_dir, bad):
+    """One good fit, then fits whose gradient on rank 0 only has one ``bad`` element (a
+    tensor hook, before Megatron's DDP accumulates it into its fp32 buffer)."""
+    from tests.megatron.cuda_shim import install
+
+    install()
+    import torch.distributed as dist
+
+    from hapo_openrlhf.grad_guard import NonFiniteGradientError
+    from hapo_openrlhf.integrations.openrlhf.actor import fingerprint
+    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+
+    actor = MegatronPolicyActorImpl(world, rank, "127.0.0.1", port)
+    actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir),
+                                     max_steps=4, vllm_engines=None)
+
+    def fit(e):
+        lp = actor.forward(e.sequences, e.action_mask, e.attention_mask)
+        actor.pop_behaviour_entropy(fingerprint(e.sequences, e.attention_mask))
+        e.action_log_probs = lp - 0.1 * e.advantages
+        actor.append(e)
+        return actor.fit()
+
+    def snapshot():
+        inner = actor.optimizer.torch_optimizers[0]
+        return {"masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
+                "moments": [v.clone() for g in inner.param_groups for p in g["params"]
+                            for v in inner.state[p].values() if torch.is_tensor(v)],
+                "steps": [g.get("step") for g in inner.param_groups],
+                "sched": actor.schedulers[0].last_epoch,
+                "weights": {k: v.clone() for k, v in actor.model.state_dict().items() if not k.endswith("_extra_state")}}
+
+    good = fit(data[rank])
+    before = snapshot()
+    if rank == 0:
+        p = next(p for p in actor.model.parameters() if p.requires_grad)
+        p.register_hook(lambda g: g.clone().view(-1).index_fill_(0, torch.tensor([0]), bad).view_as(g))
+    skipped = fit(data[2 + rank])
+    after = snapshot()
+    err = None
+    try:
+        fit(data[2 + rank])
+    except NonFiniteGradientError as e:
+        err = str(e)
+    torch.save({"good": good, "skipped": skipped, "before": before, "after": after, "err": err,
+                "dtypes": sorted({str(v.dtype) for v in before["weights"].values()})},
+               Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_gradient_skips_the_step_and_n_in_a_row_stop(tmp_path, bad):
+    """bf16 (no grad scaler, so megatron-core checks nothing) at DP=2 with the distributed
+    optimizer; the bad element is on rank 0 only, so the ranks must agree to skip."""
+    import math
+
+    from tests.megatron._dist import start
+
+    cfg, args = _args(tmp_path, ["megatron.params_dtype=bf16", "optim.max_consecutive_skips=2"])
+    model_dir = _tiny_model_dir(tmp_path / "model", False)
+    data = _experiences(4, seed=7)
+    out = tmp_path / "out"
+    out.mkdir()
+    start(_nonfinite_worker, 2, (2, _free_port(), args, model_dir, data, str(out), bad))
+    for r in range(2):
+        got = torch.load(out / f"rank{r}.pt")
+        assert "torch.bfloat16" in got["dtypes"]
+        assert got["good"]["actor_skipped_steps"] == 0 and math.isfinite(got["good"]["actor_grad_norm"])
+        st = got["skipped"]
+        assert st["actor_skipped_steps"] == 1  # logged on every rank, with the offending norm
+        assert (math.isnan(st["actor_grad_norm"]) if math.isnan(bad) else st["actor_grad_norm"] == math.inf)
+        b, a = got["before"], got["after"]
+        assert a["sched"] == b["sched"] and a["steps"] == b["steps"]
+        assert len(a["moments"]) > 0 and all(torch.equal(x, y) for x, y in zip(b["moments"], a["moments"]))
+        assert all(torch.equal(x, y) for x, y in zip(b["masters"], a["masters"]))
+        assert all(torch.equal(v, a["weights"][k]) for k, v in b["weights"].items())
+        # the second skip in a row stops the run on every rank, by name
+        assert got["err"] and "2 step(s) in a row" in got["err"] and "max_consecutive_skips" in got["err"]
