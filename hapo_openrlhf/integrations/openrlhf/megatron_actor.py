@@ -567,10 +567,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
 
     # --------------------------------------------------------- checkpoints
     def _save_hf(self, out: str | Path) -> None:
-        """The model in Hugging Face layout at ``out`` (collective; rank 0 writes, atomically)."""
-        from transformers import AutoModelForCausalLM
-
+        """The model in Hugging Face layout at ``out`` (collective; rank 0 writes, atomically,
+        from the gathered state dict without building a second model: megatron/hf_save.py)."""
         from ...megatron.convert import gather_hf_state_dict
+        from ...megatron.hf_save import save_hf_state_dict
 
         sd = gather_hf_state_dict(self.model, self.hf_config)
         if dist.get_rank() == 0:
@@ -579,11 +579,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             # out comes from the user (--save_path, --ckpt.path): replace only what hapo wrote (fsguard)
             remove_owned(out, "the Hugging Face save's directory", check_only=True)  # before the work
             remove_owned(tmp, "the Hugging Face save's temp directory")
-            hf = AutoModelForCausalLM.from_config(self.hf_config, torch_dtype=self.params_dtype)
-            missing, unexpected = hf.load_state_dict(sd, strict=False)
-            if unexpected or any(k != "lm_head.weight" for k in missing):
-                raise RuntimeError(f"Megatron -> Hugging Face conversion mismatch: {missing[:5]} {unexpected[:5]}")
-            hf.save_pretrained(tmp)
+            save_hf_state_dict(sd, self.hf_config, self.params_dtype, tmp)
+            del sd
             self.tokenizer.save_pretrained(tmp)
             claim(tmp)
             remove_owned(out, "the Hugging Face save's directory")
