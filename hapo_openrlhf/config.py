@@ -196,6 +196,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 40
+    # under top-p < 1, log rollout/nucleus_logmass on RL steps 1, 1 + N, 1 + 2N, ... (0: never);
+    # it costs a sort of every [chunk, V/TP] block of the old-log-prob pass (docs/performance.md)
+    nucleus_metric_every: int = 1
 
     def __post_init__(self):
         _require(self.prompts_per_step > 0, "rollout.prompts_per_step must be > 0")
@@ -203,6 +206,8 @@ class RolloutConfig:
         _require(self.temperature > 0, "rollout.temperature must be > 0")
         _require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
         _require(self.max_new_tokens > 0, "rollout.max_new_tokens must be > 0")
+        _require(self.nucleus_metric_every >= 0,
+                 f"rollout.nucleus_metric_every must be >= 0 (0: never), got {self.nucleus_metric_every}")
 
 
 @dataclass(frozen=True)

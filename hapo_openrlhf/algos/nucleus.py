@@ -21,6 +21,12 @@ import torch
 import torch.distributed as dist
 
 
+def metric_due(top_p: float, every: int, steps_done: int) -> bool:
+    """Whether the RL step after ``steps_done`` finished steps logs ``rollout/nucleus_logmass``
+    (``rollout.nucleus_metric_every``): under top-p < 1, on steps 1, 1 + every, ...; never at 0."""
+    return top_p < 1.0 and every > 0 and steps_done % every == 0
+
+
 def _check(logits: torch.Tensor, top_p: float) -> None:
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -66,9 +72,11 @@ def nucleus_logmass(logits: torch.Tensor, top_p: float, chunk_size: int = 1024) 
 
 
 # a fixed count keeps every rank's collectives in step; the threshold interval ends
-# <= max p * 2**-BISECT_STEPS wide (about 1e-12), so a token is misplaced only if its
-# probability lies within 1e-12 of the nucleus boundary
+# <= max p * 2**-BISECT_STEPS wide (about 1e-12), so two *distinct* probabilities are
+# confused only if they lie within 1e-12 of each other at the nucleus boundary
 BISECT_STEPS = 40
+# rows sorted at once (the sort's index buffer is [SORT_ROWS, Vr] int64, beside the chunk)
+SORT_ROWS = 64
 
 
 @torch.no_grad()
@@ -92,14 +100,23 @@ def sharded_nucleus_logmass(
     this process holds the whole vocabulary (a data-parallel job's ranks hold different
     rows, so the default group is never assumed).
 
-    No rank need see a whole row, so the nucleus boundary is found as a probability
-    threshold instead of by a sort: the dropped tokens are those with p <= t for the
-    largest t whose dropped mass is <= 1 - top_p (the sort rule's longest ascending
-    prefix), by ``BISECT_STEPS`` bisection steps (each one [C] all-reduce over ``group``),
-    then the kept mass. The same path serves one process: no [C, V] sort, index or cumsum
-    buffers, so a chunk holds its probabilities and one masked copy, as the fused heads'
-    log-prob pass does. Cost: ``BISECT_STEPS`` no-grad passes over [C, Vr], for a metric;
-    nothing at ``top_p`` 1.
+    The boundary is vLLM's: its sort rule (``apply_top_k_top_p_pytorch``) drops the longest
+    ascending prefix whose cumulative mass is <= 1 - top_p, so a group of *tied*
+    probabilities straddling the boundary is split by count, as its Triton pivot kernel
+    also does (``num_keep`` of the ``duplicate_logit`` group). No rank sees a whole row, so:
+
+    1. each rank sorts its shard's probabilities ascending in place (``SORT_ROWS`` rows at
+       a time) and takes their cumulative sum -- the only [C, Vr] buffers besides the
+       chunk's probabilities;
+    2. ``BISECT_STEPS`` bisection steps find the largest threshold t whose dropped mass
+       (p <= t, summed over the ranks) is <= 1 - top_p; each step is a binary search per
+       row in the sorted shard and one [C] all-reduce -- no pass over [C, Vr];
+    3. the next probability above t (v, the smallest over the ranks) is the straddling
+       group: floor((1 - top_p - dropped) / v) of its tokens are dropped as well, never
+       the most probable token.
+
+    Cost per chunk: one segmented sort and one cumsum over [C, Vr], then O(C log Vr) per
+    step. Nothing at ``top_p`` 1.
     """
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -122,23 +139,56 @@ def sharded_nucleus_logmass(
             dist.all_reduce(t, op=op, group=group)
         return t
 
+    budget = 1.0 - top_p
     for s in range(0, flat.shape[0], chunk_size):
         if weight is not None:
             z = (flat[s:s + chunk_size].to(weight.dtype) @ weight[:nv].t()).float()
         else:
             z = flat[s:s + chunk_size, :nv].float()
+        own = weight is not None or z.data_ptr() != flat.data_ptr() + s * flat.stride(0) * flat.element_size()
         if temperature != 1.0:
-            z = z / temperature
-        m = reduce(z.amax(-1) if nv else z.new_full((z.shape[0],), -torch.inf), dist.ReduceOp.MAX)
-        p = torch.exp(z - m.unsqueeze(-1))  # not in place: z may be the caller's own logits
+            z = z.div_(temperature) if own else z / temperature
+            own = True
+        C = z.shape[0]
+        m = reduce(z.amax(-1) if nv else z.new_full((C,), -torch.inf), dist.ReduceOp.MAX)
+        # the probabilities, in place when z is ours (not the caller's logits)
+        p = (z.sub_(m.unsqueeze(-1)) if own else z - m.unsqueeze(-1)).exp_()
         del z
         p.div_(reduce(p.sum(-1), dist.ReduceOp.SUM).unsqueeze(-1))
+        for r in range(0, C, SORT_ROWS):  # ascending, in place
+            p[r:r + SORT_ROWS] = p[r:r + SORT_ROWS].sort(-1).values
+        csum = p.cumsum(-1)
+
+        def n_at_most(t: torch.Tensor) -> torch.Tensor:  # [C] how many of this shard's p are <= t
+            return torch.searchsorted(p, t.unsqueeze(-1).contiguous(), right=True).squeeze(-1) if nv \
+                else torch.zeros(C, dtype=torch.long, device=t.device)
+
+        def dropped(t: torch.Tensor) -> torch.Tensor:  # the mass of the n smallest, summed over the ranks
+            n = n_at_most(t)
+            mass = csum.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1) if nv else torch.zeros_like(t)
+            return reduce(torch.where(n > 0, mass, torch.zeros_like(mass)), dist.ReduceOp.SUM)
+
+        def next_above(k: torch.Tensor) -> torch.Tensor:  # [C] this shard's (k+1)-th smallest p, inf past the end
+            if not nv:
+                return torch.full((C,), torch.inf, dtype=p.dtype, device=p.device)
+            got = p.gather(-1, k.clamp(max=nv - 1).unsqueeze(-1)).squeeze(-1)
+            return torch.where(k < nv, got, torch.full_like(got, torch.inf))
+
         lo = torch.zeros_like(m)
-        hi = reduce(p.amax(-1) if nv else torch.zeros_like(m), dist.ReduceOp.MAX)
+        hi = reduce(p[:, nv - 1].clone() if nv else torch.zeros_like(m), dist.ReduceOp.MAX)
         for _ in range(BISECT_STEPS):
             mid = (lo + hi) / 2
-            dropped = reduce(p.masked_fill(p > mid.unsqueeze(-1), 0).sum(-1), dist.ReduceOp.SUM)
-            ok = dropped <= 1.0 - top_p
+            ok = dropped(mid) <= budget
             lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
-        out[s:s + chunk_size] = reduce(p.masked_fill(p <= lo.unsqueeze(-1), 0).sum(-1), dist.ReduceOp.SUM).log()
+        k = n_at_most(lo)
+        gone = dropped(lo)
+        # the straddling group: v, the smallest p above lo over the ranks, and how many hold it
+        v = reduce(next_above(k), dist.ReduceOp.MIN)
+        n_v = reduce((n_at_most(v) - k).to(torch.float32), dist.ReduceOp.SUM)
+        n_above = reduce((nv - k).to(torch.float32), dist.ReduceOp.SUM)
+        extra = torch.floor((budget - gone).clamp(min=0) / v)
+        extra = torch.minimum(torch.minimum(extra, n_v), n_above - 1).clamp(min=0)
+        total = reduce(csum[:, -1].clone() if nv else torch.zeros_like(m), dist.ReduceOp.SUM)
+        out[s:s + C] = (total - gone - extra * v).log()
+        p = csum = None  # freed before the next chunk
     return out.view(lead)

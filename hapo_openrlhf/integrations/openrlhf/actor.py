@@ -38,7 +38,7 @@ import torch
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from ...algos.entropy import entropy_from_logits
-from ...algos.nucleus import sharded_nucleus_logmass
+from ...algos.nucleus import metric_due, sharded_nucleus_logmass
 from .fused_head import install_fused_head
 from .loss import DUMP_ENV, HapoPolicyLoss
 from .nonfinite import DeepSpeedGradGuard
@@ -118,6 +118,9 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
         self._install_grad_guard(int(hapo_cfg["optim"]["max_consecutive_skips"]))
         self._fused = False
         self._nucleus_top_p = float(hapo_cfg["rollout"]["top_p"])
+        self._nucleus_every = int(hapo_cfg["rollout"]["nucleus_metric_every"])
+        # RL steps trained so far (the metric's cadence; a resume continues from the checkpoint's step)
+        self._steps_done = int((getattr(self, "checkpoint_states", None) or {}).get("global_step", 0))
         if hapo_cfg["model"].get("fused_head", True):
             why_not = install_fused_head(self.actor, self._entropy_chunk, self._nucleus_top_p)
             self._fused = why_not is None
@@ -145,6 +148,7 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
 
     def fit(self, kl_ctl: float = 0):
         status = super().fit(kl_ctl)
+        self._steps_done += 1
         status["actor_skipped_steps"] = float(self.grad_guard.skipped)  # DeepSpeed's count, checkpointed
         return status
 
@@ -181,6 +185,8 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
         # the fused head returns the entropy with the log-probs; packed rows: OpenRLHF unpacks it to [B, T]
         entropy_out = packed or self._fused
         n_act = action_mask.shape[1]
+        nucleus = metric_due(self._nucleus_top_p, self._nucleus_every, self._steps_done)
+        self.actor._hapo_nucleus_top_p = self._nucleus_top_p if nucleus else 1.0  # the fused head's pass
         self.actor.eval()
         with torch.no_grad():
             action_log_probs, output = self.actor(
@@ -206,7 +212,7 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
             am = action_mask.to(entropy.device).float()
             entropy = entropy * am
             logmass = None
-            if self._nucleus_top_p < 1.0:
+            if nucleus:
                 logmass = self._nucleus_logmass(output, sequences, attention_mask, n_act) * am
         self.actor.train()
         self._keep_behaviour_entropy(sequences, attention_mask, entropy, logmass)

@@ -210,6 +210,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 sched.load_state_dict(sd)
             self.grad_guard.load_state_dict(state.get("grad_guard", {}))
             self.checkpoint_states = state["client_states"]
+        # RL steps trained so far: the nucleus metric's cadence continues across a resume
+        self.steps_done = int(self.checkpoint_states.get("global_step", 0))
 
         if self.vllm_engines is not None and dist.get_rank() == 0:
             # OpenRLHF's own group set-up (NCCL / Ray collective between rank 0 and every engine)
@@ -282,6 +284,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.temperature = float(args.rollout.temperature)
         self.top_p = float(hcfg["rollout"]["top_p"])  # < 1: the old-log-prob pass logs log P(nucleus)
+        self.nucleus_every = int(hcfg["rollout"]["nucleus_metric_every"])  # on steps 1, 1 + N, ...
         self.entropy_chunk = int(hcfg["algorithm"]["entropy_chunk_size"])
 
     # ------------------------------------------------------ old log-probs
@@ -303,8 +306,11 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
 
         from ...megatron.schedule import forward_backward
 
+        from ...algos.nucleus import metric_due
+
         dev = _device()
         B, S = sequences.shape
+        top_p = self.top_p if metric_due(self.top_p, self.nucleus_every, self.steps_done) else 1.0
         lengths = attention_mask.sum(-1).tolist()
         per = B if self.pp == 1 or self.layout == "masked" else max(1, -(-B // (2 * self.pp)))
         groups = self._row_groups(lengths, per)
@@ -313,10 +319,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         with torch.no_grad():
             out = forward_backward(self.model, mbs, None, vocab_size=self.vocab_size, temperature=self.temperature,
                                    chunk_size=self.entropy_chunk, forward_only=True, layout=self.layout,
-                                   nucleus_top_p=self.top_p)
+                                   nucleus_top_p=top_p)
         self.model.train()
         # log-probs, entropy and (under top-p) log P(nucleus), each [B, S-1]
-        vals = [torch.zeros(B, S - 1, dtype=torch.float32, device=dev) for _ in range(3 if self.top_p < 1 else 2)]
+        vals = [torch.zeros(B, S - 1, dtype=torch.float32, device=dev) for _ in range(3 if top_p < 1 else 2)]
         for g, got in zip(groups, out or []):
             idx = torch.tensor(g, device=dev)
             for v, x in zip(vals, got, strict=True):
@@ -516,6 +522,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 for e in window:
                     self._info_sums(e, sums)
         self.items.clear()
+        self.steps_done += 1
         n_steps = int(args.train.max_epochs) * len(steps)
         # the mean over optimizer steps of each step's whole loss: a replica's micro-batch losses
         # sum to dp_size x its share (normaliser count / dp_size), and the weights sum dp_size times

@@ -118,10 +118,10 @@ class HapoControllerMixin:
         path = self._metrics_path
         path.parent.mkdir(parents=True, exist_ok=True)
         if not self._metrics_started and path.exists():
-            from ...local.logger import read_jsonl_records
+            from ...local.logger import read_jsonl_records, record_line
 
             keep = [r for r in read_jsonl_records(path) if r.get("step", 0) < step]
-            path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            path.write_text("".join(record_line(r) for r in keep))
         self._metrics_started = True
         row = {"step": step}
         for k, v in status.items():

@@ -291,10 +291,13 @@ def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
     actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir),
                                      max_steps=4, vllm_engines=None)
 
+    logged = []  # per RL step: whether the old-log-prob pass computed log P(nucleus)
+
     def train(exps):
         for e in exps:
             lp = actor.forward(e.sequences, e.action_mask, e.attention_mask)
-            actor.pop_behaviour_entropy(fingerprint(e.sequences, e.attention_mask))
+            _, lm = actor.pop_behaviour(fingerprint(e.sequences, e.attention_mask))
+            logged.append(lm is not None)
             e.action_log_probs = lp - 0.1 * e.advantages
             actor.append(e)
         return actor.fit()
@@ -307,7 +310,7 @@ def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
         states = actor.get_checkpoint_states()
     status = train(batches[1])
     inner = actor.optimizer.torch_optimizers[0]
-    torch.save({"status": status, "states": states,
+    torch.save({"status": status, "states": states, "nucleus_logged": logged,
                 "masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
                 "moments": [inner.state[p][k].clone() for g in inner.param_groups for p in g["params"]
                             for k in ("exp_avg", "exp_avg_sq")],
@@ -320,7 +323,11 @@ def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
 def test_bf16_actor_checkpoint_resumes_exactly(tmp_path):
     from tests.megatron._dist import start
 
-    cfg, args = _args(tmp_path, ["megatron.tensor_parallel=2", "megatron.params_dtype=bf16"])
+    # the nucleus metric every 2 RL steps: step 1 (before the save) computes it, step 2 does not,
+    # resumed or not (the cadence continues from the checkpoint's global_step)
+    cfg, args = _args(tmp_path, ["megatron.tensor_parallel=2", "megatron.params_dtype=bf16",
+                                 "rollout.nucleus_metric_every=2"])
+    assert cfg.rollout.top_p < 1
     model_dir = _tiny_model_dir(tmp_path / "model", False)
     data = _experiences(4, seed=5)
     batches = [data[:2], data[2:]]
@@ -332,6 +339,7 @@ def test_bf16_actor_checkpoint_resumes_exactly(tmp_path):
     for r in range(2):
         first, resumed = torch.load(out / f"first{r}.pt"), torch.load(out / f"resume{r}.pt")
         assert resumed["states"] == {"global_step": 1, "data_loader_state_dict": {"consumed": 8}}
+        assert first["nucleus_logged"] == [True, True, False, False] and resumed["nucleus_logged"] == [False, False]
         assert first["status"] == resumed["status"]  # loss, grad norm, lr (scheduler resumed)
         assert all(m.dtype == torch.float32 and torch.equal(a, m) for a, m in zip(first["masters"], resumed["masters"]))
         assert all(torch.equal(a, m) for a, m in zip(first["moments"], resumed["moments"]))
