@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
 
 
@@ -97,3 +99,24 @@ def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     assert res["grpo"]["embedded_ratio"] == 1.0 and res["paper_batch"] == [16, 64]
     for m in ("hapo", "eapo_entropic", "pepo", "less"):
         assert res[m]["embedded_ratio"] > 0 and res[m]["paper_ratio"] > 0
+
+
+def test_nucleus_metric_script_reports_ratios_and_agreement():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "nucleus_metric.py"), "--tokens", "512", "--vocab", "2000",
+         "--hidden", "16", "--chunk", "256", "--repeat", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["with_sorted_metric"] > 1 and res["with_masked_metric"] > 1 and res["sorted_vs_masked_time"] > 0
+    # the sorted form holds the chunk's probabilities and their cumulative sums (the sort runs 64 rows
+    # at a time, so its buffers stay below that at 256-row chunks): 2 blocks
+    assert res["peak_blocks_sorted"] == pytest.approx(2.0, abs=0.1) and res["peak_blocks_masked"] >= 3.0
+    assert res["max_abs_diff"] < 1e-3  # the two rules differ only on tied boundary groups
+
+
+def test_final_save_memory_script_reports_both_paths():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "final_save_memory.py"), "--hidden", "128", "--layers", "2",
+         "--vocab", "4000"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "from_config  peak host memory" in out.stdout and "meta         peak host memory" in out.stdout
