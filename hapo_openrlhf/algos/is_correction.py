@@ -98,12 +98,14 @@ def _row_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def is_correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor | None,
-                          response_mask: torch.Tensor, spec) -> tuple[torch.Tensor | None, dict[str, float]]:
+                          response_mask: torch.Tensor, spec, as_tensors: bool = False
+                          ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """The per-token weight [B, T] (detached; None when the correction is off) that
     multiplies a loss's per-token policy term, and its metrics: ``actor/vllm_kl`` (mean
     of rollout - old over valid tokens), ``actor/is_filter_frac`` (out-of-band units at
     the unit's own granularity), ``actor/is_ratio_mean`` / ``actor/is_ratio_max`` (the
-    token ratio over valid tokens)."""
+    token ratio over valid tokens; 1 without one). ``as_tensors``: the metrics as 0-d
+    tensors on the inputs' device (no host sync), else floats."""
     cfg = ISCorrection.of(spec)
     if not cfg.enabled:
         return None, {}
@@ -148,13 +150,16 @@ def is_correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Te
         filtered = ~keep
     coef = coef.expand_as(old)
     filter_frac = filtered.float().mean() if seq else masked_mean(filtered.float(), mask)
-    valid_is = token_is[mask]
+    any_valid = mask.any()  # masked reductions: boolean indexing would wait for the GPU
+    one = torch.ones((), dtype=token_is.dtype, device=token_is.device)
     metrics = {
-        "actor/vllm_kl": float(masked_mean(rollout - old, mask)),
-        "actor/is_filter_frac": float(filter_frac),
-        "actor/is_ratio_mean": float(valid_is.mean()) if valid_is.numel() else 1.0,
-        "actor/is_ratio_max": float(valid_is.max()) if valid_is.numel() else 1.0,
+        "actor/vllm_kl": masked_mean(rollout - old, mask).detach(),
+        "actor/is_filter_frac": filter_frac.detach(),
+        "actor/is_ratio_mean": torch.where(any_valid, masked_mean(token_is, mask), one).detach(),
+        "actor/is_ratio_max": torch.where(any_valid, token_is.masked_fill(~mask, float("-inf")).max(), one).detach(),
     }
+    if not as_tensors:
+        metrics = {k: float(v) for k, v in metrics.items()}
     return coef.to(old_logprobs.dtype), metrics
 
 

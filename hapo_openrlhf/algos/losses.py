@@ -82,7 +82,8 @@ def aggregate(
     m = mask_BT.to(loss_BT.dtype)
     if normalizer is None:
         normalizer = default_normalizer(mask_BT, aggregation)
-    normalizer = max(float(normalizer), 1.0)
+    # a tensor normaliser (OpenRLHF hands one over, on the device) stays one: no host sync
+    normalizer = normalizer.clamp(min=1.0) if isinstance(normalizer, torch.Tensor) else max(float(normalizer), 1.0)
     if aggregation == "token-mean":
         return (loss_BT * m).sum() / normalizer
     if aggregation == "seq-mean-token-mean":
@@ -110,6 +111,10 @@ def compute_policy_loss(
     rollout_logprobs ([B,T], the rollout engine's log-probs of the sampled tokens) +
     is_correction (``algos.is_correction.ISCorrection`` or a mapping with level, mode,
     gating, threshold: OpenRLHF 0.11.2's mismatch correction, applied to every loss).
+    ``sync`` (default True): the metrics as floats, and a non-finite loss is a
+    ``FloatingPointError``; False (the actors' per-micro-batch path): 0-d tensors on the
+    loss's device and no check -- nothing waits for the GPU, and a non-finite loss reaches
+    the gradient guard at the optimizer step (``hapo_openrlhf/grad_guard.py``).
     """
     for k, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
         if t.shape != response_mask.shape or t.dim() != 2:
@@ -121,7 +126,8 @@ def compute_policy_loss(
         raise ValueError(f"unknown aggregation {params['aggregation']!r}; expected one of {AGGREGATIONS}")
     ref, kl_coef = params.pop("ref_logprobs", None), float(params.pop("kl_coef", 0.0))
     rollout, spec = params.pop("rollout_logprobs", None), params.pop("is_correction", None)
-    weight, is_metrics = is_correction_weights(old_logprobs, rollout, response_mask, spec)
+    sync = params.pop("sync", True)
+    weight, is_metrics = is_correction_weights(old_logprobs, rollout, response_mask, spec, as_tensors=True)
     loss, metrics = LOSSES.call(
         name,
         logprobs=logprobs,
@@ -136,10 +142,12 @@ def compute_policy_loss(
         kl = k3_kl(logprobs, ref)
         kl_term = aggregate(kl, response_mask, params["aggregation"], params.get("normalizer"), params.get("norm_constant"))
         loss = loss + kl_coef * kl_term
-        metrics["actor/kl_ref"] = float(_mmean(kl.detach(), response_mask))
+        metrics["actor/kl_ref"] = _mmean(kl.detach(), response_mask)
+    if not sync:  # the actors' hot path: a non-finite loss reaches the gradient guard at the step
+        return loss, {k: torch.as_tensor(v, device=loss.device) for k, v in metrics.items()}
     if not bool(torch.isfinite(loss.detach())):
         raise FloatingPointError(f"non-finite policy loss from {name!r}: {float(loss.detach())}")
-    return loss, metrics
+    return loss, {k: float(v) for k, v in metrics.items()}
 
 
 K3_MAX = 10.0  # verl's kl_penalty "low_var_kl" / "k3": the estimate is clamped to [-10, 10]
@@ -175,9 +183,9 @@ def _weighted(pg: torch.Tensor, token_weight: torch.Tensor | None) -> torch.Tens
 
 def _ppo_metrics(ratio, log_ratio, clipped, mask) -> dict[str, float]:
     return {
-        "actor/clip_frac": float(_mmean(clipped.float(), mask)),
-        "actor/ratio_mean": float(_mmean(ratio.detach(), mask)),
-        "actor/approx_kl": float(_mmean((-log_ratio).detach(), mask)),
+        "actor/clip_frac": _mmean(clipped.float(), mask).detach(),
+        "actor/ratio_mean": _mmean(ratio.detach(), mask),
+        "actor/approx_kl": _mmean((-log_ratio).detach(), mask),
     }
 
 
@@ -216,7 +224,7 @@ def entro_reg(
     pg_loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
     ent = aggregate(entropy, response_mask, aggregation, normalizer, norm_constant)
     metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
-    metrics["actor/entropy_bonus"] = float(ent.detach())
+    metrics["actor/entropy_bonus"] = ent.detach()
     return pg_loss - beta * ent, metrics
 
 
@@ -247,7 +255,7 @@ def kl_cov(
     pg = torch.where(chosen, pg_kl, pg)
     loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
     metrics = _ppo_metrics(ratio, log_ratio, torch.zeros_like(chosen), response_mask)
-    metrics["actor/kl_cov_frac"] = float(_mmean(chosen.float(), response_mask))
+    metrics["actor/kl_cov_frac"] = _mmean(chosen.float(), response_mask).detach()
     return loss, metrics
 
 
@@ -278,5 +286,5 @@ def clip_cov(
     pg = torch.where(drop, torch.zeros_like(pg), pg)
     loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
     metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
-    metrics["actor/clip_cov_frac"] = float(_mmean(drop.float(), response_mask))
+    metrics["actor/clip_cov_frac"] = _mmean(drop.float(), response_mask).detach()
     return loss, metrics

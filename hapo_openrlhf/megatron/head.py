@@ -157,6 +157,7 @@ def fused_vocab_parallel_logprobs_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     reduce_hidden_grad: bool = True,
+    labels_checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(label), entropy of softmax(z / T)), fp32, shaped like ``labels``, from the
     hidden states ``[..., H]`` and this rank's head shard ``weight [Vr, H]`` (global ids
@@ -178,7 +179,8 @@ def fused_vocab_parallel_logprobs_entropy(
         raise ValueError(f"temperature and chunk_size must be > 0, got {temperature}, {chunk_size}")
     Vr = weight.shape[0]
     n_valid = Vr if vocab_size is None else max(0, min(Vr, int(vocab_size) - int(vocab_start)))
-    if vocab_size is not None and labels.numel() and int(labels.max()) >= vocab_size:
+    # (a host sync on a GPU: callers that checked the ids on the CPU say so)
+    if not labels_checked and vocab_size is not None and labels.numel() and int(labels.max()) >= vocab_size:
         raise ValueError(f"a label is >= vocab_size {vocab_size}")
     if reduce_hidden_grad and hidden.requires_grad:
         hidden = _CopyToGroup.apply(hidden, group)
@@ -245,7 +247,7 @@ def output_weight(model) -> torch.Tensor:
 
 def next_token_logprobs_entropy(out: torch.Tensor, input_ids: torch.Tensor, *, weight: torch.Tensor | None,
                                 vocab_size: int, temperature: float, chunk_size: int, tp_group,
-                                tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+                                tp_rank: int, labels_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs and entropy [B, S-1] from the last stage's output ``out
     [B, S, *]``: this rank's logits shard [B, S, V/TP] (``weight`` None: the ``logits``
     head), or the hidden states [B, S, H] with the head shard ``weight`` (the fused head).
@@ -257,7 +259,8 @@ def next_token_logprobs_entropy(out: torch.Tensor, input_ids: torch.Tensor, *, w
     # the hidden states' gradient is summed over TP by install()'s mapping, not here
     return fused_vocab_parallel_logprobs_entropy(
         out[:, :-1], weight, input_ids[:, 1:], vocab_start=tp_rank * weight.shape[0], vocab_size=vocab_size,
-        group=tp_group, temperature=temperature, chunk_size=chunk_size, reduce_hidden_grad=False)
+        group=tp_group, temperature=temperature, chunk_size=chunk_size, reduce_hidden_grad=False,
+        labels_checked=labels_checked)
 
 
 def next_token_nucleus_logmass(out: torch.Tensor, *, top_p: float, weight: torch.Tensor | None, vocab_size: int,

@@ -53,10 +53,15 @@ class RowLayout:
     # the model input's token count is padded to a multiple of this (sequence parallelism
     # splits it over TP ranks): THD appends a padding sequence, padded rows grow
     pad_to: int = 1
-    max_len: int = 0  # the longest row's real tokens (one host sync, in ``of``)
+    max_len: int = 0  # the longest row's real tokens
+    total: int = 0  # real tokens in all rows
 
     @classmethod
-    def of(cls, attention_mask: torch.Tensor, layout: str, pad_to: int = 1) -> "RowLayout":
+    def of(cls, attention_mask: torch.Tensor, layout: str, pad_to: int = 1,
+           device: torch.device | None = None) -> "RowLayout":
+        """From a [B, S] attention mask. The checks and the host-side sizes read the mask:
+        give it on the CPU (the actor keeps its micro-batches' masks there) and nothing here
+        waits for the GPU; ``device`` is where the index tensors go (default: the mask's)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown micro-batch layout {layout!r}; expected one of {LAYOUTS}")
         am = attention_mask.bool()
@@ -71,7 +76,9 @@ class RowLayout:
                              f"packing needs each row's tokens contiguous (left/right padding only)")
         if bool((lengths == 0).any()):
             raise ValueError(f"rows {(lengths == 0).nonzero().flatten().tolist()[:8]} have no tokens")
-        return cls((B, S), starts, lengths, layout, max(1, int(pad_to)), int(lengths.max()))
+        dev = am.device if device is None else torch.device(device)
+        return cls((B, S), starts.to(dev), lengths.to(dev), layout, max(1, int(pad_to)), int(lengths.max()),
+                   int(lengths.sum()))
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -84,8 +91,9 @@ class RowLayout:
         B, S = self.shape
         dev = self.lengths.device
         n = self.lengths - 1  # next-token positions per row
-        row = torch.repeat_interleave(torch.arange(B, device=dev), n)
-        off = torch.arange(int(n.sum()), device=dev) - torch.repeat_interleave(n.cumsum(0) - n, n)
+        row = torch.repeat_interleave(torch.arange(B, device=dev), n, output_size=self.total - B)
+        off = torch.arange(self.total - B, device=dev) - torch.repeat_interleave(n.cumsum(0) - n, n,
+                                                                                  output_size=self.total - B)
         dst = row * (S - 1) + self.starts[row] + off
         if self.layout == "thd":
             src = self.cu_seqlens.to(dev).long()[row] + off  # the packed [T] values
@@ -113,9 +121,15 @@ class RowLayout:
             return {"input_ids": ids, "position_ids": torch.arange(Lp, device=dev).expand(B, Lp), "attention_mask": None}
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        flat, pos = ids[valid], ar.expand(B, L)[valid]
+        # the valid (row, position) pairs in row-major order, as ids[valid] would give them,
+        # by a gather of known size (boolean indexing would wait for the GPU to count them)
+        n = self.lengths
+        row = torch.repeat_interleave(torch.arange(B, device=dev), n, output_size=self.total)
+        keep = row * L + torch.arange(self.total, device=dev) - torch.repeat_interleave(
+            n.cumsum(0) - n, n, output_size=self.total)
+        flat, pos = ids.view(-1).index_select(0, keep), ar.expand(B, L).reshape(-1).index_select(0, keep)
         cu = self.cu_seqlens.to(dev)
-        extra = -int(cu[-1]) % self.pad_to
+        extra = -self.total % self.pad_to
         if extra:  # a padding sequence of its own: attends only to itself, its outputs are dropped
             flat = torch.cat([flat, flat.new_zeros(extra)])
             pos = torch.cat([pos, torch.arange(extra, device=dev)])
@@ -125,7 +139,8 @@ class RowLayout:
         return {"input_ids": flat[None], "position_ids": pos[None], "attention_mask": None, "packed_seq_params": packed}
 
     def logprobs_entropy(self, out: torch.Tensor, model_ids: torch.Tensor, *, vocab_size: int,
-                         temperature: float, chunk_size: int, tp_group, tp_rank: int, weight=None):
+                         temperature: float, chunk_size: int, tp_group, tp_rank: int, weight=None,
+                         labels_checked: bool = False):
         """The last stage's output (this rank's logits shard, or with ``weight`` the hidden
         states for the fused head: ``head.next_token_logprobs_entropy``) -> next-token
         log-probs and entropy [B, S-1] in the caller's layout (zeros where a row has no
@@ -134,7 +149,7 @@ class RowLayout:
         # padded: [B, L, *]; masked: the caller's own rows
         lp, en = heads.next_token_logprobs_entropy(out, model_ids, weight=weight, vocab_size=vocab_size,
                                                    temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
-                                                   tp_rank=tp_rank)
+                                                   tp_rank=tp_rank, labels_checked=labels_checked)
         return self._place(lp), self._place(en)
 
     def nucleus_logmass(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
@@ -156,6 +171,14 @@ class RowLayout:
         src, dst = src.to(v.device), dst.to(v.device)
         out = v.new_zeros(B * (S - 1))
         return out.index_copy(0, dst, v.reshape(-1).index_select(0, src)).view(B, S - 1)
+
+
+def ids_within_vocabulary(mb: dict, vocab_size: int) -> bool:
+    """Whether the micro-batch's token ids were checked against the vocabulary here, on the
+    CPU copy the caller keeps (``input_ids_cpu``; the Megatron actor does), so the head need
+    not check them on the device (a host sync). False: the head checks (and names a bad id)."""
+    ids = mb.get("input_ids_cpu")
+    return ids is not None and (not ids.numel() or int(ids.max()) < vocab_size)
 
 
 def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,
@@ -203,7 +226,9 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     layout = layout or default_layout(model)
     # sequence parallelism splits the tokens over TP ranks: pad the token count to a multiple of TP
     pad_to = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
-    layouts = [RowLayout.of(mb["attention_mask"], layout, pad_to) for mb in micro_batches]
+    # from the CPU copy of each mask when the caller keeps one (the actor does): no host sync
+    layouts = [RowLayout.of(mb.get("attention_mask_cpu", mb["attention_mask"]), layout, pad_to,
+                            device=mb["input_ids"].device) for mb in micro_batches]
     if layout == "masked" or (pp > 1 and not config.variable_seq_lengths):
         shape = micro_batches[0]["input_ids"].shape
         bad = [i for i, mb in enumerate(micro_batches) if mb["input_ids"].shape != shape]
@@ -214,10 +239,11 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
         raise ValueError("the model config needs calculate_per_token_loss=True (hapo divides by the global "
                          "normaliser itself; Megatron would otherwise divide again)")
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
-    it = iter(zip(micro_batches, layouts))
+    checked = [ids_within_vocabulary(mb, vocab_size) for mb in micro_batches]
+    it = iter(zip(micro_batches, layouts, checked))
 
     def forward_step(data_iterator: Iterable, model):
-        mb, lay = next(data_iterator)
+        mb, lay, ids_checked = next(data_iterator)
         inputs = lay.model_inputs(mb["input_ids"])
         output = model(**inputs)
 
@@ -225,7 +251,8 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
             # with the fused head the last stage's "logits" are its final hidden states
             weight = heads.output_weight(model) if heads.is_installed(model) else None
             lp, en = lay.logprobs_entropy(logits, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,
-                                          chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight)
+                                          chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight,
+                                          labels_checked=ids_checked)
             if loss_fn is None:  # forward only: hand the values back
                 vals = (lp.detach(), en.detach())
                 if nucleus_top_p < 1.0:
@@ -240,7 +267,7 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
 
     # the fixed-shape schedule's tensor shape (ignored with variable_seq_lengths)
     if layout == "thd":
-        seq_length, mbs = max(-(-int(l.lengths.sum()) // pad_to) * pad_to for l in layouts), 1
+        seq_length, mbs = max(-(-l.total // pad_to) * pad_to for l in layouts), 1
     elif layout == "padded":
         seq_length, mbs = max(-(-l.max_len // pad_to) * pad_to for l in layouts), micro_batches[0]["input_ids"].shape[0]
     else:

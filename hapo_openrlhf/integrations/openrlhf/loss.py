@@ -74,7 +74,8 @@ class HapoPolicyLoss(nn.Module):
         if action_mask is None:
             action_mask = torch.ones_like(log_probs, dtype=torch.bool)
         count = batch_num_tokens if self.aggregation == "token-mean" else global_batch_size
-        normalizer = None if count is None else float(count) / float(dp_size)
+        # kept a tensor when upstream hands one (on the device): float() would wait for the GPU
+        normalizer = None if count is None else count / float(dp_size)
         extra: dict[str, Any] = {}
         if self.needs_entropy:
             ent = self.pending_entropy
@@ -89,21 +90,22 @@ class HapoPolicyLoss(nn.Module):
         loss, metrics = compute_policy_loss(
             self.name, log_probs.float(), old_log_probs.float(), advantages.float(), action_mask,
             aggregation=self.aggregation, normalizer=normalizer, norm_constant=self.norm_constant,
-            **extra, **self.params,
+            sync=False, **extra, **self.params,
         )
         self.pending_entropy = None
         self.last_metrics = metrics
         self._dump(advantages, action_mask)
         dev = log_probs.device
-        clip_ratio = torch.tensor(metrics.get("actor/clip_frac", 0.0), device=dev)
-        ppo_kl = torch.tensor(metrics.get("actor/approx_kl", 0.0), device=dev)
+        # the metrics are 0-d tensors on the device (sync=False): no host sync per micro-batch
+        clip_ratio = torch.as_tensor(metrics.get("actor/clip_frac", 0.0), device=dev)
+        ppo_kl = torch.as_tensor(metrics.get("actor/approx_kl", 0.0), device=dev)
         if not self.is_correction.enabled:
             return loss, clip_ratio, ppo_kl, None, None
-        vllm_kl = torch.tensor(metrics["actor/vllm_kl"], device=dev)
-        is_filter = torch.tensor(metrics["actor/is_filter_frac"], device=dev)
+        vllm_kl = metrics["actor/vllm_kl"]
+        is_filter = metrics["actor/is_filter_frac"]
         if self.info_sink is not None:
-            self.info_sink["is_ratio_mean"] = torch.tensor(metrics["actor/is_ratio_mean"])
-            self.info_sink["is_ratio_max"] = torch.tensor(metrics["actor/is_ratio_max"])
+            self.info_sink["is_ratio_mean"] = metrics["actor/is_ratio_mean"]
+            self.info_sink["is_ratio_max"] = metrics["actor/is_ratio_max"]
         return loss, clip_ratio, ppo_kl, vllm_kl, is_filter
 
     def _dump_rollout(self, rollout_log_probs, action_mask) -> None:

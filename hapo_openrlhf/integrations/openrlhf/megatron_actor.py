@@ -314,7 +314,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         lengths = attention_mask.sum(-1).tolist()
         per = B if self.pp == 1 or self.layout == "masked" else max(1, -(-B // (2 * self.pp)))
         groups = self._row_groups(lengths, per)
-        mbs = [{"input_ids": sequences[g].to(dev), "attention_mask": attention_mask[g].to(dev)} for g in groups]
+        mbs = [{"input_ids": sequences[g].to(dev), "attention_mask": attention_mask[g].to(dev),
+                "input_ids_cpu": sequences[g].cpu(), "attention_mask_cpu": attention_mask[g].cpu()} for g in groups]
         self.model.eval()
         with torch.no_grad():
             out = forward_backward(self.model, mbs, None, vocab_size=self.vocab_size, temperature=self.temperature,
@@ -363,15 +364,16 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         micro-batch losses, ``calculate_per_token_loss=True``)."""
         from megatron.core import parallel_state as ps
 
-        dev = _device()
-        counts = torch.zeros(2, dtype=torch.float32, device=dev)
+        counts = torch.zeros(2, dtype=torch.float64)  # from the CPU masks: nothing waits for the GPU
         for e in window:
-            m = e.action_mask.to(dev).float()
+            m = e.action_mask.float()
             counts[0] += m.sum()
             counts[1] += (m.sum(-1) > 0).sum()
-        if self.dp_size > 1:
+        if self.dp_size > 1:  # one all-reduce and one read per optimizer step, not per micro-batch
+            counts = counts.to(_device())
             dist.all_reduce(counts, group=ps.get_data_parallel_group())
-        return {"dp_size": self.dp_size, "batch_num_tokens": counts[0], "global_batch_size": counts[1]}
+        tokens, rows = counts.tolist()
+        return {"dp_size": self.dp_size, "batch_num_tokens": tokens, "global_batch_size": rows}
 
     def _micro_batches(self, window: list[Experience]) -> list[dict[str, Any]]:
         """The step's micro-batches as model inputs. With Megatron's masked attention they
@@ -383,7 +385,9 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
         out = []
         for e in window:
             pad = (lambda t: left_pad(t, S)) if self.layout == "masked" else (lambda t: t)
+            # the CPU copies give the schedule its sizes and the vocabulary check without a host sync
             mb = {"input_ids": pad(e.sequences).to(dev), "attention_mask": pad(e.attention_mask).to(dev),
+                  "input_ids_cpu": pad(e.sequences), "attention_mask_cpu": pad(e.attention_mask),
                   "action_mask": e.action_mask.to(dev), "old_log_probs": e.action_log_probs.to(dev),
                   "advantages": e.advantages.to(dev)}
             if e.rollout_log_probs is not None:  # the engines' log-probs (mismatch correction)
@@ -430,8 +434,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             if vllm_kl is not None:  # upstream logs them per micro-batch into experience.info
                 m = self.loss_fn.last_metrics
                 stats.update(vllm_kl=vllm_kl.detach().float(), is_filter_ratio=is_filter.detach().float(),
-                             is_ratio_mean=torch.tensor(m["actor/is_ratio_mean"]),
-                             is_ratio_max=torch.tensor(m["actor/is_ratio_max"]))
+                             is_ratio_mean=torch.as_tensor(m["actor/is_ratio_mean"]).float(),
+                             is_ratio_max=torch.as_tensor(m["actor/is_ratio_max"]).float())
             return loss, stats
 
         self.model.train()

@@ -34,6 +34,7 @@ class MegatronReferenceActorImpl(MegatronPolicyActorImpl):
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.top_p = 1.0  # the reference's pass returns log-probs only (no nucleus log-mass)
+        self.nucleus_every, self.steps_done = 0, 0
 
     def forward(
         self,

@@ -66,8 +66,16 @@ def test_dispatches_to_registry_losses(name, params):
             loss_fn(new, old, adv, action_mask=mask)
 
 
-def test_non_finite_loss_is_an_error():
+def test_a_non_finite_loss_reaches_the_gradient_guard_without_a_sync():
+    """The actors' loss checks nothing per micro-batch (a check would wait for the GPU): a NaN
+    advantage gives a NaN loss and NaN gradients, which the optimizer step's guard skips
+    (grad_guard.py; the actors' tests). The registry's own entry point still refuses it."""
     new, old, adv, mask = _batch()
     adv[1, 1] = float("nan")
+    new = new.detach().clone().requires_grad_(True)
+    loss, *_ = HapoPolicyLoss("ppo", {})(new, old, adv, action_mask=mask)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert not torch.isfinite(new.grad).all()
     with pytest.raises(FloatingPointError, match="non-finite"):
-        HapoPolicyLoss("ppo", {})(new, old, adv, action_mask=mask)
+        compute_policy_loss("ppo", new.detach(), old, adv, mask.float())
