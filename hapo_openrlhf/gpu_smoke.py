@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -320,33 +321,64 @@ def _smoke_megatron_head(tokens: int = 8192, hidden: int = 1536, vocab: int = 15
 
 
 def _smoke_distributed_optimizer(work: Path) -> dict:
-    """One step of Megatron's DistributedDataParallel (overlapped gradient reduction, CUDA
-    streams) + DistributedOptimizer on a tiny bf16 Qwen2 GPTModel on this GPU, in a child
-    process (its own NCCL group): a finite grad norm, every parameter moved."""
+    """Megatron's DistributedDataParallel + DistributedOptimizer on a tiny bf16 Qwen2 GPTModel,
+    DP = min(2, GPUs) NCCL ranks (child processes, one GPU each), two optimizer steps of 2 then
+    3 micro-batches, with the overlapped gradient reduction (CUDA streams) and without: finite
+    norms, every parameter moved, and the two runs' weights and norms alike. With one GPU the
+    overlap's reductions have no peer (DP=1); tests/megatron/test_ddp.py runs DP=2 on gloo."""
     import importlib.util
+
+    import torch
 
     if importlib.util.find_spec("megatron") is None:
         return {"ok": True, "skipped": "needs megatron-core (the megatron extra)"}
-    log = work / "distributed_optimizer.log"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1"}
-    rc = _run([sys.executable, "-c", "from hapo_openrlhf.gpu_smoke import _ddp_step_child; _ddp_step_child()"], log,
-              timeout=600, env=env)
-    lines = log.read_text().strip().splitlines() if log.exists() else []
-    try:
-        res = json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"ok": False, "error": f"exit {rc}; see {log}"}
-    return {**res, "ok": rc == 0 and res.get("finite") and res.get("moved") == res.get("params")}
+    world = max(1, min(2, torch.cuda.device_count()))
+    runs = {}
+    for overlap in (True, False):
+        procs, logs = [], []
+        for rank in range(world):
+            log = work / f"distributed_optimizer_overlap{int(overlap)}_rank{rank}.log"
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29533 + int(overlap)),
+                   "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+            code = f"from hapo_openrlhf.gpu_smoke import _ddp_step_child; _ddp_step_child({overlap})"
+            procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=open(log, "w"),
+                                          stderr=subprocess.STDOUT, env=env))
+            logs.append(log)
+        try:
+            rcs = [p.wait(timeout=600) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            return {"ok": False, "error": f"timed out; see {logs[0]}"}
+        lines = logs[0].read_text().strip().splitlines() if logs[0].exists() else []
+        try:
+            runs[overlap] = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            return {"ok": False, "error": f"exit {rcs}; see {logs[0]}"}
+        if any(rcs):
+            return {"ok": False, "error": f"exit {rcs}; see {logs}"}
+    on, off = runs[True], runs[False]
+    diff = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(on["checksums"], off["checksums"]))
+    ok = all(r["finite"] and r["moved"] == r["params"] for r in runs.values()) and diff < 1e-2
+    return {"ok": ok, "dp": world, "grad_norms_overlap": on["grad_norms"], "grad_norms_no_overlap": off["grad_norms"],
+            "weights_rel_diff": diff, "state_bytes": on["state_bytes"]}
 
 
-def _ddp_step_child() -> None:
-    print(json.dumps(_ddp_step("cuda")), flush=True)
+def _ddp_step_child(overlap: bool = True) -> None:
+    res = _ddp_step("cuda", overlap=overlap)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(res), flush=True)
 
 
-def _ddp_step(device: str = "cuda") -> dict:
-    """The body of :func:`_smoke_distributed_optimizer` (``device="cpu"``: gloo, no overlap,
-    for tests/megatron/test_ddp.py under the CPU shim; torch.distributed is set up from
-    the environment unless it already is)."""
+def _ddp_step(device: str = "cuda", overlap: bool | None = None, dtype: str = "bf16", eps: float = 1e-8) -> dict:
+    """The body of :func:`_smoke_distributed_optimizer` on this rank: two optimizer steps, of 2
+    then 3 micro-batches of this data-parallel rank's rows (a token budget changes the count
+    between steps). ``device="cpu"``: gloo under the CPU shim (tests/megatron/test_ddp.py);
+    ``overlap`` defaults to on with CUDA. torch.distributed is set up from the environment
+    unless it already is. ``dtype``: the model's (``fp32`` makes runs comparable bitwise;
+    bf16 rounding amplifies the reduction order's last bits; so does Adam's ``eps`` 1e-8 on
+    near-zero gradients, which a comparison raises). Returns the norms, whether every parameter moved, and a per-parameter
+    checksum (fp64 sums) to compare runs."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -359,26 +391,36 @@ def _ddp_step(device: str = "cuda") -> dict:
 
     cuda = device == "cuda"
     if cuda:
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     ps.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = build_qwen2_gpt_model(cfg, params_dtype=torch.bfloat16, use_cpu_initialization=not cuda).to(device)
-    ddp = wrap(model, distributed_optimizer=True, overlap_grad_reduce=cuda)
+    pdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    model = build_qwen2_gpt_model(cfg, params_dtype=pdt, use_cpu_initialization=not cuda).to(device)
+    ddp = wrap(model, distributed_optimizer=True, overlap_grad_reduce=cuda if overlap is None else overlap,
+               bucket_size=40000)  # several buckets: their reductions start at different times
     # lr 5e-2: Adam's first step is lr x sign(g), above bf16's 2^-7 spacing at 1.0 (norm weights)
-    opt = MegatronOptimizer(ddp, lr=5e-2, clip_grad=1.0)
+    opt = MegatronOptimizer(ddp, lr=5e-2, clip_grad=1.0, eps=eps)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ids = torch.randint(0, 1024, (4, 128), device=device)
-    mbs = [{"input_ids": ids[i:i + 2], "attention_mask": torch.ones_like(ids[i:i + 2])} for i in (0, 2)]
-    opt.zero_grad()
-    forward_backward(ddp, mbs, lambda lp, en, mb: (-lp.sum() / (4 * 127), {}), vocab_size=1024)
-    norm = opt.step()
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for n_mb in (2, 3):
+        ids = torch.randint(0, 1024, (2 * n_mb * dp, 64), generator=g).to(device)
+        mine = ids[rank * 2 * n_mb:(rank + 1) * 2 * n_mb]
+        mbs = [{"input_ids": mine[i:i + 2], "attention_mask": torch.ones_like(mine[i:i + 2])}
+               for i in range(0, 2 * n_mb, 2)]
+        opt.zero_grad()
+        denom = ids.shape[0] * 63 / dp  # this replica's share of the global token mean
+        forward_backward(ddp, mbs, lambda lp, en, mb: (-lp.sum() / denom, {}), vocab_size=1024)
+        norms.append(opt.step())
     moved = sum(int(not torch.equal(before[n], p)) for n, p in model.named_parameters())
-    res = {"grad_norm": norm, "finite": bool(torch.isfinite(torch.tensor(norm))), "moved": moved,
-           "params": len(before), "state_bytes": opt.state_bytes()}
+    res = {"grad_norm": norms[-1], "grad_norms": norms, "finite": all(torch.isfinite(torch.tensor(norms)).tolist()),
+           "moved": moved, "params": len(before), "state_bytes": opt.state_bytes(),
+           "checksums": [float(p.detach().double().sum()) for p in model.parameters()]}
     ps.destroy_model_parallel()
     return res
 

@@ -57,14 +57,21 @@ def use_distributed_optimizer(setting: bool | None, dp_size: int) -> bool:
 def wrap(model, *, distributed_optimizer: bool, bucket_size: int | None = None, overlap_grad_reduce: bool = False):
     """``model`` (a GPTModel stage) inside Megatron's ``DistributedDataParallel`` with fp32
     gradient buffers; the buffers are reduced in :meth:`MegatronOptimizer.step`.
-    ``overlap_grad_reduce`` (CUDA streams; only ``hapo doctor --gpu-smoke`` runs it) starts
-    each bucket's reduction during the backward instead."""
+    ``overlap_grad_reduce`` starts each bucket's reduction during the backward of the step's
+    *last* micro-batch instead: Megatron's schedule runs every other micro-batch under the
+    wrapper's ``no_sync`` (``config.no_sync_func``, set here as Megatron's own training loop
+    sets it). Without it each micro-batch's backward launches the reductions of partial
+    gradients: at DP=2 with 2 then 3 micro-batches per step (as a token budget makes them)
+    the second step's norm was 32% off (tests/megatron/test_ddp.py: overlap on == off).
+    The actor runs without overlap; ``hapo doctor --gpu-smoke`` runs both and compares."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=False,
         use_distributed_optimizer=distributed_optimizer, check_for_nan_in_grad=False, bucket_size=bucket_size)
-    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    ddp.config.no_sync_func = ddp.no_sync
+    return ddp
 
 
 class MegatronOptimizer:
