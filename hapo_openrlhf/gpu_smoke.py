@@ -335,15 +335,13 @@ def _smoke_distributed_optimizer(work: Path) -> dict:
     world = max(1, min(2, torch.cuda.device_count()))
     runs = {}
     for overlap in (True, False):
-        procs, logs = [], []
-        for rank in range(world):
-            log = work / f"distributed_optimizer_overlap{int(overlap)}_rank{rank}.log"
+        procs, logs = [], [work / f"distributed_optimizer_overlap{int(overlap)}_rank{r}.log" for r in range(world)]
+        code = f"from hapo_openrlhf.gpu_smoke import _ddp_step_child; _ddp_step_child({overlap})"
+        for rank, log in enumerate(logs):
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29533 + int(overlap)),
                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
-            code = f"from hapo_openrlhf.gpu_smoke import _ddp_step_child; _ddp_step_child({overlap})"
-            procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=open(log, "w"),
-                                          stderr=subprocess.STDOUT, env=env))
-            logs.append(log)
+            with open(log, "w") as f:  # the child keeps its own copy of the descriptor
+                procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, env=env))
         try:
             rcs = [p.wait(timeout=600) for p in procs]
         except subprocess.TimeoutExpired:

@@ -87,10 +87,3 @@ class SkipGuard:
         self.skipped = int(state.get("skipped", 0))
         self.consecutive = int(state.get("consecutive", 0))
 
-
-def metric_value(v: float):
-    """A metric for ``metrics.jsonl``: JSON has no NaN or infinity, so a non-finite float is
-    written as the string ``"nan"`` / ``"inf"`` / ``"-inf"`` (``float()`` reads it back)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v

@@ -145,7 +145,7 @@ def sharded_nucleus_logmass(
             z = (flat[s:s + chunk_size].to(weight.dtype) @ weight[:nv].t()).float()
         else:
             z = flat[s:s + chunk_size, :nv].float()
-        own = weight is not None or z.data_ptr() != flat.data_ptr() + s * flat.stride(0) * flat.element_size()
+        own = z._base is None  # a matmul's or a dtype cast's output, not a view of the caller's logits
         if temperature != 1.0:
             z = z.div_(temperature) if own else z / temperature
             own = True

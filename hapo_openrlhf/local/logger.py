@@ -7,7 +7,6 @@ import logging
 import math
 from pathlib import Path
 
-from ..grad_guard import metric_value
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +16,7 @@ def read_jsonl_records(path: Path) -> list[dict]:
     dropped with a warning; a corrupt line before the end -- not JSON, not an object, or a
     ``step`` that is not a non-negative integer -- is an error naming file and line. A
     non-finite metric, written as ``"nan"`` / ``"inf"`` / ``"-inf"`` (JSON has no literal for
-    it; :func:`hapo_openrlhf.grad_guard.metric_value`), is read back as that float."""
+    it; :func:`metric_value`), is read back as that float."""
     lines = path.read_text(errors="replace").splitlines()
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
     out = []
@@ -43,9 +42,17 @@ def read_jsonl_records(path: Path) -> list[dict]:
 NONFINITE = ("nan", "inf", "-inf")
 
 
+def metric_value(v):
+    """A metric for ``metrics.jsonl``: JSON has no NaN or infinity, so a non-finite float is
+    written as the string ``"nan"`` / ``"inf"`` / ``"-inf"`` (``float()`` reads it back)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
 def record_line(rec: dict) -> str:
     """One JSONL line; a non-finite float is written as ``"nan"`` / ``"inf"`` / ``"-inf"``
-    (:func:`hapo_openrlhf.grad_guard.metric_value`), which :func:`read_jsonl_records` reads back."""
+    (:func:`metric_value`), which :func:`read_jsonl_records` reads back."""
     return json.dumps({k: metric_value(v) for k, v in rec.items()}) + "\n"
 
 

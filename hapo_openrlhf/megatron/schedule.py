@@ -41,6 +41,16 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict[s
 LAYOUTS = ("thd", "padded", "masked")
 
 
+def _rows_and_offsets(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``counts[b]`` items in row b (``total`` of them, known on the host): each item's
+    row and its offset within the row, [total] each, on ``counts``' device. The size is given,
+    so nothing waits for the GPU to count."""
+    row = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=total)
+    off = torch.arange(total, device=counts.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                              output_size=total)
+    return row, off
+
+
 @dataclass
 class RowLayout:
     """Where each row's real tokens are in the caller's [B, S] batch and in the model's
@@ -91,9 +101,7 @@ class RowLayout:
         B, S = self.shape
         dev = self.lengths.device
         n = self.lengths - 1  # next-token positions per row
-        row = torch.repeat_interleave(torch.arange(B, device=dev), n, output_size=self.total - B)
-        off = torch.arange(self.total - B, device=dev) - torch.repeat_interleave(n.cumsum(0) - n, n,
-                                                                                  output_size=self.total - B)
+        row, off = _rows_and_offsets(n, self.total - B)
         dst = row * (S - 1) + self.starts[row] + off
         if self.layout == "thd":
             src = self.cu_seqlens.to(dev).long()[row] + off  # the packed [T] values
@@ -123,10 +131,8 @@ class RowLayout:
 
         # the valid (row, position) pairs in row-major order, as ids[valid] would give them,
         # by a gather of known size (boolean indexing would wait for the GPU to count them)
-        n = self.lengths
-        row = torch.repeat_interleave(torch.arange(B, device=dev), n, output_size=self.total)
-        keep = row * L + torch.arange(self.total, device=dev) - torch.repeat_interleave(
-            n.cumsum(0) - n, n, output_size=self.total)
+        row, off = _rows_and_offsets(self.lengths, self.total)
+        keep = row * L + off
         flat, pos = ids.view(-1).index_select(0, keep), ar.expand(B, L).reshape(-1).index_select(0, keep)
         cu = self.cu_seqlens.to(dev)
         extra = -self.total % self.pad_to

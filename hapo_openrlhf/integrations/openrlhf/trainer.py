@@ -10,14 +10,13 @@ checkpoints, resume, evaluation, weight sync to vLLM -- is OpenRLHF's own.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
-from ...grad_guard import metric_value
+from ...local.logger import read_jsonl_records, record_line
 from ...preemption import Preempted, request_flag
 from .experience import HapoExperienceMaker
 
@@ -118,8 +117,6 @@ class HapoControllerMixin:
         path = self._metrics_path
         path.parent.mkdir(parents=True, exist_ok=True)
         if not self._metrics_started and path.exists():
-            from ...local.logger import read_jsonl_records, record_line
-
             keep = [r for r in read_jsonl_records(path) if r.get("step", 0) < step]
             path.write_text("".join(record_line(r) for r in keep))
         self._metrics_started = True
@@ -127,11 +124,11 @@ class HapoControllerMixin:
         for k, v in status.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 # a non-finite value (the grad norm of a skipped step) is logged, as "nan" / "inf"
-                row[k] = metric_value(float(v))
+                row[k] = float(v)
                 if k in HAPO_NAMES:  # under hapo's metric names too
                     row[HAPO_NAMES[k]] = row[k]
         with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(record_line(row))
             f.flush()
             os.fsync(f.fileno())
 
