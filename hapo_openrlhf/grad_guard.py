@@ -39,14 +39,15 @@ def nonfinite_flags(grads: Iterable[torch.Tensor | None], out: torch.Tensor | No
     return out
 
 
-def norm_from_flags(flags: torch.Tensor | None, group=None) -> float | None:
-    """Reduce the flags over ``group`` (every rank when torch.distributed is up) and read them:
+def norm_from_flags(flags: torch.Tensor | None, group=None, device=None) -> float | None:
+    """Reduce the flags over ``group`` (every rank when torch.distributed is up; ``device``:
+    where a rank that saw no gradient makes its zero flags -- NCCL reduces device tensors only) and read them:
     ``nan`` when any rank saw a NaN, ``inf`` when one saw an inf and none a NaN (the L2 norm
     of such gradients), ``None`` when every gradient is finite."""
     import torch.distributed as dist
 
     if flags is None:
-        flags = torch.zeros(2)
+        flags = torch.zeros(2, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     nan, inf = (bool(v) for v in flags.tolist())

@@ -89,7 +89,8 @@ class DeepSpeedGradGuard:
         if not engine.is_gradient_accumulation_boundary():
             engine.step()  # DeepSpeed only counts the micro-batch
             return
-        bad = norm_from_flags(self.flags)  # over every rank: the ranks skip together
+        # over every rank: the ranks skip together
+        bad = norm_from_flags(self.flags, device=next(engine.module.parameters()).device)
         self.flags = None
         before = engine.skipped_steps
         with _forced_skip(engine.optimizer) if bad is not None else contextlib.nullcontext():
