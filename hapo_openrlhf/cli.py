@@ -110,7 +110,7 @@ def _submit_options(args):
         partition=args.partition, account=args.account, time=args.time, signal_seconds=args.signal_seconds,
         max_requeues=args.max_requeues, ray_port=args.ray_port, array=getattr(args, "array", None),
         output_dir=args.output_dir, sets=tuple(args.set), extra_sbatch=tuple(args.sbatch),
-        ray_check=getattr(args, "ray_check", False), ray_num_gpus=args.ray_num_gpus, ray_interface=args.ray_interface,
+        ray_check=getattr(args, "ray_check", False), ray_num_gpus=args.ray_num_gpus, network_interface=args.network_interface,
     )
 
 
@@ -123,7 +123,7 @@ def _submit(args) -> int:
     script = render(args.config, opts)
     if not args.skip_doctor:  # the checks a login node can answer (no CUDA here)
         checks = run_checks(load_config(args.config, list(opts.sets)), static=True, output_dir=args.output_dir,
-                            interface=opts.ray_interface)
+                            interface=opts.network_interface)
         problems = [c for c in checks if c.status != "ok"]
         if problems:
             print("hapo doctor (static):\n" + report(problems), file=sys.stderr)
@@ -169,8 +169,9 @@ def _add_slurm_args(p) -> None:
                         "config's response length and model size: >= 30 min at 24k tokens)")
     p.add_argument("--max-requeues", type=int, default=20)
     p.add_argument("--ray-port", type=int, default=6379)
-    p.add_argument("--ray-interface", default=None,
-                   help="network interface the Ray head binds to, e.g. ib0 (default: the default route's)")
+    p.add_argument("--network-interface", "--ray-interface", dest="network_interface", default=None,
+                   help="the network interface every node's Ray, gloo and NCCL traffic uses, e.g. ib0 "
+                        "(default: each library's own choice)")
     p.add_argument("--ray-num-gpus", type=int, default=None,
                    help="GPUs each Ray node advertises and must register (default: --gpus-per-node)")
     p.add_argument("--output-dir", default=None)
@@ -248,7 +249,7 @@ def _doctor(args) -> int:
     from .config import load_config
 
     checks = run_checks(load_config(args.config, args.set), static=args.static, output_dir=args.output_dir,
-                        interface=args.ray_interface)
+                        interface=args.network_interface)
     print(report(checks, as_json=args.json))
     return 1 if any(c.status == FAIL for c in checks) else 0
 
@@ -325,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--output-dir", default=None, help="the run's output directory (default: the config's)")
     d.add_argument("--static", action="store_true", help="only what a login node can answer (no CUDA/NCCL)")
-    d.add_argument("--ray-interface", default=None, help="check this network interface for the Ray head")
+    d.add_argument("--network-interface", "--ray-interface", dest="network_interface", default=None,
+                   help="check this network interface (the one hapo submit --network-interface names)")
     d.add_argument("--gpu-smoke", action="store_true",
                    help="one GPU: fused head, bf16 GEMM, flash-attn varlen, algos on CUDA, OpenRLHF loop with a CUDA "
                         "vLLM engine + stop/resume, Megatron TP=1 (2 GPUs); --output-dir keeps its work")

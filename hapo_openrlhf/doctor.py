@@ -294,23 +294,24 @@ def check_vllm_memory(cfg: RunConfig) -> Check | None:
 
 
 def check_network(interface: str | None) -> Check:
-    from .cluster.ray_cluster import interface_ip
+    """The interface every node's Ray, gloo and NCCL traffic goes through (cluster/netif.py)."""
+    from .cluster.netif import NetworkInterfaceError, candidates, interface_ip
 
     if interface:
         try:
-            return Check("ray head address", OK, f"{interface} -> {interface_ip(interface)}")
-        except ValueError as e:
-            return Check("ray head address", FAIL, str(e), "pass an interface of this node to --ray-interface")
-    try:
-        import socket
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))  # no packet is sent: picks the default route's source address
-            ip = s.getsockname()[0]
-    except OSError:
-        ip = "127.0.0.1"
-    return Check("ray head address", OK, f"{ip} (the default route's; on clusters whose fast network is another "
-                                         f"interface pass hapo submit --ray-interface, e.g. ib0)")
+            return Check("network interface", OK, f"{interface} -> {interface_ip(interface)} "
+                                                  f"(Ray node address, GLOO/NCCL_SOCKET_IFNAME on every node)")
+        except NetworkInterfaceError as e:
+            return Check("network interface", FAIL, str(e), "pass an interface of this node to --network-interface")
+    found = candidates()
+    if len(found) > 1:
+        listed = ", ".join(f"{n} ({a})" for n, a in found.items())
+        return Check("network interface", WARN, f"this node has several interfaces ({listed}) and none is named: "
+                                                f"Ray, gloo and NCCL may each pick another one, and one the "
+                                                f"other nodes cannot reach hangs the first collective",
+                     "pass hapo submit --network-interface NAME (the fast network every node shares, e.g. ib0)")
+    listed = ", ".join(f"{n} ({a})" for n, a in found.items()) or "none but loopback"
+    return Check("network interface", OK, f"one candidate: {listed}")
 
 
 def run_checks(cfg: RunConfig, *, static: bool = False, output_dir: str | None = None,

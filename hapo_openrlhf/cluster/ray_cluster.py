@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from .netif import check_not_loopback, interface_ip, socket_env
+
 # worker nodes take free ports, so several Ray nodes can share a host (the tests' two
 # slurmd "nodes" on localhost; also harmless on real clusters)
 _WORKER_PORTS = ["--node-manager-port", "0", "--object-manager-port", "0", "--dashboard-agent-listen-port", "0",
@@ -41,23 +43,6 @@ def head_ip(interface: str | None = None) -> str:
     from ray._private.services import get_node_ip_address
 
     return get_node_ip_address()
-
-
-def interface_ip(name: str) -> str:
-    """IPv4 address of network interface ``name`` (Linux SIOCGIFADDR)."""
-    import fcntl
-    import struct
-
-    if not name or len(name) > 15 or not name.replace("-", "").replace(".", "").replace("_", "").isalnum():
-        raise ValueError(f"--ray-interface {name!r} is not a network interface name")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()))  # SIOCGIFADDR
-        except OSError as e:
-            have = ", ".join(n for _, n in socket.if_nameindex())
-            raise ValueError(f"network interface {name!r} has no IPv4 address here ({e.strerror}); "
-                             f"interfaces: {have}") from None
-    return socket.inet_ntoa(packed[20:24])
 
 
 def gpus_per_node_from_slurm(value: str | None) -> int | None:
@@ -91,14 +76,17 @@ def _ray_exe() -> str:
 class RayCluster:
     def __init__(self, hosts: list[str], port: int = 6379, timeout_s: float = 300.0, num_gpus: int | None = None,
                  log_dir: Path | None = None, start_workers: bool = True, num_cpus: int | None = None,
-                 interface: str | None = None):
+                 interface: str | None = None, worker_launcher: list[str] | None = None):
         self.start_workers = start_workers
         self.hosts = hosts
         self.port = port
         self.timeout_s = timeout_s
         self.num_gpus = num_gpus  # per node; also what every node must register
         self.num_cpus = num_cpus  # per node (the task's --cpus-per-task)
-        self.interface = interface
+        self.interface = interface  # every node's Ray, gloo and NCCL traffic goes through it (netif.py)
+        # what starts the Ray worker on the other nodes: one srun task per node; the two-host
+        # test passes `ip netns exec NS`
+        self.worker_launcher = worker_launcher
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
         self.address = ""
@@ -110,23 +98,37 @@ class RayCluster:
         self.procs.append(p)
         return p
 
+    def _node(self, ray_args: list[str]) -> list[str]:
+        """``ray start ray_args`` through ``cluster/ray_node.py``, which on the node itself
+        resolves the interface, checks the route to the head and sets the socket variables."""
+        iface = ["--interface", self.interface] if self.interface else []
+        return [sys.executable, "-m", "hapo_openrlhf.cluster.ray_node", *iface, "--", _ray_exe(), "start", *ray_args]
+
+    def driver_env(self) -> dict[str, str]:
+        """What the training driver on the head node adds to its environment."""
+        return {"RAY_ADDRESS": self.address, **(socket_env(self.interface, self.address.rpartition(":")[0])
+                                               if self.interface else {})}
+
     def start(self) -> "RayCluster":
         ip = head_ip(self.interface)
+        if self.interface and len(self.hosts) > 1:
+            check_not_loopback(self.interface, ip)
         self.address = f"{ip}:{self.port}"
         # explicit resources: since Slurm 22.05 srun no longer inherits --cpus-per-task from
         # sbatch, and Ray would otherwise advertise every core of the node while the task's
         # processes share the CPUs Slurm bound them to
         res = [] if self.num_gpus is None else ["--num-gpus", str(self.num_gpus)]
         res += [] if self.num_cpus is None else ["--num-cpus", str(self.num_cpus)]
-        head_addr = ["--node-ip-address", ip] if self.interface else []
-        self._popen([_ray_exe(), "start", "--head", "--port", str(self.port), "--block", "--include-dashboard=false",
-                     "--disable-usage-stats", *head_addr, *res], "head")
+        self._popen(self._node(["--head", "--port", str(self.port), "--block", "--include-dashboard=false",
+                                "--disable-usage-stats", *res]), "head")
         if len(self.hosts) > 1 and self.start_workers:
             n = len(self.hosts) - 1
             cpus = [] if self.num_cpus is None else [f"--cpus-per-task={self.num_cpus}"]
-            self._popen(["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--exclude={self.hosts[0]}",
-                         *cpus, "--kill-on-bad-exit=1", _ray_exe(), "start", "--address", self.address, "--block",
-                         "--disable-usage-stats", *_WORKER_PORTS, *res], "workers")
+            launcher = self.worker_launcher if self.worker_launcher is not None else [
+                "srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--exclude={self.hosts[0]}",
+                *cpus, "--kill-on-bad-exit=1"]
+            self._popen([*launcher, *self._node(["--address", self.address, "--block", "--disable-usage-stats",
+                                                 *_WORKER_PORTS, *res])], "workers")
         self.nodes = self.wait_for_nodes()
         try:
             check_gpus(self.nodes, self.num_gpus)
@@ -134,6 +136,14 @@ class RayCluster:
             self.stop()
             raise
         return self
+
+    def _error_in_log(self, name: str) -> str:
+        """The last ``hapo ray_node: error:`` line of a node log (why a node did not start)."""
+        if self.log_dir is None or not (self.log_dir / f"ray_{name}.log").exists():
+            return ""
+        lines = [ln for ln in (self.log_dir / f"ray_{name}.log").read_text(errors="replace").splitlines()
+                 if "hapo ray_node: error:" in ln]
+        return lines[-1].split("error:", 1)[1].strip() if lines else ""
 
     def alive_nodes(self) -> list[dict]:
         """Alive Ray nodes, asked from a short-lived driver (this process stays Ray-free)."""
@@ -154,11 +164,12 @@ class RayCluster:
         nodes: list[dict] = []
         delay = 0.5
         while time.monotonic() - t0 < self.timeout_s:
-            for p in self.procs:
+            for name, p in zip(("head", "workers"), self.procs):
                 if p.poll() is not None:
+                    why = self._error_in_log(name)
                     self.stop()
-                    raise RuntimeError(f"Ray bring-up failed: `{' '.join(p.args[:3])} ...` exited with {p.returncode} "
-                                       f"(see {self.log_dir or 'the Ray logs'})")
+                    raise RuntimeError(f"Ray bring-up failed: the {name} start exited with {p.returncode}"
+                                       + (f": {why}" if why else f" (see {self.log_dir or 'the Ray logs'})"))
             nodes = self.alive_nodes()
             if len(nodes) >= want:
                 return nodes

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import RunConfig, load_config
+from .netif import check_name
 
 TEMPLATE = Path(__file__).with_name("templates") / "hapo.sbatch"  # slurm/hapo.sbatch links here
 QUADRANTS = ("PHR", "PLR", "NHR", "NLR")
@@ -39,7 +40,7 @@ class SubmitOptions:
     output_dir: str | None = None
     ray_check: bool = False  # bring Ray up on every node and report, no training
     ray_num_gpus: int | None = None  # GPUs each Ray node advertises and must register (default: the allocation's)
-    ray_interface: str | None = None  # network interface the Ray head binds to (e.g. ib0)
+    network_interface: str | None = None  # every node's Ray / gloo / NCCL interface (e.g. ib0; netif.py)
     sets: tuple[str, ...] = ()
     extra_sbatch: tuple[str, ...] = field(default_factory=tuple)
 
@@ -59,8 +60,8 @@ class SubmitOptions:
         count("--ray-port", self.ray_port, 1024, 65535)
         count("--ray-timeout", self.ray_timeout_s, 1)
         count("--ray-num-gpus", self.ray_num_gpus, 0)
-        if self.ray_interface is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", self.ray_interface):
-            raise ValueError(f"--ray-interface {self.ray_interface!r} is not a network interface name")
+        if self.network_interface is not None:
+            check_name(self.network_interface)  # a name, or a named error (it reaches a shell script)
         time_limit_seconds(self.time)  # a Slurm time, or a named error
         if self.partition is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*", self.partition):
             raise ValueError(f"--partition {self.partition!r} is not a Slurm partition name (or a comma-separated "
@@ -274,8 +275,8 @@ def render(config: str | Path, opts: SubmitOptions, workdir: str | Path | None =
     ray_gpus = opts.ray_num_gpus if opts.ray_num_gpus is not None else (gpus or None)
     if ray_gpus is not None and (is_orl or opts.ray_check):
         job_args += ["--ray-num-gpus", str(ray_gpus)]
-    if opts.ray_interface:
-        job_args += ["--ray-interface", opts.ray_interface]
+    if opts.network_interface:
+        job_args += ["--network-interface", opts.network_interface]
     log_path = out / ("slurm-%A_%a.out" if arr else "slurm-%j.out")
     lead = opts.signal_seconds if opts.signal_seconds is not None else signal_lead_seconds(cfg)
     limit = time_limit_seconds(opts.time)

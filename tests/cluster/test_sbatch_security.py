@@ -57,7 +57,7 @@ def _render(tmp_path, **kw):
     ("--ray-port", {"ray_port": 99999}, "--ray-port must be an integer in 1024..65535"),
     ("--nodes", {"nodes": 0}, "--nodes must be"),
     ("--signal-seconds", {"signal_seconds": 70000}, "--signal-seconds must be an integer in 1..65535"),
-    ("--ray-interface", {"ray_interface": "ib0; id"}, "--ray-interface .* is not a network interface"),
+    ("--network-interface", {"network_interface": "ib0; id"}, "--network-interface .* is not a network interface"),
 ])
 def test_hostile_values_are_refused_naming_the_option(tmp_path, flag, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -103,16 +103,6 @@ def test_ray_gpu_check_names_nodes_missing_gpus():
     assert [gpus_per_node_from_slurm(v) for v in ("8", "a100:4", "gpu:h100:2", "", None)] == [8, 4, 2, None, None]
 
 
-def test_ray_interface_resolves_or_names_the_interfaces():
-    from hapo_openrlhf.cluster.ray_cluster import interface_ip
-
-    assert interface_ip("lo") == "127.0.0.1"
-    with pytest.raises(ValueError, match="has no IPv4 address here.*interfaces: .*lo"):
-        interface_ip("nosuch0")
-    with pytest.raises(ValueError, match="not a network interface name"):
-        interface_ip("eth0; rm -rf /")
-
-
 def test_ray_bringup_timeout_names_missing_nodes(tmp_path):
     import socket
 

@@ -98,6 +98,9 @@ class BehaviourEntropyStore:
 
 class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        from ...cluster.netif import check_process_env
+
+        check_process_env()  # a misnamed socket interface fails here, not as a hang in the first collective
         super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
         hapo_cfg = strategy.args.hapo
         self._entropy_chunk = int(hapo_cfg["algorithm"]["entropy_chunk_size"])

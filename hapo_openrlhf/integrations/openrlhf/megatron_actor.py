@@ -239,6 +239,9 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                              f"(ring_attn_size x ds.tensor_parallel_size) but the Megatron layout is "
                              f"TP {self.tp} x PP {self.pp}: launch through hapo_openrlhf's flags (flags.build_argv)")
 
+        from ...cluster.netif import check_process_env
+
+        check_process_env()  # a misnamed socket interface fails here, not as a hang in the first collective
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
