@@ -4,7 +4,8 @@ measured in the same run (this CPU, 2 threads).
 On the embedded trainer's real batches (a few GRPO steps after a short warm-up; first step
 skipped) it times the advantage computation of ``grpo``, ``hapo``, ``eapo_entropic`` and
 ``pepo`` and ``less`` (best of ``--repeat``), and reports each one's time over GRPO's and its extra time
-as a fraction of the measured step. The same estimators on a synthetic paper-scale batch
+as a fraction of the measured step. The loss-side methods (``stare``) are timed as their
+loss's forward + backward over the same batch, as a ratio to the host loss (``ppo``, dual clip). The same estimators on a synthetic paper-scale batch
 (``--rows`` x ``--tokens``) show how the cost scales (there is no CPU step time for that).
 
     python benchmarks/competitors_cost.py [--steps 3 --repeat 10 --rows 256 --tokens 4096]
@@ -24,6 +25,21 @@ from hapo_openrlhf import algos
 from _embedded import best_of, grpo_step_batches  # benchmarks/_embedded.py (the script's own folder is on sys.path)
 
 METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}, "less": {}}
+LOSS_METHODS = {"ppo": {"eps_high": 0.28, "dual_clip": 10.0}, "stare": {}, "stare_c2": {"variant": "C2"}}
+
+
+def _loss_times(mask: torch.Tensor, repeat: int) -> dict[str, float]:
+    """Forward + backward of each loss on [B, T] log-probs (the policy's part excluded)."""
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(mask.shape, generator=g) * 3
+    adv = torch.randn(mask.shape[0], 1, generator=g).expand(mask.shape).contiguous()
+    logp = (old + 0.01 * torch.randn(mask.shape, generator=g)).requires_grad_(True)
+
+    def run(name, params):
+        loss, _ = algos.compute_policy_loss(name.split("_")[0], logp, old, adv, mask, **params)
+        loss.backward()
+
+    return {m: best_of(lambda m=m, p=p: run(m, p), repeat) for m, p in LOSS_METHODS.items()}
 
 
 def _times(inputs, repeat: int) -> dict[str, float]:
@@ -62,6 +78,14 @@ def main() -> None:
         out[m] = row
         print(f"{m:15s} {row['embedded_ms']:12.3f} {row['embedded_ratio']:8.2f} {row['extra_pct_of_step']:10.3f} "
               f"{row['paper_ms']:15.1f} {row['paper_ratio']:8.2f}")
+    el, pl = _loss_times(inputs.response_mask, a.repeat), _loss_times(mask, max(2, a.repeat // 5))
+    for m in LOSS_METHODS:
+        row = {"embedded_ms": el[m] * 1e3, "embedded_ratio": el[m] / el["ppo"],
+               "extra_pct_of_step": 100 * (el[m] - el["ppo"]) / step_s, "paper_ms": pl[m] * 1e3,
+               "paper_ratio": pl[m] / pl["ppo"]}
+        out[f"loss_{m}"] = row
+        print(f"loss {m:10s} {row['embedded_ms']:12.3f} {row['embedded_ratio']:8.2f} {row['extra_pct_of_step']:10.3f} "
+              f"{row['paper_ms']:15.1f} {row['paper_ratio']:8.2f}   (x ppo)")
     print(f"embedded step ({B} samples x {T} tokens): {step_s * 1e3:.1f} ms")
     print(json.dumps(out))
 

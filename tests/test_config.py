@@ -98,6 +98,7 @@ def test_baseline_configs_select_their_algorithms():
     for plain in ("cpu_tiny_grpo", "cpu_tiny_dr_grpo"):  # no DAPO pieces inherited from the HAPO base
         assert not got[plain].dynamic_sampling and not got[plain].overlong.enable
     assert got["cpu_tiny_kl_cov"].loss == "kl_cov"
+    assert got["cpu_tiny_stare"].loss == "stare" and got["cpu_tiny_stare"].loss_params["dual_clip"] == 10.0
     assert got["cpu_tiny_quadrant_nhr"].estimator_params["quadrants"] == ("NHR",)
 
 

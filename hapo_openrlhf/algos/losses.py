@@ -13,6 +13,9 @@ correction (``algos.is_correction``): every registered loss must take it and mul
 its per-token policy term by it before aggregating (the registry refuses a loss that
 does not take it); ``compute_policy_loss`` computes it from ``rollout_logprobs`` and
 ``is_correction``.
+
+``loss_state`` (a mapping, or None) is state the trainer keeps across steps for a loss
+that has some (STARE's controller, ``algos/stare.py``); checkpointed by every back end.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ LOSSES = Registry(
         "kl_coef",
         "generator",
         "token_weight",
+        "loss_state",
     ),
     required=("token_weight",),
 )
@@ -49,6 +53,20 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # run inside the fused head's forward (``algos.fused.fused_token_loss``). kl_cov and
 # clip_cov select tokens over the whole batch, so they cannot.
 ROW_LOCAL_LOSSES = frozenset({"ppo", "entro_reg"})
+
+
+# name -> step_state(params, persisted, *, entropy, mask, old_logprobs, advantages) ->
+# (loss_state for this step's loss calls, the state to checkpoint, metrics): the losses
+# that keep state across steps (STARE's controller). Trainers call ``loss_step_state``.
+STATEFUL: dict[str, Any] = {}
+
+
+def loss_step_state(name: str, params: dict, persisted: dict | None, **batch: Any) -> tuple[dict | None, dict, dict]:
+    """Once per step, before the loss: what ``name``'s calls get as ``loss_state`` this step,
+    the state to checkpoint, and metrics; (None, {}, {}) for a loss without state."""
+    if name not in STATEFUL:
+        return None, {}, {}
+    return STATEFUL[name]({**LOSSES.get(name).defaults, **params}, persisted or {}, **batch)
 
 
 def list_losses() -> list[str]:

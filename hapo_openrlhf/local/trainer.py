@@ -48,6 +48,7 @@ class TrainState:
     eval_before: dict = field(default_factory=dict)
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (grad_guard.py)
     consecutive_skips: int = 0
+    loss_state: dict = field(default_factory=dict)  # a stateful loss's controller (STARE), checkpointed
 
 
 @dataclass
@@ -278,7 +279,12 @@ class LocalTrainer:
         metrics.update(algos.quadrant_metrics(adv_out.advantages, ent, mask, tau,
                                               polarity=algos.outcome_polarity(inputs)))
         metrics.update(adv_out.metrics)
-        metrics.update(self._update(ro, old_logp, adv_out.advantages, loss_mask))
+        m = mask.bool()  # the controller of a stateful loss (STARE) steps once, before the loss
+        loss_state, self.state.loss_state, state_metrics = algos.loss_step_state(
+            a.loss, a.loss_params, self.state.loss_state, entropy_sum=float(ent[m].sum()), token_count=int(m.sum()),
+            surprisal=-old_logp, advantages=adv_out.advantages, mask=loss_mask)
+        metrics.update(state_metrics)
+        metrics.update(self._update(ro, old_logp, adv_out.advantages, loss_mask, loss_state))
         _, ent_after = self._behaviour(ro)
         metrics.update(algos.quadrant_entropy_change(qmasks, ent, ent_after))
         metrics.update(self._rollout_metrics(batch, ent, ent_after, adv_out.advantages))
@@ -291,7 +297,7 @@ class LocalTrainer:
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
-    def _update(self, ro: Rollout, old_logp, adv, loss_mask) -> dict[str, float]:
+    def _update(self, ro: Rollout, old_logp, adv, loss_mask, loss_state=None) -> dict[str, float]:
         cfg, a = self.cfg, self.cfg.algorithm
         B = adv.shape[0]
         normalizer = algos.default_normalizer(loss_mask, a.aggregation)
@@ -306,7 +312,8 @@ class LocalTrainer:
             for s in range(0, B, cfg.optim.micro_batch_size):
                 idx = list(range(s, min(B, s + cfg.optim.micro_batch_size)))
                 mro = ro.select(idx)
-                kw = dict(aggregation=a.aggregation, normalizer=normalizer, generator=self.loss_rng, **a.loss_params)
+                kw = dict(aggregation=a.aggregation, normalizer=normalizer, generator=self.loss_rng,
+                          loss_state=loss_state, **a.loss_params)
                 if in_forward:
                     def loss_of(lp, en, rows, idx=idx):
                         i = idx[rows]

@@ -282,6 +282,43 @@ def test_a_stopped_eapo_run_with_kappa_decay_resumes_exactly(tmp_path):
     assert kappas == pytest.approx([k * (1 - min(s * 2 / 6, 1)) for s in range(4)])  # 2 optimizer steps per RL step
 
 
+def test_a_stopped_stare_run_resumes_with_its_controller(tmp_path):
+    """STARE's adaptive controller (W, M, the gate) steps once per RL step and lives in the
+    checkpoint: stopped at step 2 and resumed, the run equals the uninterrupted one; without
+    the controller in the checkpoint W would restart at its initial value."""
+    from hapo_openrlhf.preemption import Preempted
+
+    extra = [*SMALL, "trainer.steps=4", "warmup.steps=10", "data.synthetic.eval_size=2", "eval.n_samples=1",
+             "rollout.max_new_tokens=12", "eval.max_new_tokens=12", "rollout.prompts_per_step=2",
+             "algorithm.loss=stare", "algorithm.loss_params={variant: C2, adaptive: true, alpha: 0.05, "
+             "target_entropy: 100.0, top_ratio: 0.2}", "algorithm.dynamic_sampling=false"]
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    LocalTrainer(load_config(CONFIG, extra), full).fit()
+
+    class StopAt2:
+        def __init__(self, t):
+            self.t = t
+
+        def warmup(self, *a, **k):
+            pass
+
+        def step(self, s, metrics):
+            if s == 2:
+                self.t.stop_requested = True
+
+    t = LocalTrainer(load_config(CONFIG, extra), stopped)
+    with pytest.raises(Preempted):
+        t.fit(progress=StopAt2(t))
+    LocalTrainer(load_config(CONFIG, extra), stopped, resume=True).fit()
+    a, b = records(full), records(stopped)
+    assert a == b
+    steps = [r for r in a if "stare/reweight_w" in r]
+    assert [r["stare/reweight_w"] for r in steps] == pytest.approx([1.15, 1.2, 1.25, 1.3])
+    assert [r["stare/reweight_m"] for r in steps] == pytest.approx([0.85, 0.8, 0.75, 0.7])
+    assert all(r["stare/gate_on"] == 1.0 for r in steps)
+    assert any(r["stare/positive_reweight_frac"] > 0 for r in steps)  # steps with only A = 0 select nothing
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_a_non_finite_gradient_skips_the_step_and_n_in_a_row_stop(tmp_path, bad):
     """A hook puts one bad element into one gradient: the update is skipped (weights, AdamW's
