@@ -4,7 +4,7 @@ measured in the same run (this CPU, 2 threads).
 On the embedded trainer's real batches (a few GRPO steps after a short warm-up; first step
 skipped) it times the advantage computation of ``grpo``, ``hapo``, ``eapo_entropic`` and
 ``pepo`` and ``less`` (best of ``--repeat``), and reports each one's time over GRPO's and its extra time
-as a fraction of the measured step. The loss-side methods (``stare``) are timed as their
+as a fraction of the measured step. The loss-side methods (``stare``, ``rsi_s``) are timed as their
 loss's forward + backward over the same batch, as a ratio to the host loss (``ppo``, dual clip). The same estimators on a synthetic paper-scale batch
 (``--rows`` x ``--tokens``) show how the cost scales (there is no CPU step time for that).
 
@@ -25,7 +25,9 @@ from hapo_openrlhf import algos
 from _embedded import best_of, grpo_step_batches  # benchmarks/_embedded.py (the script's own folder is on sys.path)
 
 METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}, "less": {}}
-LOSS_METHODS = {"ppo": {"eps_high": 0.28, "dual_clip": 10.0}, "stare": {}, "stare_c2": {"variant": "C2"}}
+# label -> (registry loss, params); rsi_s's bounds are ours (the paper publishes none)
+LOSS_METHODS = {"ppo": ("ppo", {"eps_high": 0.28, "dual_clip": 10.0}), "stare": ("stare", {}),
+                "stare_c2": ("stare", {"variant": "C2"}), "rsi_s": ("rsi_s", {"lower": 0.2, "upper": 5.0})}
 
 
 def _loss_times(mask: torch.Tensor, repeat: int) -> dict[str, float]:
@@ -34,12 +36,13 @@ def _loss_times(mask: torch.Tensor, repeat: int) -> dict[str, float]:
     old = -torch.rand(mask.shape, generator=g) * 3
     adv = torch.randn(mask.shape[0], 1, generator=g).expand(mask.shape).contiguous()
     logp = (old + 0.01 * torch.randn(mask.shape, generator=g)).requires_grad_(True)
+    entropy = torch.rand(mask.shape, generator=g) * 2 + 0.05  # the current entropy (rsi_s's index)
 
     def run(name, params):
-        loss, _ = algos.compute_policy_loss(name.split("_")[0], logp, old, adv, mask, **params)
+        loss, _ = algos.compute_policy_loss(name, logp, old, adv, mask, entropy=entropy, **params)
         loss.backward()
 
-    return {m: best_of(lambda m=m, p=p: run(m, p), repeat) for m, p in LOSS_METHODS.items()}
+    return {m: best_of(lambda n=n, p=p: run(n, p), repeat) for m, (n, p) in LOSS_METHODS.items()}
 
 
 def _times(inputs, repeat: int) -> dict[str, float]:

@@ -550,12 +550,6 @@ class RunConfig:
                  "algorithm.estimator_params.decay_steps (eapo_entropic's kappa decay) runs on the embedded back end "
                  "only: OpenRLHF's experience maker is not told the optimizer step yet; leave it 0 (the paper's "
                  "default) on backend openrlhf/megatron")
-        from .algos.losses import STATEFUL
-
-        _require(self.backend == "local" or a.loss not in STATEFUL,
-                 f"algorithm.loss {a.loss!r} keeps a per-step controller (algos/{a.loss}.py) that runs on the "
-                 f"embedded back end only so far: the OpenRLHF and Megatron actors do not step or checkpoint it yet, "
-                 f"and without it the loss would run ungated; use backend local")
         if self.backend == "local" and not self.model.path:
             from .data.templates import TEMPLATES
 

@@ -442,7 +442,8 @@ def _smoke_algos() -> dict:
         done.append(name)
     lp = -torch.rand(B, T, device=dev, generator=g)
     for name in algos.list_losses():
-        kw = {"kl_cov": {"k_ratio": 0.1}, "clip_cov": {"clip_ratio": 0.1, "cov_lb": -9.0, "cov_ub": 9.0}}.get(name, {})
+        kw = {"kl_cov": {"k_ratio": 0.1}, "clip_cov": {"clip_ratio": 0.1, "cov_lb": -9.0, "cov_ub": 9.0},
+              "rsi_s": {"lower": 0.1, "upper": 10.0}}.get(name, {})
         algos.compute_policy_loss(name, lp, lp + 0.01, torch.randn(B, T, device=dev, generator=g),
                                   torch.ones(B, T, device=dev), entropy=torch.rand(B, T, device=dev, generator=g),
                                   generator=torch.Generator().manual_seed(0), **kw)

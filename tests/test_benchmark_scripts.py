@@ -99,7 +99,7 @@ def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     assert res["grpo"]["embedded_ratio"] == 1.0 and res["paper_batch"] == [16, 64]
     for m in ("hapo", "eapo_entropic", "pepo", "less"):
         assert res[m]["embedded_ratio"] > 0 and res[m]["paper_ratio"] > 0
-    assert res["loss_ppo"]["paper_ratio"] == 1.0 and res["loss_stare"]["paper_ratio"] > 0
+    assert res["loss_ppo"]["paper_ratio"] == 1.0 and res["loss_stare"]["paper_ratio"] > 0 and res["loss_rsi_s"]["paper_ratio"] > 0
 
 
 def test_nucleus_metric_script_reports_ratios_and_agreement():

@@ -13,7 +13,7 @@ from .advantages import (
     run_estimator,
     split_quadrants,
 )
-from . import eapo, less, pepo, stare, unpublished  # noqa: F401 - register the competitors (one module a family)
+from . import eapo, less, pepo, rsi, stare, unpublished  # noqa: F401 - register the competitors (one module a family)
 from .groups import group_mean_std, group_token_entropy_stats
 from .dapo import DynamicSamplingBuffer, informative_groups, overlong_penalty
 from .entropy import check_finite, entropy_from_logits, logprobs_and_entropy, logprobs_from_logits

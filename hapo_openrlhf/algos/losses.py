@@ -59,6 +59,9 @@ ROW_LOCAL_LOSSES = frozenset({"ppo", "entro_reg"})
 # (loss_state for this step's loss calls, the state to checkpoint, metrics): the losses
 # that keep state across steps (STARE's controller). Trainers call ``loss_step_state``.
 STATEFUL: dict[str, Any] = {}
+# name -> the method's own metric keys (``stare/...``) its loss returns beside ``actor/...``:
+# the actors report them per micro-batch, and every rank must know the keys up front
+METHOD_METRICS: dict[str, tuple[str, ...]] = {}
 
 
 def loss_step_state(name: str, params: dict, persisted: dict | None, **batch: Any) -> tuple[dict | None, dict, dict]:

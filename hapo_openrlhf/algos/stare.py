@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch
 
 from .groups import masked_mean
-from .losses import LOSSES, STATEFUL, _check_clip, _ppo_metrics, _ppo_terms, _weighted, aggregate
+from .losses import LOSSES, METHOD_METRICS, STATEFUL, _check_clip, _ppo_metrics, _ppo_terms, _weighted, aggregate
 
 VARIANTS, SELECTIONS = ("O1", "C2"), ("micro_batch", "batch")
 
@@ -129,6 +129,8 @@ def step_state(params, persisted, *, entropy_sum, token_count, surprisal=None, a
 
 
 STATEFUL["stare"] = step_state
+METHOD_METRICS["stare"] = ("stare/gate_on", "stare/reweight_w", "stare/reweight_m", "stare/positive_reweight_frac",
+                           "stare/negative_reweight_frac", "stare/mean_weight")
 
 
 def _check(p: Mapping[str, Any]) -> None:

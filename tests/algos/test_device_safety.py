@@ -92,7 +92,8 @@ def test_every_loss_is_device_safe(name, correction):
     lp = b["logprobs"].requires_grad_(True)
     old = lp.detach() + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
     adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
-    kw = {"kl_cov": dict(k_ratio=0.3), "clip_cov": dict(clip_ratio=0.3, cov_lb=-10.0, cov_ub=10.0)}.get(name, {})
+    kw = {"kl_cov": dict(k_ratio=0.3), "clip_cov": dict(clip_ratio=0.3, cov_lb=-10.0, cov_ub=10.0),
+          "rsi_s": dict(lower=0.2, upper=5.0)}.get(name, {})
     if correction is not None:
         kw.update(is_correction=correction, rollout_logprobs=old - 0.1)
     with default_device_meta():

@@ -173,12 +173,3 @@ def test_hostile_parameters_are_named(params, named):
     with pytest.raises(ValueError, match=named):
         algos.LOSSES.check_params("stare", params)
 
-
-def test_the_cluster_back_ends_refuse_stare_by_name_until_they_step_its_controller():
-    from hapo_openrlhf.config import load_config
-
-    from ..conftest import REPO
-
-    for backend in ("openrlhf", "megatron"):
-        with pytest.raises(ValueError, match="algorithm.loss 'stare' keeps a per-step controller"):
-            load_config(REPO / "configs" / "cpu_tiny_stare.yaml", [f"backend={backend}", "model.path=/x"])

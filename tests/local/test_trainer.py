@@ -131,7 +131,7 @@ def test_every_estimator_runs_a_real_step(tmp_path, name):
 
 @pytest.mark.parametrize("name", list_losses())
 def test_every_loss_runs_a_real_step(tmp_path, name):
-    params = {"kl_cov": "{k_ratio: 0.05}", "entro_reg": "{beta: 0.01}"}.get(name, "{}")
+    params = {"kl_cov": "{k_ratio: 0.05}", "entro_reg": "{beta: 0.01}", "rsi_s": "{lower: 0.1, upper: 10.0}"}.get(name, "{}")
     t = _trainer(tmp_path, [f"algorithm.loss={name}", f"algorithm.loss_params={params}", "algorithm.estimator=grpo",
                             "algorithm.estimator_params={}"])
     m = t.train_step()

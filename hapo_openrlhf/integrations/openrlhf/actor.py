@@ -40,7 +40,7 @@ from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from ...algos.entropy import entropy_from_logits
 from ...algos.nucleus import metric_due, sharded_nucleus_logmass
 from .fused_head import install_fused_head
-from .loss import DUMP_ENV, HapoPolicyLoss
+from .loss import DUMP_ENV, HapoPolicyLoss, LossStateSink
 from .nonfinite import DeepSpeedGradGuard
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class BehaviourEntropyStore:
         return self.pop_behaviour(fingerprint)[0]
 
 
-class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_actor_class__):
+class HapoPolicyModelActorImpl(BehaviourEntropyStore, LossStateSink, PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         from ...cluster.netif import check_process_env
 
@@ -106,17 +106,17 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, PolicyModelActor.__ray_act
         self._entropy_chunk = int(hapo_cfg["algorithm"]["entropy_chunk_size"])
         self.loss_fn = loss_from_config(hapo_cfg)
         self.trainer.actor_loss_fn = self.loss_fn
-        if self.loss_fn.is_correction.enabled:  # the token IS ratio's mean / max join upstream's metrics
-            step = self.trainer.training_step
+        # the token IS ratio's mean / max and a method's own metrics (stare/...) join upstream's
+        step = self.trainer.training_step
 
-            def training_step(experience, *args, **kwargs):
-                self.loss_fn.info_sink = experience.info
-                try:
-                    return step(experience, *args, **kwargs)
-                finally:
-                    self.loss_fn.info_sink = None
+        def training_step(experience, *args, **kwargs):
+            self.loss_fn.info_sink = experience.info
+            try:
+                return step(experience, *args, **kwargs)
+            finally:
+                self.loss_fn.info_sink = None
 
-            self.trainer.training_step = training_step
+        self.trainer.training_step = training_step
         self.trainer.actor.register_forward_hook(self._training_forward_hook, with_kwargs=True)
         self._install_grad_guard(int(hapo_cfg["optim"]["max_consecutive_skips"]))
         self._fused = False

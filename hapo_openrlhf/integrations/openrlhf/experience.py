@@ -126,10 +126,27 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     return {"inputs": inputs, "advantages": out.advantages, "loss_mask": loss_mask, "metrics": metrics}
 
 
+def step_loss_state(experiences: Sequence[Any], result: dict[str, Any], algorithm: dict,
+                    persisted: dict | None) -> tuple[dict | None, dict, dict]:
+    """A stateful loss's once-per-step update (STARE's controller, ``algos.loss_step_state``)
+    over the whole rollout batch -- every data-parallel rank's rows: the token-mean
+    behaviour entropy and, for a batch-wide selection, the behaviour surprisal -- after the
+    advantages, before any actor trains. Returns (state for the actors, state to
+    checkpoint, metrics); (None, {}, {}) for a loss without state."""
+    inp = result["inputs"]
+    mask = inp.response_mask.bool()
+    W = mask.shape[1]
+    old = _pad_cat([e.action_log_probs.float() for e in experiences], W)
+    return algos.loss_step_state(algorithm["loss"], dict(algorithm["loss_params"]), persisted,
+                                 entropy_sum=float((inp.entropy * mask).sum()), token_count=int(mask.sum()),
+                                 surprisal=-old, advantages=result["advantages"], mask=result["loss_mask"])
+
+
 class HapoExperienceMaker(RemoteExperienceMaker):
     """Upstream experience maker with the registry in place of the estimator chain."""
 
     _step = 0
+    loss_state: dict = {}  # a stateful loss's controller (checkpointed by HapoControllerMixin)
 
     def make_experience(self, samples_list):
         group = self.actor_model_group
@@ -150,6 +167,15 @@ class HapoExperienceMaker(RemoteExperienceMaker):
     def compute_advantages_and_returns(self, experiences):
         args = self.strategy.args
         result = registry_advantages(experiences, args.hapo, args.rollout.n_samples_per_prompt)
+        state, self.loss_state, state_metrics = step_loss_state(experiences, result, args.hapo["algorithm"],
+                                                                self.loss_state)
+        if state is not None:  # every policy actor (every DP / TP / PP rank) trains this step with it
+            ray.get(self.actor_model_group.async_run_method(method_name="set_loss_state", state=state))
+            result["metrics"].update(state_metrics)
+            result["loss_state"] = state
+            for e in experiences:
+                for k, v in state_metrics.items():
+                    e.info[k] = torch.full((len(e.index),), float(v))
         self._step += 1
         d = os.environ.get(DUMP_ENV)
         if d:
@@ -166,6 +192,9 @@ class HapoExperienceMaker(RemoteExperienceMaker):
                                             "advantages": e.advantages[i][m].tolist()}) + "\n")
             with open(os.path.join(d, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": self._step, **result["metrics"]}) + "\n")
+            if "loss_state" in result:  # what the actors trained this step with
+                with open(os.path.join(d, "loss_state.jsonl"), "a") as f:
+                    f.write(json.dumps({"step": self._step, **result["loss_state"]}) + "\n")
         for e in experiences:
             for name in ("behaviour_entropy", "nucleus_logmass"):
                 if hasattr(e, name):

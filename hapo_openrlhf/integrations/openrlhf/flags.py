@@ -197,8 +197,10 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
         argv += ["--actor.dual_clip", _f(lp["dual_clip"])]
     if a.kl_coef > 0:  # k3 KL to the reference as a loss term (GRPO style), never in the reward
         argv += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
-    if a.loss == "entro_reg":  # OpenRLHF computes the current entropy; hapo's loss applies beta
-        argv += ["--actor.entropy_coef", "0"]
+    from ...algos.losses import LOSSES
+
+    if "entropy" in LOSSES.get(a.loss).accepts:  # entro_reg, rsi_s: OpenRLHF computes the current entropy
+        argv += ["--actor.entropy_coef", "0"]  # (coefficient 0: upstream adds nothing; hapo's loss uses it)
     if a.dynamic_sampling:  # DAPO: drop groups whose rewards all agree, refill from the loader
         argv += ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0"]
     isc = a.is_correction

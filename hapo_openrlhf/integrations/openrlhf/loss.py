@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ...algos.losses import compute_policy_loss
+from ...algos.losses import LOSSES, METHOD_METRICS, STATEFUL, compute_policy_loss
 
 DUMP_ENV = "HAPO_OPENRLHF_DUMP_DIR"
 
@@ -50,7 +50,8 @@ class HapoPolicyLoss(nn.Module):
         self.params = dict(params or {})
         self.aggregation = aggregation
         self.norm_constant = norm_constant
-        self.needs_entropy = name == "entro_reg"
+        # the losses that take the current policy's entropy (entro_reg with its gradient, rsi_s's index)
+        self.needs_entropy = "entropy" in LOSSES.get(name).accepts
         # Set by the actor's forward hook just before each call (current policy, with grad)
         self.pending_entropy: torch.Tensor | None = None
         self.pending_sequences: list[list[int]] | None = None  # unpadded token ids per row (dump only)
@@ -58,7 +59,14 @@ class HapoPolicyLoss(nn.Module):
         # set by the DeepSpeed actor around each training step: the experience's info dict, where
         # upstream's training_step collects per-micro-batch metrics (token-weighted 0-d tensors)
         self.info_sink: dict | None = None
+        # a stateful loss's state for this step (STARE's controller: algos.losses.STATEFUL),
+        # stepped once per step by the experience maker and sent with set_loss_state
+        self.loss_state: dict | None = None
         self._calls = 0
+
+    def method_metrics(self) -> dict[str, Any]:
+        """The last call's method-specific metrics (``stare/...``), beside upstream's."""
+        return {k: self.last_metrics[k] for k in METHOD_METRICS.get(self.name, ())}
 
     def forward(
         self,
@@ -80,9 +88,14 @@ class HapoPolicyLoss(nn.Module):
         if self.needs_entropy:
             ent = self.pending_entropy
             if ent is None:
-                raise RuntimeError("entro_reg needs the current-policy entropy; the actor hook did not provide it "
+                raise RuntimeError(f"{self.name} needs the current-policy entropy; the actor hook did not provide it "
                                    "(is --actor.entropy_coef set?)")
             extra["entropy"] = ent[:, -action_mask.shape[1]:]
+        if self.name in STATEFUL:
+            if self.loss_state is None:
+                raise RuntimeError(f"loss {self.name!r}: this step's controller state has not reached the actor "
+                                   f"(the experience maker sends it with set_loss_state before training)")
+            extra["loss_state"] = self.loss_state
         if self.is_correction.enabled:
             extra["is_correction"] = self.is_correction
             extra["rollout_logprobs"] = None if rollout_log_probs is None else rollout_log_probs.float()
@@ -96,6 +109,8 @@ class HapoPolicyLoss(nn.Module):
         self.last_metrics = metrics
         self._dump(advantages, action_mask)
         dev = log_probs.device
+        if self.info_sink is not None:  # upstream's training_step: per micro-batch, token-weighted
+            self.info_sink.update(self.method_metrics())
         # the metrics are 0-d tensors on the device (sync=False): no host sync per micro-batch
         clip_ratio = torch.as_tensor(metrics.get("actor/clip_frac", 0.0), device=dev)
         ppo_kl = torch.as_tensor(metrics.get("actor/approx_kl", 0.0), device=dev)
@@ -139,3 +154,10 @@ class HapoPolicyLoss(nn.Module):
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         self._calls += 1
+
+
+class LossStateSink:
+    """Policy actors (DeepSpeed and Megatron): receive a stateful loss's state for the step."""
+
+    def set_loss_state(self, state: dict) -> None:
+        self.loss_fn.loss_state = dict(state)

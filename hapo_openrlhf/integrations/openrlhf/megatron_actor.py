@@ -73,9 +73,10 @@ from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from ...fsguard import claim, remove_owned
+from ...algos.losses import METHOD_METRICS
 from ...grad_guard import SkipGuard
 from .actor import BehaviourEntropyStore, loss_from_config
-from .loss import DUMP_ENV
+from .loss import DUMP_ENV, LossStateSink
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # OpenRLHF 0.11.2 builds every vLLM engine with dtype="bfloat16" (create_vllm_engines) and its
@@ -156,7 +157,7 @@ def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (width - t.shape[1], 0))
 
 
-class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
+class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelActor):
     # ------------------------------------------------------------------ setup
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         from transformers.trainer import get_scheduler
@@ -439,6 +440,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 stats.update(vllm_kl=vllm_kl.detach().float(), is_filter_ratio=is_filter.detach().float(),
                              is_ratio_mean=torch.as_tensor(m["actor/is_ratio_mean"]).float(),
                              is_ratio_max=torch.as_tensor(m["actor/is_ratio_max"]).float())
+            # a method's own metrics (stare/...), token-weighted like upstream's per micro-batch info
+            stats.update({k: torch.as_tensor(v).float() for k, v in self.loss_fn.method_metrics().items()})
             return loss, stats
 
         self.model.train()
@@ -465,7 +468,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
             stats["_loss_sum"] = sum(float(o["policy_loss"]) for o in out)  # without the KL term, as upstream logs it
             stats["_tokens"] = tokens
             for k in ("ppo_clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio", "is_ratio_mean", "is_ratio_max", "kl",
-                      "logprobs_diff"):
+                      "logprobs_diff", *METHOD_METRICS.get(self.loss_fn.name, ())):
                 if k in out[0]:
                     stats["_w_" + k] = sum(float(o[k]) * float(o["tokens"]) for o in out)
         return stats
@@ -521,7 +524,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, BaseModelActor):
                 keys = ("ppo_clip_ratio", "ppo_kl") + (
                     ("vllm_kl", "is_filter_ratio", "is_ratio_mean", "is_ratio_max")
                     if self.loss_fn.is_correction.enabled else ()) + (
-                    ("kl", "logprobs_diff") if args.algo.kl.use_loss else ())
+                    ("kl", "logprobs_diff") if args.algo.kl.use_loss else ()) + METHOD_METRICS.get(
+                    self.loss_fn.name, ())  # a method's own metrics (stare/...): the same keys on every rank
                 for key in keys:
                     s = sums.setdefault(key, [0.0, 0.0])
                     s[0] += st.get("_w_" + key, 0.0)

@@ -70,6 +70,8 @@ class HapoControllerMixin:
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
         self.step_limit.step = int(states["global_step"])  # a resumed run counts from its checkpoint
+        # a stateful loss's controller (STARE) continues from the checkpoint's state
+        self.experience_maker.loss_state = dict(states.get("hapo_loss_state") or {})
         self._last_saved_step = self.step_limit.step  # that state is on disk already
         return states
 
@@ -98,6 +100,8 @@ class HapoControllerMixin:
         step's checkpoint is forced (save_steps=1 for this call) and the fit loop stops.
         The step limit's last step is checkpointed too (a requeue after it trains no more)."""
         stop = request_flag(self.args.hapo["output_dir"]).exists()
+        if client_states is not None and self.experience_maker.loss_state:  # STARE's controller, checkpointed
+            client_states["hapo_loss_state"] = dict(self.experience_maker.loss_state)
         if client_states is not None:  # upstream adds its eval keys to the dict it is given
             self._last_client_states = dict(client_states)
         if stop or self.step_limit.reached:

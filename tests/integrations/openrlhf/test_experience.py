@@ -175,3 +175,43 @@ def test_nucleus_logmass_metric_is_the_mean_over_response_tokens():
     exps[1].nucleus_logmass = None
     with pytest.raises(RuntimeError, match="nucleus log-mass missing"):
         registry_advantages(exps, _cfg(), 4)
+
+
+@pytest.mark.parametrize("selection", ["micro_batch", "batch"])
+def test_the_stateful_losss_step_is_over_the_whole_batch(selection):
+    """STARE's controller steps once per step from the token-mean behaviour entropy of the
+    whole rollout batch (every data-parallel rank's rows meet in the controller), and a
+    batch-wide selection's thresholds are over all of it: rows spread over micro-batches
+    give the one-batch result."""
+    from hapo_openrlhf.algos.stare import stare_thresholds
+    from hapo_openrlhf.integrations.openrlhf.experience import step_loss_state
+
+    rows, n = _rollout(seed=4), 4
+    exps = _experiences(rows, [5, 3, 4])
+    g = torch.Generator().manual_seed(7)
+    for e in exps:
+        e.action_log_probs = -torch.rand(e.action_mask.shape, generator=g) * 3 * e.action_mask
+    cfg = _cfg("grpo", {})
+    result = registry_advantages(exps, cfg, n)
+    algo = {**cfg["algorithm"], "loss": "stare",
+            "loss_params": {"selection": selection, "top_ratio": 0.2, "target_entropy": 0.9, "adaptive": True}}
+    state, persisted, metrics = step_loss_state(exps, result, algo, {"reweight_w": 1.2, "reweight_m": 0.8})
+    whole = _whole_batch(rows, n)
+    mean = float(whole.entropy[whole.response_mask].mean())
+    assert metrics["stare/batch_entropy"] == pytest.approx(mean)
+    assert persisted["gate_on"] == (mean < 0.9)
+    assert persisted["reweight_w"] == pytest.approx(1.2 + (0.01 if mean < 0.9 else -0.01))
+    if selection == "batch":
+        W = whole.response_mask.shape[1]
+        s = torch.zeros(len(rows), W)
+        adv = torch.zeros(len(rows), W)
+        for e in exps:
+            for r, j in enumerate(e.index):
+                s[j, :e.action_mask.shape[1]] = -e.action_log_probs[r]
+                adv[j, :e.advantages.shape[1]] = e.advantages[r]
+        want = stare_thresholds(s, adv, whole.response_mask, 0.2)
+        assert (state["threshold_pos"], state["threshold_neg"]) == pytest.approx(
+            (want["threshold_pos"], want["threshold_neg"]))
+    else:
+        assert "threshold_pos" not in state
+    assert step_loss_state(exps, result, {**cfg["algorithm"], "loss": "ppo", "loss_params": {}}, None) == (None, {}, {})

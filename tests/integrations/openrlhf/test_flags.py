@@ -49,7 +49,7 @@ def test_every_config_passes_openrlhf_parser(path, tmp_path):
     assert args.ds.packing_samples == (o.packing_samples or o.ring_attn_size > 1)
     assert args.ckpt.path == str(tmp_path / "ckpt") and args.ckpt.load_enable
     assert args.ckpt.save_steps == (cfg.trainer.save_every or -1)
-    assert args.actor.entropy_coef == (0.0 if a.loss == "entro_reg" else None)
+    assert args.actor.entropy_coef == (0.0 if a.loss in ("entro_reg", "rsi_s") else None)
     assert (args.algo.kl.use_loss, args.algo.kl.estimator) == ((True, "k3") if a.kl_coef > 0 else (False, "k1"))
     # OpenRLHF's "duplicate actors" (ranks fed the same micro-batches) = the Megatron replica's TP x PP
     assert args.ds.tensor_parallel_size == (cfg.megatron.model_parallel_size if cfg.backend == "megatron" else 1)
@@ -353,3 +353,14 @@ def test_fp16_is_refused_for_the_reason_openrlhfs_own_source_gives():
     with pytest.raises(ValueError, match="--ds.param_dtype is generated from the config"):
         build_argv(load_config(REPO / "configs" / "qwen25_math_7b_hapo.yaml",
                                ["openrlhf.extra_args=[--ds.param_dtype, fp16]"]), Path("/tmp/x"))
+
+
+def test_a_loss_that_reads_the_current_entropy_gets_it_from_openrlhf(tmp_path):
+    """rsi_s (like entro_reg) takes the current policy's entropy: the argv asks OpenRLHF's
+    training forward for it, at coefficient 0 (upstream adds no term; hapo's loss uses it)."""
+    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+
+    cfg = load_config(E2E, ["model.path=/models/tiny", "algorithm.loss=rsi_s",
+                            "algorithm.loss_params={lower: 0.5, upper: null}"])
+    args = parse_with_upstream(build_argv(cfg, tmp_path))
+    assert args.actor.entropy_coef == 0.0

@@ -45,13 +45,15 @@ def test_ppo_equals_openrlhf_policy_loss(agg, dual):
     ("kl_cov", {"k_ratio": 0.2, "kl_coef_cov": 1.0}),
     ("clip_cov", {"clip_ratio": 0.2, "cov_lb": -10.0, "cov_ub": 10.0, "eps_low": 0.2, "eps_high": 0.28}),
     ("entro_reg", {"beta": 0.01, "eps_low": 0.2, "eps_high": 0.28}),
+    ("rsi_s", {"lower": 0.2, "upper": 3.0, "eps_low": 0.2, "eps_high": 0.28}),
 ])
 def test_dispatches_to_registry_losses(name, params):
     new, old, adv, mask = _batch(seed=1)
     ent = torch.rand(4, 9, requires_grad=True)  # OpenRLHF's entropy spans the whole sequence; last T used
     loss_fn = HapoPolicyLoss(name, params, aggregation="token-mean")
     extra = {}
-    if name == "entro_reg":
+    if name in ("entro_reg", "rsi_s"):  # the losses that take the current entropy
+        assert loss_fn.needs_entropy
         loss_fn.pending_entropy = ent
         extra["entropy"] = ent[:, -7:]
     torch.manual_seed(3)
@@ -60,7 +62,7 @@ def test_dispatches_to_registry_losses(name, params):
     want, _ = compute_policy_loss(name, new, old, adv, mask, aggregation="token-mean",
                                   normalizer=float(mask.sum()), **extra, **params)
     torch.testing.assert_close(got, want)
-    if name == "entro_reg":
+    if name in ("entro_reg", "rsi_s"):
         assert loss_fn.pending_entropy is None  # consumed: a stale entropy is never reused
         with pytest.raises(RuntimeError, match="entropy"):
             loss_fn(new, old, adv, action_mask=mask)
@@ -79,3 +81,31 @@ def test_a_non_finite_loss_reaches_the_gradient_guard_without_a_sync():
     assert not torch.isfinite(new.grad).all()
     with pytest.raises(FloatingPointError, match="non-finite"):
         compute_policy_loss("ppo", new.detach(), old, adv, mask.float())
+
+
+def test_a_stateful_loss_trains_with_the_state_the_actor_received_and_reports_its_metrics():
+    """STARE on the actors: the step's controller state arrives with ``set_loss_state``
+    (actor.py / megatron_actor.py via ``LossStateSink``); without it the loss refuses to run
+    ungated; with it the loss is the registry's with that state, and its own metrics reach
+    upstream's per-micro-batch info (the training_step wrapper's ``info_sink``)."""
+    from hapo_openrlhf.integrations.openrlhf.loss import LossStateSink
+
+    new, old, adv, mask = _batch(seed=2)
+    loss_fn = HapoPolicyLoss("stare", {"variant": "C2", "top_ratio": 0.3}, aggregation="token-mean")
+    with pytest.raises(RuntimeError, match="controller state has not reached the actor"):
+        loss_fn(new, old, adv, action_mask=mask)
+    actor = LossStateSink()
+    actor.loss_fn = loss_fn
+    state = {"gate_on": True, "reweight_w": 1.4, "reweight_m": 0.6}
+    actor.set_loss_state(state)
+    info: dict = {}
+    loss_fn.info_sink = info
+    got = loss_fn(new, old, adv, action_mask=mask, dp_size=2, batch_num_tokens=torch.tensor(float(mask.sum())))[0]
+    want, m = compute_policy_loss("stare", new, old, adv, mask, aggregation="token-mean",
+                                  normalizer=float(mask.sum()) / 2, loss_state=state, variant="C2", top_ratio=0.3)
+    torch.testing.assert_close(got, want)
+    assert float(info["stare/reweight_w"]) == pytest.approx(1.4) and float(info["stare/reweight_m"]) == pytest.approx(0.6)
+    assert float(info["stare/positive_reweight_frac"]) == pytest.approx(m["stare/positive_reweight_frac"])
+    ungated, _ = compute_policy_loss("stare", new, old, adv, mask, aggregation="token-mean",
+                                     normalizer=float(mask.sum()) / 2, variant="C2", top_ratio=0.3)
+    assert not torch.equal(got, ungated)  # the received W and M, not the configured ones

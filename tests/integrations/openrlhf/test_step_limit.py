@@ -39,8 +39,10 @@ class _FakeArgs:
         self.ckpt = type("ckpt", (), {"save_steps": save_steps})()
 
 
-def _controller(tmp_path, monkeypatch, save_steps):
+def _controller(tmp_path, monkeypatch, save_steps, resumed=None):
     """hapo's controller without Ray/OpenRLHF behind it: upstream's save is recorded."""
+    from types import SimpleNamespace
+
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer
 
     from hapo_openrlhf.integrations.openrlhf.trainer import HapoPPOTrainerImpl
@@ -49,8 +51,9 @@ def _controller(tmp_path, monkeypatch, save_steps):
     monkeypatch.setattr(BasePPOTrainer, "save_logs_and_checkpoints",
                         lambda self, step, logs=None, cs=None: saved.append((step, self.args.ckpt.save_steps, cs))
                         if step % self.args.ckpt.save_steps == 0 else None)
-    monkeypatch.setattr(BasePPOTrainer, "init_checkpoint_states", lambda self: {"global_step": 4})
+    monkeypatch.setattr(BasePPOTrainer, "init_checkpoint_states", lambda self: {"global_step": 4, **(resumed or {})})
     t = object.__new__(HapoPPOTrainerImpl)
+    t.experience_maker = SimpleNamespace(loss_state={})
     t.args = _FakeArgs(tmp_path, save_steps)
     t.step_limit = StepLimit(100)
     t._last_client_states, t._last_saved_step = None, 0
@@ -135,3 +138,23 @@ def test_async_trainer_waiting_for_a_batch_honours_the_stop_flag(tmp_path, monke
     with pytest.raises(Preempted) as e:
         q.get()
     assert e.value.step == 5 and saved == [(5, 1, {"global_step": 5, "data_loader_state_dict": {"pos": 5}})]
+
+
+def test_a_stateful_losss_controller_goes_into_every_checkpoint_and_comes_back(tmp_path, monkeypatch):
+    """STARE's controller lives with the experience maker (as the reference's with its
+    driver): its state joins OpenRLHF's client states in every save -- the forced one of a
+    preemption included -- and a resumed controller starts from the checkpoint's."""
+    from hapo_openrlhf.preemption import Preempted, request_flag
+
+    ctl = {"gate_on": True, "reweight_w": 1.25, "reweight_m": 0.75, "current_ent": 0.2}
+    t, gen, saved = _controller(tmp_path, monkeypatch, save_steps=10, resumed={"hapo_loss_state": ctl})
+    assert t.experience_maker.loss_state == ctl and t.experience_maker.loss_state is not ctl
+    t.experience_maker.loss_state = {**ctl, "reweight_w": 1.3}  # step 5's update
+    t.step_limit.step = 5
+    t.save_logs_and_checkpoints(5, {}, {"global_step": 5})
+    request_flag(tmp_path).touch()
+    with pytest.raises(Preempted):
+        gen()
+    assert saved == [(5, 1, {"global_step": 5, "hapo_loss_state": {**ctl, "reweight_w": 1.3}})]
+    t2, _, _ = _controller(tmp_path, monkeypatch, save_steps=10)  # a checkpoint without one: a fresh controller
+    assert t2.experience_maker.loss_state == {}
