@@ -247,16 +247,16 @@ def test_behaviour_under_top_p_is_the_full_vocabulary_at_the_rollout_temperature
     assert len(t._behaviour(ro, nucleus=True)) == 2
 
 
-def test_a_stopped_eapo_run_with_kappa_decay_resumes_exactly(tmp_path):
-    """eapo_entropic's kappa decay is keyed to the optimizer step, which every checkpoint
-    holds: stopped at step 2 (a preemption's checkpoint) and resumed, the run equals the
-    uninterrupted one, kappa schedule included."""
+STOPPED_RUN = [*SMALL, "trainer.steps=4", "warmup.steps=10", "data.synthetic.eval_size=2", "eval.n_samples=1",
+               "rollout.max_new_tokens=12", "eval.max_new_tokens=12", "rollout.prompts_per_step=2",
+               "algorithm.dynamic_sampling=false"]
+
+
+def _uninterrupted_and_resumed(tmp_path, extra):
+    """The metrics of a 4-step run, and of the same run stopped at step 2 (a preemption's
+    checkpoint) then resumed with ``--resume``."""
     from hapo_openrlhf.preemption import Preempted
 
-    extra = [*SMALL, "trainer.steps=4", "warmup.steps=10", "data.synthetic.eval_size=2", "eval.n_samples=1",
-             "rollout.max_new_tokens=12", "eval.max_new_tokens=12", "rollout.prompts_per_step=2",
-             "optim.ppo_epochs=2", "algorithm.estimator=eapo_entropic",
-             "algorithm.estimator_params={decay_steps: 6}", "algorithm.dynamic_sampling=false"]
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     LocalTrainer(load_config(CONFIG, extra), full).fit()
 
@@ -275,7 +275,15 @@ def test_a_stopped_eapo_run_with_kappa_decay_resumes_exactly(tmp_path):
     with pytest.raises(Preempted):
         t.fit(progress=StopAt2(t))
     LocalTrainer(load_config(CONFIG, extra), stopped, resume=True).fit()
-    a, b = records(full), records(stopped)
+    return records(full), records(stopped)
+
+
+def test_a_stopped_eapo_run_with_kappa_decay_resumes_exactly(tmp_path):
+    """eapo_entropic's kappa decay is keyed to the optimizer step, which every checkpoint
+    holds: stopped at step 2 (a preemption's checkpoint) and resumed, the run equals the
+    uninterrupted one, kappa schedule included."""
+    a, b = _uninterrupted_and_resumed(tmp_path, [*STOPPED_RUN, "optim.ppo_epochs=2", "algorithm.estimator=eapo_entropic",
+                                                 "algorithm.estimator_params={decay_steps: 6}"])
     assert a == b
     kappas = [r["eapo/kappa"] for r in a if "eapo/kappa" in r]
     k = 1.3862943611198906
@@ -286,31 +294,9 @@ def test_a_stopped_stare_run_resumes_with_its_controller(tmp_path):
     """STARE's adaptive controller (W, M, the gate) steps once per RL step and lives in the
     checkpoint: stopped at step 2 and resumed, the run equals the uninterrupted one; without
     the controller in the checkpoint W would restart at its initial value."""
-    from hapo_openrlhf.preemption import Preempted
-
-    extra = [*SMALL, "trainer.steps=4", "warmup.steps=10", "data.synthetic.eval_size=2", "eval.n_samples=1",
-             "rollout.max_new_tokens=12", "eval.max_new_tokens=12", "rollout.prompts_per_step=2",
-             "algorithm.loss=stare", "algorithm.loss_params={variant: C2, adaptive: true, alpha: 0.05, "
-             "target_entropy: 100.0, top_ratio: 0.2}", "algorithm.dynamic_sampling=false"]
-    full, stopped = tmp_path / "full", tmp_path / "stopped"
-    LocalTrainer(load_config(CONFIG, extra), full).fit()
-
-    class StopAt2:
-        def __init__(self, t):
-            self.t = t
-
-        def warmup(self, *a, **k):
-            pass
-
-        def step(self, s, metrics):
-            if s == 2:
-                self.t.stop_requested = True
-
-    t = LocalTrainer(load_config(CONFIG, extra), stopped)
-    with pytest.raises(Preempted):
-        t.fit(progress=StopAt2(t))
-    LocalTrainer(load_config(CONFIG, extra), stopped, resume=True).fit()
-    a, b = records(full), records(stopped)
+    a, b = _uninterrupted_and_resumed(tmp_path, [
+        *STOPPED_RUN, "algorithm.loss=stare",
+        "algorithm.loss_params={variant: C2, adaptive: true, alpha: 0.05, target_entropy: 100.0, top_ratio: 0.2}"])
     assert a == b
     steps = [r for r in a if "stare/reweight_w" in r]
     assert [r["stare/reweight_w"] for r in steps] == pytest.approx([1.15, 1.2, 1.25, 1.3])
