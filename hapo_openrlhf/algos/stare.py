@@ -111,8 +111,11 @@ class StareController:
         return asdict(self)
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        for k, v in sd.items():
-            setattr(self, k, v)
+        """The state a step changes (W, M, the gate, the last entropy); the settings (target,
+        step size, bounds) stay this run's config, so a resume may change them."""
+        for k in ("reweight_w", "reweight_m", "gate_on", "current_ent"):
+            if k in sd:
+                setattr(self, k, sd[k])
 
 
 def step_state(params, persisted, *, entropy_sum, token_count, surprisal=None, advantages=None, mask=None):

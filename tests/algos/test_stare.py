@@ -173,3 +173,14 @@ def test_hostile_parameters_are_named(params, named):
     with pytest.raises(ValueError, match=named):
         algos.LOSSES.check_params("stare", params)
 
+
+
+def test_a_restored_controller_keeps_its_state_and_takes_the_new_settings():
+    old = StareController(target_entropy=0.3, reweight_w=1.3, reweight_m=0.7, adaptive=True, alpha=0.1)
+    old.update(0.1)
+    new = StareController(target_entropy=0.05, reweight_w=1.1, reweight_m=0.9, adaptive=True, alpha=0.2)
+    new.load_state_dict(old.state_dict())
+    assert (new.reweight_w, new.reweight_m, new.gate_on) == pytest.approx((1.4, 0.6, True))
+    assert (new.target_entropy, new.alpha) == (0.05, 0.2)
+    new.update(0.1)  # above the new target: the gate closes, W and M step back by the new alpha
+    assert (new.gate_on, new.reweight_w, new.reweight_m) == pytest.approx((False, 1.2, 0.8))
