@@ -72,8 +72,8 @@ from openrlhf.trainer.ppo_utils.experience import (
 from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-from ...fsguard import claim, remove_owned
 from ...algos.losses import METHOD_METRICS
+from ...fsguard import claim, remove_owned
 from ...grad_guard import SkipGuard
 from .actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV, LossStateSink
