@@ -251,7 +251,7 @@ def test_megatron_actor_offers_every_controller_call():
     from hapo_openrlhf.integrations.openrlhf.actor import HapoPolicyModelActorImpl
 
     ours = set(re.findall(r'method_name="(\w+)"', inspect.getsource(hapo_experience)))
-    assert ours == {"clear_behaviour_entropy", "pop_behaviour"}, ours
+    assert ours == {"clear_behaviour_entropy", "pop_behaviour", "set_loss_state"}, ours
     for m in ours:
         assert callable(getattr(MegatronPolicyActorImpl, m)) and callable(getattr(HapoPolicyModelActorImpl, m)), m
     # ranks of one replica are consecutive actors: the controller's duplicate factor
