@@ -39,7 +39,8 @@ class NetworkInterfaceError(ValueError):
 
 
 def check_name(name: str, option: str = "--network-interface") -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    # Linux's own rule (dev_valid_name): at most 15 bytes, no "/" or whitespace, not "." or ".."
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
         raise NetworkInterfaceError(f"{option} {name!r} is not a network interface name")
     return name
 

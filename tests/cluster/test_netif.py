@@ -21,8 +21,9 @@ def test_interface_ip_resolves_or_names_the_interfaces():
     assert interfaces()["lo"] == "127.0.0.1"
     with pytest.raises(NetworkInterfaceError, match=r"nosuch0: the interface does not exist on node .*lo \(127"):
         interface_ip("nosuch0")
-    with pytest.raises(NetworkInterfaceError, match="not a network interface name"):
-        interface_ip("eth0; rm -rf /")
+    for hostile in ("eth0; rm -rf /", "..", ".", "../ib0", "ib 0", "ib0\n", "x" * 16, "x" * 100_000, ""):
+        with pytest.raises(NetworkInterfaceError, match="not a network interface name"):
+            interface_ip(hostile)
 
 
 @pytest.mark.parametrize("env, message", [
