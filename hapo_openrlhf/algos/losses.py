@@ -55,7 +55,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ROW_LOCAL_LOSSES = frozenset({"ppo", "entro_reg"})
 
 
-# name -> step_state(params, persisted, *, entropy, mask, old_logprobs, advantages) ->
+# name -> step_state(params, persisted, *, entropy, response_mask, old_logprobs, advantages, loss_mask) ->
 # (loss_state for this step's loss calls, the state to checkpoint, metrics): the losses
 # that keep state across steps (STARE's controller). Trainers call ``loss_step_state``.
 STATEFUL: dict[str, Any] = {}

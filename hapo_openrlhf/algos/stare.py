@@ -73,7 +73,7 @@ def stare_omega(surprisal, advantages, mask, *, variant, ratio, gate, w, m, thre
         l_pos, l_neg = pos & (surprisal >= thresholds["threshold_pos"]), neg & (surprisal >= thresholds["threshold_neg"])
     if variant == "O1":
         l_neg = torch.zeros_like(l_neg)
-    omega = torch.ones_like(surprisal, dtype=torch.float32 if not surprisal.is_floating_point() else surprisal.dtype)
+    omega = torch.ones_like(surprisal)  # on the tokens' device, in their dtype
     if gate:
         omega = torch.where(l_pos, torch.full_like(omega, w), torch.where(l_neg, torch.full_like(omega, m), omega))
     return omega, l_pos, l_neg
@@ -118,16 +118,17 @@ class StareController:
                 setattr(self, k, sd[k])
 
 
-def step_state(params, persisted, *, entropy_sum, token_count, surprisal=None, advantages=None, mask=None):
-    """The controller's once-per-step update from the batch's token-mean behaviour entropy
-    (sums over every rank), and for ``selection="batch"`` the step's thresholds over the
-    batch (one rank's view: a back end with several ranks gathers before calling)."""
+def step_state(params, persisted, *, entropy, response_mask, old_logprobs, advantages, loss_mask):
+    """The controller's once-per-step update from the whole batch's token-mean behaviour
+    entropy, and for ``selection="batch"`` the step's thresholds over the batch's behaviour
+    surprisal (the callers hold the whole batch: every data-parallel rank's rows)."""
     ctl = StareController.from_params(params)
     ctl.load_state_dict(persisted)
-    ctl.update(float(entropy_sum) / max(float(token_count), 1.0))
+    m = response_mask.bool()
+    ctl.update(float(torch.where(m, entropy.float(), 0.0).sum()) / max(int(m.sum()), 1))
     state = ctl.state_dict()
     if params["selection"] == "batch":
-        state = {**state, **stare_thresholds(surprisal, advantages, mask, params["top_ratio"])}
+        state = {**state, **stare_thresholds(-old_logprobs, advantages, loss_mask, params["top_ratio"])}
     return state, ctl.state_dict(), {"stare/batch_entropy": ctl.current_ent}
 
 

@@ -279,10 +279,10 @@ class LocalTrainer:
         metrics.update(algos.quadrant_metrics(adv_out.advantages, ent, mask, tau,
                                               polarity=algos.outcome_polarity(inputs)))
         metrics.update(adv_out.metrics)
-        m = mask.bool()  # the controller of a stateful loss (STARE) steps once, before the loss
+        # the controller of a stateful loss (STARE) steps once, before the loss
         loss_state, self.state.loss_state, state_metrics = algos.loss_step_state(
-            a.loss, a.loss_params, self.state.loss_state, entropy_sum=float(ent[m].sum()), token_count=int(m.sum()),
-            surprisal=-old_logp, advantages=adv_out.advantages, mask=loss_mask)
+            a.loss, a.loss_params, self.state.loss_state, entropy=ent, response_mask=mask, old_logprobs=old_logp,
+            advantages=adv_out.advantages, loss_mask=loss_mask)
         metrics.update(state_metrics)
         metrics.update(self._update(ro, old_logp, adv_out.advantages, loss_mask, loss_state))
         _, ent_after = self._behaviour(ro)

@@ -146,15 +146,17 @@ def test_the_adaptive_controller_over_five_steps_equals_the_reference():
 def test_the_step_state_round_trips_and_batch_selection_equals_one_micro_batch_on_policy():
     logp, _, adv, mask = _batch(3)
     params = {"selection": "batch", "top_ratio": 0.25, "target_entropy": 5.0}
-    state, persisted, metrics = algos.loss_step_state("stare", params, {}, entropy_sum=3.0, token_count=4,
-                                                      surprisal=-logp, advantages=adv, mask=mask)
+    ent = torch.where(mask, 0.75, float("nan"))  # token-mean 0.75 (padding never counts)
+    state, persisted, metrics = algos.loss_step_state("stare", params, {}, entropy=ent, response_mask=mask,
+                                                      old_logprobs=logp, advantages=adv, loss_mask=mask)
     assert metrics == {"stare/batch_entropy": 0.75} and persisted["gate_on"] is True
     assert state["threshold_pos"] == stare_thresholds(-logp, adv, mask, 0.25)["threshold_pos"]
     common = dict(advantages=adv, response_mask=mask, aggregation="token-mean", top_ratio=0.25)
     by_batch, _ = algos.compute_policy_loss("stare", logp, logp, selection="batch", loss_state=state, **common)
     by_micro, _ = algos.compute_policy_loss("stare", logp, logp, loss_state=persisted, **common)
     assert torch.equal(by_batch, by_micro)  # distinct surprisals: the same tokens either way
-    assert algos.loss_step_state("ppo", {}, {}, entropy_sum=1.0, token_count=1) == (None, {}, {})
+    assert algos.loss_step_state("ppo", {}, {}, entropy=ent, response_mask=mask, old_logprobs=logp, advantages=adv,
+                                 loss_mask=mask) == (None, {}, {})
     with pytest.raises(ValueError, match="selection='batch' needs the step's thresholds"):
         algos.compute_policy_loss("stare", logp, logp, selection="batch", **common)
 

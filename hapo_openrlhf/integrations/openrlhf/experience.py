@@ -134,12 +134,10 @@ def step_loss_state(experiences: Sequence[Any], result: dict[str, Any], algorith
     advantages, before any actor trains. Returns (state for the actors, state to
     checkpoint, metrics); (None, {}, {}) for a loss without state."""
     inp = result["inputs"]
-    mask = inp.response_mask.bool()
-    W = mask.shape[1]
-    old = _pad_cat([e.action_log_probs.float() for e in experiences], W)
+    old = _pad_cat([e.action_log_probs.float() for e in experiences], inp.response_mask.shape[1])
     return algos.loss_step_state(algorithm["loss"], dict(algorithm["loss_params"]), persisted,
-                                 entropy_sum=float((inp.entropy * mask).sum()), token_count=int(mask.sum()),
-                                 surprisal=-old, advantages=result["advantages"], mask=result["loss_mask"])
+                                 entropy=inp.entropy, response_mask=inp.response_mask, old_logprobs=old,
+                                 advantages=result["advantages"], loss_mask=result["loss_mask"])
 
 
 class HapoExperienceMaker(RemoteExperienceMaker):
