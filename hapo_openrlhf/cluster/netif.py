@@ -105,9 +105,8 @@ def check_reaches(host: str, port: int, source_ip: str, name: str, timeout_s: fl
             s.connect((host, port))
         except ConnectionRefusedError:
             return
-        except (TimeoutError, socket.timeout, OSError) as e:
-            code = getattr(e, "errno", None)
-            why = "no answer within %.0f s" % timeout_s if code in (None, errno.ETIMEDOUT) else e.strerror
+        except OSError as e:  # a timeout (TimeoutError is an OSError) or an unreachable network
+            why = f"no answer within {timeout_s:.0f} s" if e.errno in (None, errno.ETIMEDOUT) else e.strerror
             raise NetworkInterfaceError(
                 f"--network-interface {name}: node {socket.gethostname()} cannot reach {host}:{port} from "
                 f"{name} ({source_ip}): {why}; name an interface every node shares a network on "
