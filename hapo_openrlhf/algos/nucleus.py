@@ -17,6 +17,8 @@ Rows are processed in chunks of ``chunk_size`` (a sort of one [chunk, V] block a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -79,8 +81,24 @@ BISECT_STEPS = 40
 SORT_ROWS = 64
 
 
+class NucleusStats(NamedTuple):
+    """Per position, [...] float32: log P(S); the entropy of p renormalised over S (None
+    unless asked for); log p(1st) - log p(2nd), the two most probable tokens (None unless
+    asked for; +inf with a one-token vocabulary)."""
+
+    logmass: torch.Tensor
+    entropy: torch.Tensor | None
+    top2_gap: torch.Tensor | None
+
+
 @torch.no_grad()
-def sharded_nucleus_logmass(
+def sharded_nucleus_logmass(x: torch.Tensor, top_p: float, **kw) -> torch.Tensor:
+    """[...] log P(S) from a vocabulary shard (:func:`sharded_nucleus_stats`)."""
+    return sharded_nucleus_stats(x, top_p, **kw).logmass
+
+
+@torch.no_grad()
+def sharded_nucleus_stats(
     x: torch.Tensor,
     top_p: float,
     *,
@@ -89,8 +107,11 @@ def sharded_nucleus_logmass(
     n_valid: int | None = None,
     group=None,
     chunk_size: int = 1024,
-) -> torch.Tensor:
-    """[...] log P(S) from a vocabulary shard, never the full [N, V] logits.
+    entropy: bool = False,
+    top2_gap: bool = False,
+) -> NucleusStats:
+    """[...] log P(S) -- and the nucleus entropy and top-two gap when asked -- from a
+    vocabulary shard, never the full [N, V] logits.
 
     ``x``: this rank's logits shard ``[..., Vr]``, or with ``weight`` ([Vr, H], this
     rank's LM-head rows) the last hidden states ``[..., H]`` (the fused heads: each
@@ -115,8 +136,18 @@ def sharded_nucleus_logmass(
        group: floor((1 - top_p - dropped) / v) of its tokens are dropped as well, never
        the most probable token.
 
-    Cost per chunk: one segmented sort and one cumsum over [C, Vr], then O(C log Vr) per
-    step. Nothing at ``top_p`` 1.
+    4. ``entropy``: the nucleus entropy H_S = log P(S) - sum_{i in S} p_i log p_i / P(S)
+       (PAEC's signal; the full entropy at ``top_p`` 1): p log p is written into the
+       cumulative-sum buffer and summed cumulatively in float64 (the kept part is a
+       difference of sums of up to V terms, divided by P(S)), and the dropped part is
+       subtracted as the mass is (the straddling group's share is ``extra * v log v``).
+    5. ``top2_gap``: log p(1st) - log p(2nd) = z(1st) - z(2nd) at the temperature, from
+       each shard's top two and three [C] all-reduces (the largest; how many ranks'
+       top two equal it; the largest below it) -- nothing gathered.
+
+    Cost per chunk: one segmented sort and one cumsum over [C, Vr] (with ``entropy`` a
+    second, into a float64 [C, Vr]), then O(C log Vr) per step. Nothing at ``top_p`` 1
+    unless ``entropy`` or ``top2_gap``.
     """
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -127,8 +158,10 @@ def sharded_nucleus_logmass(
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     out = torch.zeros(flat.shape[0], dtype=torch.float32, device=x.device)
-    if top_p == 1.0:
-        return out.view(lead)
+    ent = torch.zeros_like(out) if entropy else None
+    gap = torch.zeros_like(out) if top2_gap else None
+    if top_p == 1.0 and not (entropy or top2_gap):
+        return NucleusStats(out.view(lead), None, None)
     Vr = weight.shape[0] if weight is not None else flat.shape[-1]
     nv = Vr if n_valid is None else max(0, min(Vr, int(n_valid)))
     if nv == 0 and group is None:
@@ -150,6 +183,10 @@ def sharded_nucleus_logmass(
             z = z.div_(temperature) if own else z / temperature
             own = True
         C = z.shape[0]
+        if gap is not None:
+            gap[s:s + C] = _top2_gap(z, nv, reduce)
+        if top_p == 1.0 and ent is None:
+            continue
         m = reduce(z.amax(-1) if nv else z.new_full((C,), -torch.inf), dist.ReduceOp.MAX)
         # the probabilities, in place when z is ours (not the caller's logits)
         p = (z.sub_(m.unsqueeze(-1)) if own else z - m.unsqueeze(-1)).exp_()
@@ -189,6 +226,35 @@ def sharded_nucleus_logmass(
         extra = torch.floor((budget - gone).clamp(min=0) / v)
         extra = torch.minimum(torch.minimum(extra, n_v), n_above - 1).clamp(min=0)
         total = reduce(csum[:, -1].clone() if nv else torch.zeros_like(m), dist.ReduceOp.SUM)
-        out[s:s + C] = (total - gone - extra * v).log()
+        kept = total - gone - extra * v
+        out[s:s + C] = kept.log()
+        if ent is not None:  # the same split, of p log p, its cumulative sum in float64: the kept
+            # part is a difference of two sums of up to V terms, and the nucleus can hold a tiny mass
+            csum = torch.cumsum(torch.xlogy(p, p, out=csum), -1, dtype=torch.float64)
+            n = n_at_most(lo)
+            plogp = csum.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1) if nv else torch.zeros_like(m)
+            zero = torch.zeros(C, dtype=torch.float64, device=m.device)
+            gone_plogp = reduce(torch.where(n > 0, plogp, zero), dist.ReduceOp.SUM)
+            all_plogp = reduce(csum[:, -1].clone() if nv else zero, dist.ReduceOp.SUM)
+            vc = v.clamp(max=1).double()
+            kept_plogp = all_plogp - gone_plogp - extra.double() * torch.xlogy(vc, vc)
+            kept64 = total.double() - gone.double() - extra.double() * vc
+            ent[s:s + C] = (kept64.log() - kept_plogp / kept64).clamp(min=0).float()
         p = csum = None  # freed before the next chunk
-    return out.view(lead)
+    view = (lambda t: None if t is None else t.view(lead))
+    return NucleusStats(out.view(lead), view(ent), view(gap))
+
+
+def _top2_gap(z: torch.Tensor, nv: int, reduce) -> torch.Tensor:
+    """[C] z(1st) - z(2nd) over the ranks' shards of the rows of ``z`` [C, >= nv] (its first
+    nv columns are vocabulary): the largest m; if two or more of the ranks' top-two values
+    equal m, the gap is 0; else m minus the largest value below m."""
+    C = z.shape[0]
+    ninf = torch.full((C, 2), -torch.inf, dtype=torch.float32, device=z.device)
+    top = z[:, :nv].topk(min(2, nv), -1).values if nv else ninf[:, :0]
+    top = torch.cat([top, ninf[:, : 2 - top.shape[1]]], -1)  # [C, 2], descending, -inf padded
+    m = reduce(top[:, 0].clone(), dist.ReduceOp.MAX)
+    at_m = reduce((top == m.unsqueeze(-1)).sum(-1).to(torch.float32), dist.ReduceOp.SUM)
+    below = torch.where(top < m.unsqueeze(-1), top, ninf).amax(-1)
+    second = torch.where(at_m >= 2, m, reduce(below, dist.ReduceOp.MAX))
+    return m - second
