@@ -15,7 +15,12 @@ does not take it); ``compute_policy_loss`` computes it from ``rollout_logprobs``
 ``is_correction``.
 
 ``loss_state`` (a mapping, or None) is state the trainer keeps across steps for a loss
-that has some (STARE's controller, ``algos/stare.py``); checkpointed by every back end.
+that has some (STARE's controller, ``algos/stare.py``; PAEC's anchor, ``algos/paec.py``);
+checkpointed by every back end.
+
+``nucleus_entropy`` and ``top2_gap`` ([B,T], detached, or None): the current forward's
+entropy over its top-p nucleus and log p(1st) - log p(2nd), which every head computes for
+a loss that takes them (``head_signals_top_p``; ``algos.nucleus.sharded_nucleus_stats``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ LOSSES = Registry(
         "generator",
         "token_weight",
         "loss_state",
+        "nucleus_entropy",
+        "top2_gap",
     ),
     required=("token_weight",),
 )
@@ -59,6 +66,9 @@ ROW_LOCAL_LOSSES = frozenset({"ppo", "entro_reg"})
 # (loss_state for this step's loss calls, the state to checkpoint, metrics): the losses
 # that keep state across steps (STARE's controller). Trainers call ``loss_step_state``.
 STATEFUL: dict[str, Any] = {}
+# name -> observe(params, persisted, metrics) -> persisted: a stateful loss's update after a
+# step from the step's reported metrics (PAEC's anchor). Trainers call ``loss_observe``.
+OBSERVERS: dict[str, Any] = {}
 # name -> the method's own metric keys (``stare/...``) its loss returns beside ``actor/...``:
 # the actors report them per micro-batch, and every rank must know the keys up front
 METHOD_METRICS: dict[str, tuple[str, ...]] = {}
@@ -70,6 +80,22 @@ def loss_step_state(name: str, params: dict, persisted: dict | None, **batch: An
     if name not in STATEFUL:
         return None, {}, {}
     return STATEFUL[name]({**LOSSES.get(name).defaults, **params}, persisted or {}, **batch)
+
+
+def loss_observe(name: str, params: dict, persisted: dict | None, metrics: dict) -> dict:
+    """After a step: ``name``'s persisted state updated from the step's metrics (unchanged
+    for a loss without an observer)."""
+    if name not in OBSERVERS:
+        return dict(persisted or {})
+    return OBSERVERS[name]({**LOSSES.get(name).defaults, **params}, persisted or {}, metrics)
+
+
+def head_signals_top_p(name: str, params: dict) -> float | None:
+    """The top-p at which the heads must compute ``nucleus_entropy`` and ``top2_gap`` for
+    ``name`` (its ``top_p`` parameter), or None when the loss takes neither."""
+    if not {"nucleus_entropy", "top2_gap"} & LOSSES.get(name).accepts:
+        return None
+    return float({**LOSSES.get(name).defaults, **params}["top_p"])
 
 
 def list_losses() -> list[str]:

@@ -12,7 +12,7 @@ import torch
 
 from ..algos import check_finite, logprobs_and_entropy
 from ..algos.fused import fused_logprobs_entropy, fused_token_loss
-from ..algos.nucleus import sharded_nucleus_logmass
+from ..algos.nucleus import sharded_nucleus_logmass, sharded_nucleus_stats
 
 
 @dataclass
@@ -147,11 +147,14 @@ def fused_policy_loss(model, rollout: Rollout, loss_of, *, temperature: float, c
 
 
 def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: int, with_entropy_grad: bool = False,
-                   fused: bool = True, packing: bool = False, nucleus_top_p: float | None = None):
+                   fused: bool = True, packing: bool = False, nucleus_top_p: float | None = None,
+                   signals_top_p: float | None = None):
     """(log-probs [B,R], entropy [B,R]) of the response tokens under ``model`` at
     ``temperature``; entropy is detached unless ``with_entropy_grad``. With
     ``nucleus_top_p`` a third tensor: log P(top-p nucleus) [B,R] of each response
-    position's full distribution (``rollout/nucleus_logmass``; no grad, 0 at top-p 1).
+    position's full distribution (``rollout/nucleus_logmass``; no grad, 0 at top-p 1). With
+    ``signals_top_p`` two more, detached: the entropy over the top-p nucleus and the top-two
+    log-prob gap [B,R] (PAEC's signals, ``algos.nucleus.sharded_nucleus_stats``).
 
     fused: the LM head, log-prob and entropy run chunk by chunk from the hidden
     states (``fused_logprobs_entropy``), so the [B, R, V] logits never exist; else
@@ -166,6 +169,9 @@ def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: i
         if nucleus_top_p is not None:
             logmass = sharded_nucleus_logmass(hid, nucleus_top_p, weight=head, temperature=temperature,
                                               chunk_size=chunk_size)
+        if signals_top_p is not None:
+            sig = sharded_nucleus_stats(hid.detach(), signals_top_p, weight=head.detach(), temperature=temperature,
+                                        chunk_size=chunk_size, entropy=True, top2_gap=True)
     else:
         resp_logits = model.get_output_embeddings()(hid)
         check_finite("logits", resp_logits.detach().amax(-1), mask)
@@ -173,11 +179,17 @@ def policy_forward(model, rollout: Rollout, *, temperature: float, chunk_size: i
         if nucleus_top_p is not None:
             logmass = sharded_nucleus_logmass(resp_logits, nucleus_top_p, temperature=temperature,
                                               chunk_size=chunk_size)
+        if signals_top_p is not None:
+            sig = sharded_nucleus_stats(resp_logits.detach(), signals_top_p, temperature=temperature,
+                                        chunk_size=chunk_size, entropy=True, top2_gap=True)
     if not with_entropy_grad:
         ent = ent.detach()
+    out = (logp * mask, ent * mask)
     if nucleus_top_p is not None:
-        return logp * mask, ent * mask, logmass * mask
-    return logp * mask, ent * mask
+        out += (logmass * mask,)
+    if signals_top_p is not None:
+        out += (sig.entropy * mask, torch.where(mask.bool(), sig.top2_gap, torch.zeros_like(sig.top2_gap)))
+    return out
 
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:

@@ -284,7 +284,10 @@ class LocalTrainer:
             a.loss, a.loss_params, self.state.loss_state, entropy=ent, response_mask=mask, old_logprobs=old_logp,
             advantages=adv_out.advantages, loss_mask=loss_mask)
         metrics.update(state_metrics)
-        metrics.update(self._update(ro, old_logp, adv_out.advantages, loss_mask, loss_state))
+        update = self._update(ro, old_logp, adv_out.advantages, loss_mask, loss_state)
+        metrics.update(update)
+        # ... and after the step, a loss that learns from it (PAEC's anchor) records what it saw
+        self.state.loss_state = algos.loss_observe(a.loss, a.loss_params, self.state.loss_state, update)
         _, ent_after = self._behaviour(ro)
         metrics.update(algos.quadrant_entropy_change(qmasks, ent, ent_after))
         metrics.update(self._rollout_metrics(batch, ent, ent_after, adv_out.advantages))
@@ -303,6 +306,7 @@ class LocalTrainer:
         normalizer = algos.default_normalizer(loss_mask, a.aggregation)
         # losses that take `entropy` (EntroReg) need the current policy's entropy with grad
         needs_entropy = "entropy" in algos.LOSSES.get(a.loss).accepts
+        signals_top_p = algos.head_signals_top_p(a.loss, a.loss_params)  # PAEC's nucleus entropy, top-two gap
         in_forward = cfg.model.fused_head and cfg.model.fused_loss_in_forward and a.loss in algos.ROW_LOCAL_LOSSES
         self.model.train()
         sums: dict[str, float] = {}
@@ -326,9 +330,12 @@ class LocalTrainer:
                     _, m = algos.compute_policy_loss(a.loss, logp, old_logp[idx], adv[idx], loss_mask[idx],
                                                      entropy=ent, **kw)
                 else:
-                    logp, ent = policy_forward(self.model, mro, temperature=cfg.rollout.temperature,
-                                               chunk_size=a.entropy_chunk_size, with_entropy_grad=needs_entropy,
-                                               fused=cfg.model.fused_head, packing=cfg.model.packing)
+                    logp, ent, *sig = policy_forward(self.model, mro, temperature=cfg.rollout.temperature,
+                                                     chunk_size=a.entropy_chunk_size, with_entropy_grad=needs_entropy,
+                                                     fused=cfg.model.fused_head, packing=cfg.model.packing,
+                                                     signals_top_p=signals_top_p)
+                    if sig:
+                        kw = dict(kw, nucleus_entropy=sig[0], top2_gap=sig[1])
                     loss, m = algos.compute_policy_loss(a.loss, logp, old_logp[idx], adv[idx], loss_mask[idx],
                                                         entropy=ent, **kw)
                 loss.backward()

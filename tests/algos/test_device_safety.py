@@ -93,7 +93,9 @@ def test_every_loss_is_device_safe(name, correction):
     old = lp.detach() + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
     adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
     kw = {"kl_cov": dict(k_ratio=0.3), "clip_cov": dict(clip_ratio=0.3, cov_lb=-10.0, cov_ub=10.0),
-          "rsi_s": dict(lower=0.2, upper=5.0)}.get(name, {})
+          "rsi_s": dict(lower=0.2, upper=5.0),
+          "paec": dict(beta=1.0, rho_min=2.0, top_p=0.9, mask="product", softness=0.1, loss_state={"h_low": 10.0},
+                       nucleus_entropy=b["entropy"] * 0.5, top2_gap=b["entropy"].abs())}.get(name, {})
     if correction is not None:
         kw.update(is_correction=correction, rollout_logprobs=old - 0.1)
     with default_device_meta():

@@ -131,7 +131,8 @@ def test_every_estimator_runs_a_real_step(tmp_path, name):
 
 @pytest.mark.parametrize("name", list_losses())
 def test_every_loss_runs_a_real_step(tmp_path, name):
-    params = {"kl_cov": "{k_ratio: 0.05}", "entro_reg": "{beta: 0.01}", "rsi_s": "{lower: 0.1, upper: 10.0}"}.get(name, "{}")
+    params = {"kl_cov": "{k_ratio: 0.05}", "entro_reg": "{beta: 0.01}", "rsi_s": "{lower: 0.1, upper: 10.0}",
+              "paec": PAEC}.get(name, "{}")
     t = _trainer(tmp_path, [f"algorithm.loss={name}", f"algorithm.loss_params={params}", "algorithm.estimator=grpo",
                             "algorithm.estimator_params={}"])
     m = t.train_step()
@@ -303,6 +304,28 @@ def test_a_stopped_stare_run_resumes_with_its_controller(tmp_path):
     assert [r["stare/reweight_m"] for r in steps] == pytest.approx([0.85, 0.8, 0.75, 0.7])
     assert all(r["stare/gate_on"] == 1.0 for r in steps)
     assert any(r["stare/positive_reweight_frac"] > 0 for r in steps)  # steps with only A = 0 select nothing
+
+
+# the values PAEC's paper does not publish: ours, for the tests (algos/paec.py)
+PAEC = "{beta: 10.0, rho_min: 2.0, top_p: 0.9, mask: product, softness: 0.0, anchor_steps: 2}"
+
+
+def test_a_stopped_paec_run_resumes_with_its_anchor(tmp_path):
+    """PAEC's anchor H0 (the mean masked entropy of the first K = 2 steps) is set after step
+    2 and lives in the checkpoint: stopped at step 2 and resumed, the run equals the
+    uninterrupted one; the floor (rho_min H0, above H0 here so the penalty acts) applies from
+    step 3, with the penalty the loss term beta max(0, H_low - H_bar)^2 reports."""
+    a, b = _uninterrupted_and_resumed(tmp_path, [*STOPPED_RUN, "algorithm.loss=paec", f"algorithm.loss_params={PAEC}"])
+    assert a == b
+    steps = [r for r in a if "paec/masked_entropy" in r]
+    assert len(steps) == 4
+    h0 = (steps[0]["paec/masked_entropy"] + steps[1]["paec/masked_entropy"]) / 2
+    assert "paec/h_low" not in steps[0] and "paec/h_low" not in steps[1]
+    assert [r["paec/h_low"] for r in steps[2:]] == pytest.approx([2.0 * h0] * 2)
+    assert all(r["paec/penalty"] == 0 for r in steps[:2]) and all(r["paec/penalty"] > 0 for r in steps[2:])
+    assert all(r["paec/below_floor"] == 1.0 for r in steps[2:])
+    # the mask selects about 20% of each response's positions (at least one)
+    assert all(0.15 < r["paec/mask_mean"] < 0.6 for r in steps)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
