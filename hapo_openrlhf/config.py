@@ -545,11 +545,6 @@ class RunConfig:
                                                       "directory); name a run directory")
         _require(bool(str(self.run_name).strip()) and "\n" not in str(self.run_name), "run_name must be one non-empty line")
         a = self.algorithm
-        _require(self.backend == "local" or a.estimator != "eapo_entropic"
-                 or not a.estimator_params.get("decay_steps"),
-                 "algorithm.estimator_params.decay_steps (eapo_entropic's kappa decay) runs on the embedded back end "
-                 "only: OpenRLHF's experience maker is not told the optimizer step yet; leave it 0 (the paper's "
-                 "default) on backend openrlhf/megatron")
         if self.backend == "local" and not self.model.path:
             from .data.templates import TEMPLATES
 

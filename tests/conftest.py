@@ -226,6 +226,31 @@ def largest_tensor_numel(fn, dtype=None) -> int:
     return biggest
 
 
+def largest_new_tensor_numel(fn) -> int:
+    """Run ``fn()`` and return the numel of the largest *new* tensor any op produced (views,
+    in-place and ``out=`` results alias an input and are not counted): what a code path
+    allocates itself beside inputs it was handed (a logits shard, say)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    biggest = 0
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal biggest
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            seen = {x.untyped_storage().data_ptr() for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if isinstance(x, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    biggest = max(biggest, t.numel())
+            return out
+
+    with Track():
+        fn()
+    return biggest
+
+
 def count_allocations(fn, numel: int) -> int:
     """Run ``fn()`` and count the ops that produced a *new* tensor of ``numel`` elements
     (in-place and ``out=`` results, which alias an input, are not counted): how many

@@ -100,6 +100,11 @@ def test_baseline_configs_select_their_algorithms():
     assert got["cpu_tiny_kl_cov"].loss == "kl_cov"
     assert got["cpu_tiny_stare"].loss == "stare" and got["cpu_tiny_stare"].loss_params["dual_clip"] == 10.0
     assert got["cpu_tiny_quadrant_nhr"].estimator_params["quadrants"] == ("NHR",)
+    # the methods whose values are unpublished: the configs set them (and say they are theirs)
+    assert got["cpu_tiny_paec"].loss == "paec" and got["cpu_tiny_paec"].loss_params["mask"] == "product"
+    assert got["cpu_tiny_rsi_s"].loss_params == {"lower": 0.1, "upper": 10.0, "eps_low": 0.2, "eps_high": 0.28}
+    for name in ("cpu_tiny_paec", "cpu_tiny_rsi_s"):
+        assert "ours" in (REPO / "configs" / f"{name}.yaml").read_text()
 
 
 def _numeric_keys(cls=None, prefix=""):

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..algos.fused import weight_grad_gemm
-from ..algos.nucleus import sharded_nucleus_logmass
+from ..algos.nucleus import sharded_nucleus_logmass, sharded_nucleus_stats
 from ..algos.vocab_parallel import _all_reduce, vocab_parallel_logprobs_entropy
 
 # megatron.head in the config (docs/configs.md): fused (this module) or logits (the output
@@ -271,6 +271,18 @@ def next_token_nucleus_logmass(out: torch.Tensor, *, top_p: float, weight: torch
     Vr = out.shape[-1] if weight is None else weight.shape[0]
     return sharded_nucleus_logmass(out[:, :-1], top_p, weight=weight, temperature=temperature,
                                    n_valid=vocab_size - tp_rank * Vr, group=tp_group, chunk_size=chunk_size)
+
+
+def next_token_head_signals(out: torch.Tensor, *, top_p: float, weight: torch.Tensor | None, vocab_size: int,
+                            temperature: float, chunk_size: int, tp_group, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nucleus entropy, top-two log-prob gap) [B, S-1] of each next-token distribution --
+    PAEC's signals -- from the same output as :func:`next_token_logprobs_entropy`, over the
+    tensor-parallel group, detached (``algos.nucleus.sharded_nucleus_stats``: no [T, V/TP])."""
+    Vr = out.shape[-1] if weight is None else weight.shape[0]
+    st = sharded_nucleus_stats(out[:, :-1].detach(), top_p, weight=None if weight is None else weight.detach(),
+                               temperature=temperature, n_valid=vocab_size - tp_rank * Vr, group=tp_group,
+                               chunk_size=chunk_size, entropy=True, top2_gap=True)
+    return st.entropy, st.top2_gap
 
 
 def resolve(head: str, attention: str) -> str:

@@ -167,6 +167,15 @@ class RowLayout:
                                               tp_rank=tp_rank)
         return self._place(lm)
 
+    def head_signals(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
+                     chunk_size: int, tp_group, tp_rank: int, weight=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nucleus entropy, top-two gap) [B, S-1] of each next-token distribution, detached,
+        from the same output as :meth:`logprobs_entropy` (``head.next_token_head_signals``)."""
+        ne, gap = heads.next_token_head_signals(out, top_p=top_p, weight=weight, vocab_size=vocab_size,
+                                                temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
+                                                tp_rank=tp_rank)
+        return self._place(ne), self._place(gap)
+
     def _place(self, v: torch.Tensor) -> torch.Tensor:
         """The model's next-token values -> the caller's [B, S-1] (zeros where a row has no
         next real token)."""
@@ -206,13 +215,16 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
 
 def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn | None, *,
                      vocab_size: int, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
-                     forward_only: bool = False, layout: str | None = None, nucleus_top_p: float = 1.0) -> list[Any]:
+                     forward_only: bool = False, layout: str | None = None, nucleus_top_p: float = 1.0,
+                     signals_top_p: float | None = None) -> list[Any]:
     """Run ``micro_batches`` (dicts with ``input_ids`` and ``attention_mask`` [B, S], plus
     whatever ``loss_fn`` reads) through the schedule on every rank of the model-parallel
     group. Returns, on the last pipeline stage, one entry per micro-batch: the metrics
     dict (with ``loss``), or with ``loss_fn=None`` the ``(logp, entropy)`` pair (the
     old-log-prob pass; with ``nucleus_top_p`` < 1 a triple, log P(nucleus) [B, S-1] third);
-    other stages get an empty list. Gradients accumulate into the
+    other stages get an empty list. With ``signals_top_p`` (a loss that takes them: PAEC)
+    ``loss_fn``'s micro-batch also holds ``head_signals``: (nucleus entropy, top-two gap)
+    [B, S-1] of the same forward, detached. Gradients accumulate into the
     parameters (with Megatron's DDP wrapper, ``ddp.wrap``: into its fp32 buffers) unless
     ``forward_only``.
 
@@ -266,7 +278,12 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
                                                  temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
                                                  tp_rank=tp_rank, weight=weight),)
                 return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), vals
-            loss, metrics = loss_fn(lp, en, mb)
+            batch = mb
+            if signals_top_p is not None:
+                batch = {**mb, "head_signals": lay.head_signals(
+                    logits, top_p=signals_top_p, vocab_size=vocab_size, temperature=temperature,
+                    chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight)}
+            loss, metrics = loss_fn(lp, en, batch)
             return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach(), **metrics}
 
         return output, loss_func

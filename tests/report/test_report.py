@@ -161,8 +161,10 @@ def test_each_competitors_metrics_get_their_own_figure(tmp_path):
     run.mkdir()
     recs = [{"step": s, "reward/mean": 0.5, "actor/entropy": 1.0, "eapo/kappa": 1.386 * (1 - s / 10),
              "eapo/weight_min": 0.5, "eapo/weight_max": 2.0, "less/clusters": float(s), "stare/gate_on": 1.0,
-             "stare/reweight_w": 1.1, "stare/positive_reweight_frac": 0.1} for s in range(1, 6)]
+             "stare/reweight_w": 1.1, "stare/positive_reweight_frac": 0.1, "paec/masked_entropy": 0.9,
+             **({"paec/h_low": 0.7} if s > 4 else {})} for s in range(1, 6)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     written = {p.name for p in plot_runs([run], tmp_path / "rep")}
-    assert {"method_eapo.png", "method_less.png", "method_stare.png"} <= written and "method_pepo.png" not in written
+    assert {"method_eapo.png", "method_less.png", "method_stare.png", "method_paec.png"} <= written
+    assert "method_pepo.png" not in written
     assert (tmp_path / "rep" / "method_eapo.png").read_bytes()[:8] == PNG

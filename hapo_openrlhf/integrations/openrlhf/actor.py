@@ -38,7 +38,7 @@ import torch
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from ...algos.entropy import entropy_from_logits
-from ...algos.nucleus import metric_due, sharded_nucleus_logmass
+from ...algos.nucleus import metric_due, sharded_nucleus_logmass, sharded_nucleus_stats
 from .fused_head import install_fused_head
 from .loss import DUMP_ENV, HapoPolicyLoss, LossStateSink
 from .nonfinite import DeepSpeedGradGuard
@@ -127,6 +127,7 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, LossStateSink, PolicyModel
         if hapo_cfg["model"].get("fused_head", True):
             why_not = install_fused_head(self.actor, self._entropy_chunk, self._nucleus_top_p)
             self._fused = why_not is None
+            self.actor._hapo_signals_top_p = self.loss_fn.signals_top_p  # PAEC's head signals, training passes
             if why_not:
                 logger.warning("hapo: fused LM head off, OpenRLHF's head is used: %s", why_not)
 
@@ -163,6 +164,10 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, LossStateSink, PolicyModel
         _, out = output
         if self.loss_fn.needs_entropy:
             self.loss_fn.pending_entropy = getattr(out, "entropy", None)
+        if self.loss_fn.signals_top_p is not None:  # PAEC: the fused head's, else from upstream's logits
+            seqs = args[0] if args else kwargs["sequences"]
+            am = args[1] if len(args) > 1 else kwargs["action_mask"]
+            self.loss_fn.pending_signals = self._head_signals(out, seqs, kwargs.get("attention_mask"), am.shape[1])
         if os.environ.get(DUMP_ENV):
             seqs = args[0] if args else kwargs["sequences"]
             mask = kwargs.get("attention_mask")
@@ -224,23 +229,41 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, LossStateSink, PolicyModel
     def _nucleus_logmass(self, output, sequences, attention_mask, n_act: int) -> torch.Tensor:
         """log P(nucleus) [B, n_act] at the response positions, from the trainer's full
         distribution at the rollout temperature: the fused head's own pass, else upstream's
-        (temperature-scaled) logits, packed rows mapped back as upstream maps its entropy."""
-        top_p, chunk = self._nucleus_top_p, self._entropy_chunk
+        (temperature-scaled) logits."""
         if self._fused:
             return output.nucleus_logmass[:, -n_act:].float()
-        logits = output["logits"]
+        top_p, chunk = self._nucleus_top_p, self._entropy_chunk
+        return self._at_responses(output["logits"], sequences, attention_mask, n_act,
+                                  lambda z: (sharded_nucleus_logmass(z, top_p, chunk_size=chunk),))[0]
+
+    def _head_signals(self, output, sequences, attention_mask, n_act: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nucleus entropy, top-two gap) [B, n_act] of a training pass, detached: the fused
+        head's own, else from upstream's (temperature-scaled) logits."""
+        if self._fused:
+            return output.nucleus_entropy[:, -n_act:], output.top2_gap[:, -n_act:]
+        top_p, chunk = self.loss_fn.signals_top_p, self._entropy_chunk
+
+        def stats(z):
+            st = sharded_nucleus_stats(z.detach(), top_p, chunk_size=chunk, entropy=True, top2_gap=True)
+            return st.entropy, st.top2_gap
+
+        return self._at_responses(output["logits"], sequences, attention_mask, n_act, stats)
+
+    def _at_responses(self, logits, sequences, attention_mask, n_act: int, fn) -> tuple[torch.Tensor, ...]:
+        """``fn`` (logit rows [..., V] -> per-row tensors) at the response positions [B, n_act];
+        packed rows mapped back as upstream maps its entropy, padded rows one row at a time
+        (each row's response slice is a view: no [B, A, V] copy)."""
         if getattr(self.actor, "packing_samples", False):
             from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor
 
             group = self.strategy.ring_attn_group
             _, _, _, pad_len, indices = unpad_and_slice_tensor(sequences.to(logits.device),
                                                                attention_mask.to(logits.device), group)
-            lm = sharded_nucleus_logmass(logits, top_p, chunk_size=chunk)
             B, S = sequences.shape
-            return gather_and_pad_tensor(lm, group, pad_len, indices, B, S)[:, :-1][:, -n_act:]
+            return tuple(gather_and_pad_tensor(t, group, pad_len, indices, B, S)[:, :-1][:, -n_act:] for t in fn(logits))
         T = logits.shape[1]
-        return torch.stack([sharded_nucleus_logmass(logits[b, T - 1 - n_act: T - 1], top_p, chunk_size=chunk)
-                            for b in range(logits.shape[0])])
+        rows = [fn(logits[b, T - 1 - n_act: T - 1]) for b in range(logits.shape[0])]
+        return tuple(torch.stack(ts) for ts in zip(*rows))
 
 
 

@@ -41,14 +41,27 @@ def _pad_cat(tensors: Sequence[torch.Tensor], width: int, dtype=None) -> torch.T
     return torch.cat(out, 0)
 
 
-def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: int) -> dict[str, Any]:
+def optimizer_steps_per_step(hapo_cfg: dict) -> int:
+    """Optimizer steps one RL step takes on the policy actors: its samples over
+    ``openrlhf.train_batch_size`` (which divides them, ``flags.build_argv`` checks), times
+    ``optim.ppo_epochs`` -- DeepSpeed's gradient-accumulation boundary, the Megatron actor's
+    window; OpenRLHF's dynamic batch keeps one optimizer step per train batch too."""
+    r, o = hapo_cfg["rollout"], hapo_cfg["openrlhf"]
+    return int(r["prompts_per_step"]) * int(r["samples_per_prompt"]) // int(o["train_batch_size"]) \
+        * int(hapo_cfg["optim"]["ppo_epochs"])
+
+
+def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: int,
+                        optimizer_step: int | None = None) -> dict[str, Any]:
     """Fill ``advantages``/``returns`` (and narrow ``action_mask``) of OpenRLHF experiences in place.
 
     Each experience needs ``rewards`` [b], ``action_mask`` [b, A_i], ``index`` (the rollout
     position of each row; rows ``k*n .. k*n+n-1`` are one prompt's group, as OpenRLHF
     generates them), ``response_length`` [b] and ``behaviour_entropy`` [b, A_i]; with
     ``nucleus_logmass`` [b, A_i] (a top-p rollout) the metrics get ``rollout/nucleus_logmass``.
-    Returns the estimator inputs/outputs (for dumps and tests) and the batch metrics.
+    ``optimizer_step``: the optimizer steps taken before this batch (eapo_entropic's kappa
+    decay, ``AdvantageInputs.step``). Returns the estimator inputs/outputs (for dumps and
+    tests) and the batch metrics.
     """
     a = hapo_cfg["algorithm"]
     if not experiences:
@@ -80,14 +93,14 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     response_ids = _pad_cat([e.sequences[:, e.sequences.shape[1] - e.action_mask.shape[1]:] for e in experiences], W)
     inputs = algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=entropy,
                                    group_index=torch.div(index, n_samples, rounding_mode="floor"),
-                                   correct=correct, response_ids=response_ids)
+                                   correct=correct, response_ids=response_ids, step=optimizer_step)
     # the estimator sees the rows in rollout order (the order the embedded trainer and verl
     # give it): LESS's clustering depends on the order of a group's responses
     order = torch.argsort(index)
     inv = torch.argsort(order)
     in_order = algos.AdvantageInputs(rewards=rewards[order], response_mask=mask[order], entropy=entropy[order],
                                      group_index=inputs.group_index[order], correct=correct[order],
-                                     response_ids=response_ids[order])
+                                     response_ids=response_ids[order], step=optimizer_step)
     out = algos.run_estimator(a["estimator"], in_order, **dict(a["estimator_params"]))
     out.advantages = out.advantages[inv]
     out.loss_mask = out.loss_mask[inv] if out.loss_mask is not None else None
@@ -133,6 +146,8 @@ def step_loss_state(experiences: Sequence[Any], result: dict[str, Any], algorith
     behaviour entropy and, for a batch-wide selection, the behaviour surprisal -- after the
     advantages, before any actor trains. Returns (state for the actors, state to
     checkpoint, metrics); (None, {}, {}) for a loss without state."""
+    if algorithm["loss"] not in algos.losses.STATEFUL:
+        return None, {}, {}
     inp = result["inputs"]
     old = _pad_cat([e.action_log_probs.float() for e in experiences], inp.response_mask.shape[1])
     return algos.loss_step_state(algorithm["loss"], dict(algorithm["loss_params"]), persisted,
@@ -143,7 +158,7 @@ def step_loss_state(experiences: Sequence[Any], result: dict[str, Any], algorith
 class HapoExperienceMaker(RemoteExperienceMaker):
     """Upstream experience maker with the registry in place of the estimator chain."""
 
-    _step = 0
+    _step = 0  # RL steps whose experience was made (a resumed run's controller restores it)
     loss_state: dict = {}  # a stateful loss's controller (checkpointed by HapoControllerMixin)
 
     def make_experience(self, samples_list):
@@ -164,7 +179,9 @@ class HapoExperienceMaker(RemoteExperienceMaker):
     @torch.no_grad()
     def compute_advantages_and_returns(self, experiences):
         args = self.strategy.args
-        result = registry_advantages(experiences, args.hapo, args.rollout.n_samples_per_prompt)
+        # the optimizer steps before this batch: RL steps so far (a resume restores the count) x steps per RL step
+        result = registry_advantages(experiences, args.hapo, args.rollout.n_samples_per_prompt,
+                                     optimizer_step=self._step * optimizer_steps_per_step(args.hapo))
         state, self.loss_state, state_metrics = step_loss_state(experiences, result, args.hapo["algorithm"],
                                                                 self.loss_state)
         if state is not None:  # every policy actor (every DP / TP / PP rank) trains this step with it

@@ -19,7 +19,10 @@ signature and return contract but
   come back exactly where upstream puts them;
 * under a top-p rollout, no-grad passes (the old log-probs) also set
   ``output.nucleus_logmass``, log P(nucleus) per position from the same hidden states
-  (:func:`hapo_openrlhf.algos.nucleus.sharded_nucleus_logmass`, one more matmul a chunk).
+  (:func:`hapo_openrlhf.algos.nucleus.sharded_nucleus_logmass`, one more matmul a chunk);
+* with ``actor._hapo_signals_top_p`` set (a loss that takes them: PAEC), training passes
+  also set ``output.nucleus_entropy`` and ``output.top2_gap``, detached, from the same
+  hidden states (``sharded_nucleus_stats``, one more matmul a chunk).
 
 Calls the fused path cannot serve fall through to upstream's forward unchanged:
 a caller that wants the logits themselves (``action_mask is None`` and no
@@ -40,7 +43,7 @@ import torch
 from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor
 
 from ...algos.fused import fused_logprobs_entropy
-from ...algos.nucleus import sharded_nucleus_logmass
+from ...algos.nucleus import sharded_nucleus_logmass, sharded_nucleus_stats
 
 
 def _hf_model(actor) -> torch.nn.Module:
@@ -121,6 +124,14 @@ def _fused_forward(
     if return_output and top_p < 1.0 and not torch.is_grad_enabled():
         logmass = sharded_nucleus_logmass(hidden, top_p, weight=head_weight, temperature=self.temperature,
                                           chunk_size=self._hapo_fused_chunk)
+    # training passes of a loss that takes them (PAEC): the nucleus entropy and top-two gap, detached
+    signals = None
+    signals_top_p = getattr(self, "_hapo_signals_top_p", None)
+    if return_output and signals_top_p is not None and torch.is_grad_enabled():
+        st = sharded_nucleus_stats(hidden.detach(), signals_top_p, weight=head_weight.detach(),
+                                   temperature=self.temperature, chunk_size=self._hapo_fused_chunk,
+                                   entropy=True, top2_gap=True)
+        signals = (st.entropy, st.top2_gap)
     del hidden
     if self.packing_samples:
         log_probs = gather_and_pad_tensor(log_probs, ring_attn_group, ring_attn_pad_len, indices, batch, seqlen)
@@ -128,12 +139,18 @@ def _fused_forward(
             entropy = gather_and_pad_tensor(entropy, ring_attn_group, ring_attn_pad_len, indices, batch, seqlen)
         if logmass is not None:
             logmass = gather_and_pad_tensor(logmass, ring_attn_group, ring_attn_pad_len, indices, batch, seqlen)
+        if signals is not None:
+            signals = tuple(gather_and_pad_tensor(t, ring_attn_group, ring_attn_pad_len, indices, batch, seqlen)
+                            for t in signals)
     output["logits"] = None  # never built; upstream callers of this path read log-probs and entropy only
     if return_entropy:
         assert return_output
         setattr(output, "entropy", entropy[:, :-1])
     if logmass is not None:
         setattr(output, "nucleus_logmass", logmass[:, :-1])
+    if signals is not None:
+        setattr(output, "nucleus_entropy", signals[0][:, :-1])
+        setattr(output, "top2_gap", signals[1][:, :-1])
     log_probs = log_probs[:, :-1]
     if action_mask is None:  # return_logprobs
         return (log_probs, output) if return_output else log_probs

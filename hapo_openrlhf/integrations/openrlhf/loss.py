@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ...algos.losses import LOSSES, METHOD_METRICS, STATEFUL, compute_policy_loss
+from ...algos.losses import LOSSES, METHOD_METRICS, STATEFUL, compute_policy_loss, head_signals_top_p
 
 DUMP_ENV = "HAPO_OPENRLHF_DUMP_DIR"
 
@@ -52,8 +52,11 @@ class HapoPolicyLoss(nn.Module):
         self.norm_constant = norm_constant
         # the losses that take the current policy's entropy (entro_reg with its gradient, rsi_s's index)
         self.needs_entropy = "entropy" in LOSSES.get(name).accepts
+        # the top-p of the head signals the loss takes (PAEC's nucleus entropy and top-two gap), or None
+        self.signals_top_p = head_signals_top_p(name, self.params)
         # Set by the actor's forward hook just before each call (current policy, with grad)
         self.pending_entropy: torch.Tensor | None = None
+        self.pending_signals: tuple[torch.Tensor, torch.Tensor] | None = None  # (nucleus entropy, top-two gap), detached
         self.pending_sequences: list[list[int]] | None = None  # unpadded token ids per row (dump only)
         self.last_metrics: dict[str, float] = {}
         # set by the DeepSpeed actor around each training step: the experience's info dict, where
@@ -91,6 +94,12 @@ class HapoPolicyLoss(nn.Module):
                 raise RuntimeError(f"{self.name} needs the current-policy entropy; the actor hook did not provide it "
                                    "(is --actor.entropy_coef set?)")
             extra["entropy"] = ent[:, -action_mask.shape[1]:]
+        if self.signals_top_p is not None:
+            if self.pending_signals is None:
+                raise RuntimeError(f"{self.name} needs the head's nucleus entropy and top-two gap; the actor hook did "
+                                   "not provide them")
+            n = action_mask.shape[1]
+            extra["nucleus_entropy"], extra["top2_gap"] = (t[:, -n:] for t in self.pending_signals)
         if self.name in STATEFUL:
             if self.loss_state is None:
                 raise RuntimeError(f"loss {self.name!r}: this step's controller state has not reached the actor "
@@ -105,7 +114,7 @@ class HapoPolicyLoss(nn.Module):
             aggregation=self.aggregation, normalizer=normalizer, norm_constant=self.norm_constant,
             sync=False, **extra, **self.params,
         )
-        self.pending_entropy = None
+        self.pending_entropy = self.pending_signals = None
         self.last_metrics = metrics
         self._dump(advantages, action_mask)
         dev = log_probs.device

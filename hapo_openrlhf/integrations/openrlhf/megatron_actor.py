@@ -413,6 +413,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
             A = mb["action_mask"].shape[1]
             if self.loss_fn.needs_entropy:
                 self.loss_fn.pending_entropy = en
+            if "head_signals" in mb:  # PAEC: the nucleus entropy and top-two gap of this forward
+                self.loss_fn.pending_signals = mb["head_signals"]
             if "rows" in mb:
                 self.loss_fn.pending_sequences = mb["rows"]
             loss, clip_ratio, ppo_kl, vllm_kl, is_filter = self.loss_fn(
@@ -452,7 +454,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                                     "tokens": [int(e.attention_mask.sum()) for e in window],
                                     "rows": [int(e.attention_mask.shape[0]) for e in window]}) + "\n")
         out = forward_backward(self.ddp, self._micro_batches(window), loss_fn, vocab_size=self.vocab_size,
-                               temperature=self.temperature, chunk_size=self.entropy_chunk, layout=self.layout)
+                               temperature=self.temperature, chunk_size=self.entropy_chunk, layout=self.layout,
+                               signals_top_p=self.loss_fn.signals_top_p)
         lr = self.schedulers[0].get_last_lr()[0]
         norm = self.optimizer.step()  # reduce over DP, clip at actor.max_norm, AdamW, gather parameters
         # a non-finite gradient: the optimizer skipped the update (every rank alike), the schedule

@@ -16,6 +16,7 @@ from pathlib import Path
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
+from ...algos.losses import loss_observe
 from ...local.logger import read_jsonl_records, record_line
 from ...preemption import Preempted, request_flag
 from .experience import HapoExperienceMaker
@@ -72,6 +73,8 @@ class HapoControllerMixin:
         self.step_limit.step = int(states["global_step"])  # a resumed run counts from its checkpoint
         # a stateful loss's controller (STARE) continues from the checkpoint's state
         self.experience_maker.loss_state = dict(states.get("hapo_loss_state") or {})
+        # ... and counts RL steps from it (eapo_entropic's kappa decay is keyed to the optimizer step)
+        self.experience_maker._step = self.step_limit.step
         self._last_saved_step = self.step_limit.step  # that state is on disk already
         return states
 
@@ -100,6 +103,10 @@ class HapoControllerMixin:
         step's checkpoint is forced (save_steps=1 for this call) and the fit loop stops.
         The step limit's last step is checkpointed too (a requeue after it trains no more)."""
         stop = request_flag(self.args.hapo["output_dir"]).exists()
+        if logs_dict:  # a loss that learns from the step it trained (PAEC's anchor), before the checkpoint
+            a = self.args.hapo["algorithm"]
+            self.experience_maker.loss_state = loss_observe(a["loss"], dict(a["loss_params"]),
+                                                            self.experience_maker.loss_state, logs_dict)
         if client_states is not None and self.experience_maker.loss_state:  # STARE's controller, checkpointed
             client_states["hapo_loss_state"] = dict(self.experience_maker.loss_state)
         if client_states is not None:  # upstream adds its eval keys to the dict it is given

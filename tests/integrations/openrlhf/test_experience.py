@@ -215,3 +215,41 @@ def test_the_stateful_losss_step_is_over_the_whole_batch(selection):
     else:
         assert "threshold_pos" not in state
     assert step_loss_state(exps, result, {**cfg["algorithm"], "loss": "ppo", "loss_params": {}}, None) == (None, {}, {})
+
+
+def test_eapo_kappa_decay_is_keyed_to_the_optimizer_steps_before_the_batch():
+    """On OpenRLHF the experience maker passes RL steps so far x optimizer steps per RL step
+    (samples / train_batch_size x ppo_epochs): kappa_t = kappa (1 - min(step / K, 1)), and a
+    resumed maker (its RL step count restored from the checkpoint) continues the schedule."""
+    import math
+    from types import SimpleNamespace
+
+    from hapo_openrlhf.integrations.openrlhf.experience import HapoExperienceMaker, optimizer_steps_per_step
+
+    cfg = _cfg("eapo_entropic", {"decay_steps": 40})
+    cfg.update(rollout={"max_new_tokens": 12, "prompts_per_step": 3, "samples_per_prompt": 4},
+               openrlhf={"train_batch_size": 6}, optim={"ppo_epochs": 2})
+    cfg["algorithm"].update(loss="ppo", loss_params={})
+    assert optimizer_steps_per_step(cfg) == 4  # 12 samples / 6 x 2 epochs
+    maker = object.__new__(HapoExperienceMaker)
+    maker.strategy = SimpleNamespace(args=SimpleNamespace(hapo=cfg, rollout=SimpleNamespace(n_samples_per_prompt=4)))
+    maker.loss_state = {}
+    kappas = []
+    for step in (0, 1, 5, 9, 12):  # 12 x 4 = 48 optimizer steps: past K, kappa 0
+        maker._step = step
+        exps = _experiences(_rollout(), [5, 3, 4])
+        maker.compute_advantages_and_returns(exps)
+        kappas.append(float(exps[0].info["eapo/kappa"][0]))
+        assert maker._step == step + 1
+    assert kappas == pytest.approx([math.log(4) * (1 - min(4 * s / 40, 1)) for s in (0, 1, 5, 9, 12)])
+    # the advantages are the registry's at that step
+    import dataclasses
+
+    rows = _rollout()
+    exps = _experiences(rows, [5, 7])
+    registry_advantages(exps, cfg, 4, optimizer_step=20)
+    want = algos.run_estimator("eapo_entropic", dataclasses.replace(_whole_batch(rows, 4), step=20), decay_steps=40)
+    assert want.metrics["eapo/kappa"] == pytest.approx(math.log(4) / 2)
+    for e in exps:
+        for r, j in enumerate(e.index):
+            torch.testing.assert_close(e.advantages[r, :rows[j][1]], want.advantages[j, :rows[j][1]])

@@ -121,3 +121,55 @@ def test_policy_actor_nucleus_logmass_is_the_full_distributions(packing, fused):
         got = host._nucleus_logmass(out, seq, attn, A) * am
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert float(want.min()) < -1e-3 and float(want.max()) <= 0  # the nucleus cut mass somewhere
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_paec_gets_the_head_signals_of_the_training_pass(packing, fused):
+    """PAEC on the DeepSpeed actor: the training forward's hook hands the loss the nucleus
+    entropy and top-two gap at the response positions -- from the fused head's hidden states
+    or upstream's (packed) logits -- equal to the naive computation on upstream's padded
+    logits; the loss is then the registry's with them."""
+    from types import SimpleNamespace
+
+    from hapo_openrlhf.algos.losses import compute_policy_loss
+    from hapo_openrlhf.algos.nucleus import nucleus_logprobs
+    from hapo_openrlhf.integrations.openrlhf.actor import HapoPolicyModelActorImpl
+    from hapo_openrlhf.integrations.openrlhf.fused_head import install_fused_head
+    from hapo_openrlhf.integrations.openrlhf.loss import HapoPolicyLoss
+
+    seq, attn, am = _batch()
+    A, top_p = am.shape[1], 0.8
+    with torch.no_grad():
+        _, ref = _actor(False)(seq, am, attn, return_output=True)
+        z = ref["logits"][:, :-1][:, -A:]  # already / T
+        lp = nucleus_logprobs(z, top_p)
+        want_ent = -(lp.exp() * torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))).sum(-1)
+        top = torch.log_softmax(z, -1).topk(2, -1).values
+        want_gap = top[..., 0] - top[..., 1]
+    params = dict(beta=1.0, rho_min=2.0, top_p=top_p, mask="product", softness=0.0)
+    actor = _actor(packing)
+    host = object.__new__(HapoPolicyModelActorImpl)  # the Ray actor's state, without Ray
+    host.actor, host._fused, host._entropy_chunk = actor, fused, 4
+    host.strategy = SimpleNamespace(ring_attn_group=None)
+    host.loss_fn = HapoPolicyLoss("paec", params)
+    host.loss_fn.loss_state = {"h_low": 50.0}
+    if fused:
+        assert install_fused_head(actor, chunk_size=4) is None
+        actor._hapo_signals_top_p = host.loss_fn.signals_top_p
+    actor.register_forward_hook(host._training_forward_hook, with_kwargs=True)
+    actor.train()
+    # as upstream's training_step calls it
+    new, out = actor(seq, am, attention_mask=attn, return_output=True, return_entropy=True)
+    ent, gap = host.loss_fn.pending_signals
+    m = am.bool()
+    torch.testing.assert_close(ent[:, -A:][m], want_ent[m], rtol=0, atol=1e-5)
+    torch.testing.assert_close(gap[:, -A:][m], want_gap[m], rtol=0, atol=1e-5)
+    assert not ent.requires_grad and not gap.requires_grad
+    old = new.detach() - 0.05
+    adv = torch.randn(new.shape, generator=torch.Generator().manual_seed(1))
+    got = host.loss_fn(new, old, adv, action_mask=am)[0]
+    want, _ = compute_policy_loss("paec", new, old, adv, am, entropy=out.entropy[:, -A:], nucleus_entropy=ent[:, -A:],
+                                  top2_gap=gap[:, -A:], loss_state={"h_low": 50.0}, **params)
+    torch.testing.assert_close(got, want)
+    assert host.loss_fn.pending_signals is None  # consumed: never reused by the next micro-batch

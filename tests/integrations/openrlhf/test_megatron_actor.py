@@ -124,6 +124,8 @@ def _worker(rank, world, port, args, model_dir, per_rank, out_dir):
     actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir),
                                      max_steps=4, vllm_engines=None)
     mine = per_rank[rank]
+    if actor.loss_fn.signals_top_p is not None:  # PAEC: what the experience maker sends before the anchor
+        actor.set_loss_state({"h_low": None})
     lps = [actor.forward(e.sequences, e.action_mask, e.attention_mask) for e in mine]
     ents, lms = zip(*[actor.pop_behaviour(fingerprint(e.sequences, e.attention_mask)) for e in mine])
     for e, lp in zip(mine, lps):
@@ -150,6 +152,7 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas):
     from openrlhf.models import aggregate_loss
     from openrlhf.models.utils import compute_approx_kl
 
+    from hapo_openrlhf.algos.nucleus import sharded_nucleus_stats
     from hapo_openrlhf.integrations.openrlhf.actor import loss_from_config
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -174,6 +177,10 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas):
             lp = logp.gather(-1, ids[1:, None]).squeeze(-1)[-r:]
             if loss_fn.needs_entropy:
                 loss_fn.pending_entropy = (-(logp.exp() * logp).sum(-1))[None]
+            if loss_fn.signals_top_p is not None:  # PAEC (before its anchor: the host loss)
+                st = sharded_nucleus_stats(logits.detach(), loss_fn.signals_top_p, entropy=True, top2_gap=True)
+                loss_fn.pending_signals = (st.entropy[None], st.top2_gap[None])
+                loss_fn.loss_state = {"h_low": None}
             info = dict(dp_size=1, batch_num_tokens=torch.tensor(float(T)), global_batch_size=torch.tensor(float(len(rows))))
             loss, *_ = loss_fn(lp[None], e.action_log_probs[i, :r][None], e.advantages[i, :r][None],
                                action_mask=torch.ones(1, r, dtype=torch.bool), **info)
@@ -202,7 +209,11 @@ BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=2
     ("pp2_tied_entro_reg_packed", ["megatron.pipeline_parallel=2", "algorithm.loss=entro_reg",
                                    "algorithm.loss_params={beta: 0.05}", *PACKED], True, "qwen2"),
     ("dp2_padded", ["rollout.top_p=1.0"], True, "qwen2"),  # right-aligned rows, causal attention without a mask
-    ("tp2_local_attention", ["megatron.tensor_parallel=2", "megatron.attention=local"], False, "qwen2"),
+    # PAEC before its anchor (the host loss exactly) needs the head's nucleus entropy and top-two gap:
+    # the logits head at TP=2 hands them to the loss, or the loss refuses to run
+    ("tp2_local_attention_paec", ["megatron.tensor_parallel=2", "megatron.attention=local", "algorithm.loss=paec",
+                                  "algorithm.loss_params={beta: 1.0, rho_min: 0.5, top_p: 0.9, mask: product, "
+                                  "softness: 0.0}"], False, "qwen2"),
     # Qwen3 (QK-norm summed over TP by Megatron's finalize_model_grads, head_dim 24) and Llama 3
     # (llama3 RoPE scaling) through the whole actor: old log-probs, two optimizer steps, the saved model
     ("tp2_qwen3_packed", ["megatron.tensor_parallel=2", *PACKED], False, "qwen3"),

@@ -149,6 +149,7 @@ def test_a_stateful_losss_controller_goes_into_every_checkpoint_and_comes_back(t
     ctl = {"gate_on": True, "reweight_w": 1.25, "reweight_m": 0.75, "current_ent": 0.2}
     t, gen, saved = _controller(tmp_path, monkeypatch, save_steps=10, resumed={"hapo_loss_state": ctl})
     assert t.experience_maker.loss_state == ctl and t.experience_maker.loss_state is not ctl
+    assert t.experience_maker._step == 4  # RL steps so far: eapo_entropic's kappa decay continues from them
     t.experience_maker.loss_state = {**ctl, "reweight_w": 1.3}  # step 5's update
     t.step_limit.step = 5
     t.save_logs_and_checkpoints(5, {}, {"global_step": 5})
@@ -158,3 +159,18 @@ def test_a_stateful_losss_controller_goes_into_every_checkpoint_and_comes_back(t
     assert saved == [(5, 1, {"global_step": 5, "hapo_loss_state": {**ctl, "reweight_w": 1.3}})]
     t2, _, _ = _controller(tmp_path, monkeypatch, save_steps=10)  # a checkpoint without one: a fresh controller
     assert t2.experience_maker.loss_state == {}
+
+
+def test_paecs_anchor_learns_from_each_steps_metrics_before_the_checkpoint(tmp_path, monkeypatch):
+    """PAEC's anchor is updated from the step's reported mean masked entropy (the actors'
+    ``paec/masked_entropy`` in upstream's status) when the step's logs arrive -- before that
+    step's checkpoint, so the saved state includes the step -- and is fixed after K steps."""
+    t, _, saved = _controller(tmp_path, monkeypatch, save_steps=1)
+    t.args.hapo["algorithm"] = {"loss": "paec", "loss_params": dict(beta=1.0, rho_min=0.5, top_p=0.9, mask="product",
+                                                                     softness=0.0, anchor_steps=2)}
+    t.save_logs_and_checkpoints(5, {"paec/masked_entropy": 1.0, "policy_loss": 0.1}, {"global_step": 5})
+    assert saved[-1][2]["hapo_loss_state"] == {"anchor_steps": [1.0]}
+    t.save_logs_and_checkpoints(6, {"paec/masked_entropy": 3.0}, {"global_step": 6})
+    assert saved[-1][2]["hapo_loss_state"] == {"anchor_steps": [1.0, 3.0], "anchor": 2.0}
+    t.save_logs_and_checkpoints(7, {"paec/masked_entropy": 9.0}, {"global_step": 7})
+    assert saved[-1][2]["hapo_loss_state"]["anchor"] == 2.0
