@@ -4,9 +4,13 @@ measured in the same run (this CPU, 2 threads).
 On the embedded trainer's real batches (a few GRPO steps after a short warm-up; first step
 skipped) it times the advantage computation of ``grpo``, ``hapo``, ``eapo_entropic`` and
 ``pepo`` and ``less`` (best of ``--repeat``), and reports each one's time over GRPO's and its extra time
-as a fraction of the measured step. The loss-side methods (``stare``, ``rsi_s``) are timed as their
-loss's forward + backward over the same batch, as a ratio to the host loss (``ppo``, dual clip). The same estimators on a synthetic paper-scale batch
-(``--rows`` x ``--tokens``) show how the cost scales (there is no CPU step time for that).
+as a fraction of the measured step. The loss-side methods (``stare``, ``rsi_s``, ``paec``) are
+timed as their loss's forward + backward over the same batch, as a ratio to the host loss (``ppo``,
+dual clip). The same estimators on a synthetic paper-scale batch (``--rows`` x ``--tokens``) show
+how the cost scales (there is no CPU step time for that). PAEC's head signals (nucleus entropy and
+top-two gap, ``sharded_nucleus_stats`` from hidden states + LM head, ``--head-tokens`` x
+``--hidden`` x ``--vocab``) are timed as a ratio to the fused head's log-prob + entropy forward
+on the same rows (``fused_logprobs_entropy``): the extra head pass a PAEC step pays.
 
     python benchmarks/competitors_cost.py [--steps 3 --repeat 10 --rows 256 --tokens 4096]
 
@@ -27,7 +31,10 @@ from _embedded import best_of, grpo_step_batches  # benchmarks/_embedded.py (the
 METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}, "less": {}}
 # label -> (registry loss, params); rsi_s's bounds are ours (the paper publishes none)
 LOSS_METHODS = {"ppo": ("ppo", {"eps_high": 0.28, "dual_clip": 10.0}), "stare": ("stare", {}),
-                "stare_c2": ("stare", {"variant": "C2"}), "rsi_s": ("rsi_s", {"lower": 0.2, "upper": 5.0})}
+                "stare_c2": ("stare", {"variant": "C2"}), "rsi_s": ("rsi_s", {"lower": 0.2, "upper": 5.0}),
+                # paec's unpublished values are ours; a floor above the masked entropy, so the penalty acts
+                "paec": ("paec", {"beta": 1.0, "rho_min": 0.5, "top_p": 0.9, "mask": "product", "softness": 0.0,
+                                  "loss_state": {"h_low": 5.0}})}
 
 
 def _loss_times(mask: torch.Tensor, repeat: int) -> dict[str, float]:
@@ -36,13 +43,30 @@ def _loss_times(mask: torch.Tensor, repeat: int) -> dict[str, float]:
     old = -torch.rand(mask.shape, generator=g) * 3
     adv = torch.randn(mask.shape[0], 1, generator=g).expand(mask.shape).contiguous()
     logp = (old + 0.01 * torch.randn(mask.shape, generator=g)).requires_grad_(True)
-    entropy = torch.rand(mask.shape, generator=g) * 2 + 0.05  # the current entropy (rsi_s's index)
+    # the current entropy (rsi_s's index; paec's H_bar, with its gradient) and paec's head signals
+    entropy = (torch.rand(mask.shape, generator=g) * 2 + 0.05).requires_grad_(True)
+    signals = dict(nucleus_entropy=torch.rand(mask.shape, generator=g), top2_gap=torch.rand(mask.shape, generator=g) * 3)
 
     def run(name, params):
-        loss, _ = algos.compute_policy_loss(name, logp, old, adv, mask, entropy=entropy, **params)
+        extra = signals if name == "paec" else {}
+        loss, _ = algos.compute_policy_loss(name, logp, old, adv, mask, entropy=entropy, **extra, **params)
         loss.backward()
 
     return {m: best_of(lambda n=n, p=p: run(n, p), repeat) for m, (n, p) in LOSS_METHODS.items()}
+
+
+def _head_signal_times(n: int, hidden: int, vocab: int, repeat: int) -> dict[str, float]:
+    """The fused head's log-probs + entropy forward vs PAEC's signal pass on the same rows."""
+    from hapo_openrlhf.algos.fused import fused_logprobs_entropy
+    from hapo_openrlhf.algos.nucleus import sharded_nucleus_stats
+
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(n, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / hidden ** 0.5
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    with torch.no_grad():
+        return {"head": best_of(lambda: fused_logprobs_entropy(h, w, labels, chunk_size=1024), repeat),
+                "signals": best_of(lambda: sharded_nucleus_stats(h, 0.9, weight=w, chunk_size=1024, entropy=True,
+                                                                 top2_gap=True), repeat)}
 
 
 def _times(inputs, repeat: int) -> dict[str, float]:
@@ -56,6 +80,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--head-tokens", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=32768)
     a = ap.parse_args()
     steps = []
     for inputs, step_s in grpo_step_batches(a.steps, a.warmup):
@@ -89,6 +116,11 @@ def main() -> None:
         out[f"loss_{m}"] = row
         print(f"loss {m:10s} {row['embedded_ms']:12.3f} {row['embedded_ratio']:8.2f} {row['extra_pct_of_step']:10.3f} "
               f"{row['paper_ms']:15.1f} {row['paper_ratio']:8.2f}   (x ppo)")
+    hs = _head_signal_times(a.head_tokens, a.hidden, a.vocab, max(2, a.repeat // 5))
+    out["paec_head_signals"] = {"head_ms": hs["head"] * 1e3, "signals_ms": hs["signals"] * 1e3,
+                                "ratio_to_head": hs["signals"] / hs["head"], "shape": [a.head_tokens, a.hidden, a.vocab]}
+    print(f"paec head signals ({a.head_tokens} x {a.hidden} x {a.vocab}): {hs['signals'] * 1e3:.1f} ms = "
+          f"{hs['signals'] / hs['head']:.2f} x the fused head's log-prob + entropy forward ({hs['head'] * 1e3:.1f} ms)")
     print(f"embedded step ({B} samples x {T} tokens): {step_s * 1e3:.1f} ms")
     print(json.dumps(out))
 

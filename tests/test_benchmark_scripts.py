@@ -92,11 +92,13 @@ def test_timeline_script_reads_wall_busy_and_cpu(tmp_path):
 def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     out = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "competitors_cost.py"), "--steps", "2", "--repeat", "1", "--warmup", "5",
-         "--rows", "16", "--tokens", "64"], capture_output=True, text=True, timeout=600, cwd=REPO,
+         "--rows", "16", "--tokens", "64", "--head-tokens", "64", "--vocab", "500", "--hidden", "16"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["grpo"]["embedded_ratio"] == 1.0 and res["paper_batch"] == [16, 64]
+    assert res["loss_paec"]["paper_ratio"] > 0 and res["paec_head_signals"]["ratio_to_head"] > 0
     for m in ("hapo", "eapo_entropic", "pepo", "less"):
         assert res[m]["embedded_ratio"] > 0 and res[m]["paper_ratio"] > 0
     assert res["loss_ppo"]["paper_ratio"] == 1.0 and res["loss_stare"]["paper_ratio"] > 0 and res["loss_rsi_s"]["paper_ratio"] > 0
