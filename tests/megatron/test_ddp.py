@@ -208,15 +208,21 @@ def resume_step(ddp, opt, step: int, tp: int) -> tuple[float, float]:
     return float(loss) / tp, opt.step()  # every TP rank of the last stage reported it
 
 
-def _resume_worker(rank, tp, sharding, ckpt, phase, out):
+def _resume_worker(rank, tp, sharding, ckpt, phase, out, te=False, distributed=True):
     """phase 'full': 4 steps; 'first': 2 steps, save; 'resume': load, steps 3-4. A bf16
-    model (fp32 masters in the optimizer), the weights of the saved steps' HF start."""
+    model (fp32 masters in the optimizer), the weights of the saved steps' HF start.
+    ``te``: megatron-core builds on Transformer Engine's FusedAdam (the stand-in,
+    te_standin.py); ``distributed``: the distributed optimizer, else Float16Optimizer."""
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron import checkpoint
     from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
     from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
 
+    if te:
+        from .te_standin import Patch, use_te_fused_adam
+
+        use_te_fused_adam(Patch())
     init_megatron(tp=tp)
     dp = ps.get_data_parallel_world_size()
     hf = tiny_qwen2(True, layers=2)
@@ -224,7 +230,7 @@ def _resume_worker(rank, tp, sharding, ckpt, phase, out):
     if phase != "resume":  # a resumed run must get every weight and state from disk
         load_hf_into(model, hf, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank())
     model = model.to(torch.bfloat16)
-    ddp = wrap(model, distributed_optimizer=True)
+    ddp = wrap(model, distributed_optimizer=distributed)
     opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP, weight_decay=0.01, sharding=sharding)
     start, losses = 0, []
     if phase == "resume":
@@ -255,7 +261,10 @@ def _resume_worker(rank, tp, sharding, ckpt, phase, out):
     torch.save({"losses": losses, "dp": dp, "gathers": gathers,
                 "weights": {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
                 "masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
-                "steps": {float(st["step"]) for st in inner.state.values()},
+                # Adam's step count: per parameter (torch's AdamW) or per param group (TE's FusedAdam)
+                "steps": {float(st["step"]) for st in inner.state.values() if "step" in st}
+                | {float(g["step"]) for g in inner.param_groups if "step" in g},
+                "optimizer": type(inner).__module__ + "." + type(inner).__name__,
                 "moments": [inner.state[p][k].clone() for g in inner.param_groups for p in g["params"]
                             for k in ("exp_avg", "exp_avg_sq")]}, f"{out}.{rank}")
 
