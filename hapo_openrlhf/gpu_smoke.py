@@ -134,6 +134,7 @@ def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
                      ("megatron_attention_vs_local", lambda: _smoke_megatron_attention(work)),
                      ("megatron_fused_vocab_head_vs_logits", _smoke_megatron_head),
                      ("megatron_distributed_optimizer_step", lambda: _smoke_distributed_optimizer(work)),
+                     ("megatron_optimizer_resume_bitwise", lambda: _smoke_optimizer_resume(work)),
                      ("openrlhf_loop_vllm_sleep_stop_resume", lambda: _smoke_openrlhf_loop(work)),
                      ("megatron_tp1_loop", lambda: _smoke_openrlhf_loop(work, "megatron"))):
         t0 = time.perf_counter()
@@ -360,6 +361,102 @@ def _smoke_distributed_optimizer(work: Path) -> dict:
     ok = all(r["finite"] and r["moved"] == r["params"] for r in runs.values()) and diff < 1e-2
     return {"ok": ok, "dp": world, "grad_norms_overlap": on["grad_norms"], "grad_norms_no_overlap": off["grad_norms"],
             "weights_rel_diff": diff, "state_bytes": on["state_bytes"]}
+
+
+def _smoke_optimizer_resume(work: Path) -> dict:
+    """Megatron's optimizer as this image builds it (Transformer Engine's ``FusedAdam`` when TE
+    imports, Apex's, else torch's AdamW) resumes bitwise: :func:`_optimizer_resume` in a child
+    process on one GPU, the distributed and the replicated optimizer (docs/megatron.md,
+    "Transformer Engine's FusedAdam": on CPU only a stand-in of TE is tested)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        return {"ok": True, "skipped": "needs megatron-core (the megatron extra)"}
+    log = work / "optimizer_resume.log"
+    code = f"from hapo_openrlhf.gpu_smoke import _optimizer_resume_child; _optimizer_resume_child({str(work)!r})"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    rc = _run([sys.executable, "-c", code], log, timeout=600, env=env)
+    lines = log.read_text().strip().splitlines() if log.exists() else []
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"ok": False, "error": f"exit {rc}; see {log}"}
+    return {"ok": rc == 0 and all(r["bitwise"] for r in res.values()), **res}
+
+
+def _optimizer_resume_child(work: str) -> None:
+    res = {f"distributed_{d}": _optimizer_resume("cuda", Path(work) / f"resume_distributed_{d}", distributed=d)
+           for d in (True, False)}
+    print(json.dumps(res), flush=True)
+
+
+def _optimizer_resume(device: str, ckpt_dir: Path, distributed: bool = True) -> dict:
+    """Four optimizer steps of a tiny bf16 Qwen2 GPTModel, against two steps, a checkpoint, and
+    two more steps from it in fresh model and optimizer objects: ``bitwise`` when weights, fp32
+    masters and moments agree exactly. ``optimizer``: the class megatron-core chose. One rank
+    (torch.distributed from the environment unless it is up); ``device="cpu"``: gloo under the
+    CPU shim (tests/megatron/test_te_fused_adam.py)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from transformers import Qwen2Config
+
+    from .megatron import checkpoint
+    from .megatron.ddp import MegatronOptimizer, wrap
+    from .megatron.model import build_qwen2_gpt_model
+    from .megatron.schedule import forward_backward
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 512, (2, 32), generator=g).to(device) for _ in range(4)]
+
+    def build():
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        torch.manual_seed(0)
+        model = build_qwen2_gpt_model(cfg, params_dtype=torch.bfloat16, use_cpu_initialization=not cuda).to(device)
+        ddp = wrap(model, distributed_optimizer=distributed)
+        return model, ddp, MegatronOptimizer(ddp, lr=1e-2, clip_grad=1.0, weight_decay=0.01)
+
+    def train(ddp, opt, steps):
+        for s in steps:
+            opt.zero_grad()
+            ids = batches[s]
+            forward_backward(ddp, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+                             lambda lp, en, mb: (-lp.float().sum() / lp.numel(), {}), vocab_size=512)
+            opt.step()
+
+    def state(model, opt):
+        inner = opt.torch_optimizers[0]
+        return ([p.detach().clone() for p in model.parameters()],
+                [t.clone() for st in inner.state.values() for k, t in sorted(st.items()) if k != "step"],
+                [p.detach().clone() for grp in inner.param_groups for p in grp["params"]])
+
+    model, ddp, opt = build()
+    initial = [p.detach().clone() for p in model.parameters()]
+    train(ddp, opt, range(4))
+    full = state(model, opt)
+    model, ddp, opt = build()
+    same_start = all(torch.equal(p, w) for p, w in zip(model.parameters(), initial))
+    train(ddp, opt, range(2))
+    checkpoint.save(ckpt_dir, 2, ddp, opt, {"step": 2})
+    model, ddp, opt = build()
+    checkpoint.load(checkpoint.latest(ckpt_dir), ddp, opt)
+    train(ddp, opt, range(2, 4))
+    resumed = state(model, opt)
+    inner = opt.torch_optimizers[0]
+    return {"optimizer": f"{type(inner).__module__}.{type(inner).__name__}", "same_start": same_start,
+            "bitwise": same_start and all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+                                          for a, b in zip(full, resumed))}
 
 
 def _ddp_step_child(overlap: bool = True) -> None:

@@ -6,6 +6,8 @@ in a map of ``exp_avg`` / ``exp_avg_sq`` / ``master_param``. Under the stand-in
 again: bitwise equal to the uninterrupted run at DP=2 with ``dp_reshardable`` and
 ``fully_reshardable``, and with the replicated optimizer at DP=1."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,3 +55,31 @@ def test_the_stand_in_refuses_a_per_parameter_step_as_te_does():
     opt.state[p]["step"] = torch.zeros(())
     with pytest.raises(KeyError, match="step"):
         opt.state_dict()
+
+
+def _smoke_resume_worker(rank, out, te):
+    from hapo_openrlhf.gpu_smoke import _optimizer_resume
+
+    from .cuda_shim import install
+
+    install()
+    if te:
+        from .te_standin import Patch, use_te_fused_adam
+
+        use_te_fused_adam(Patch())
+    res = {d: _optimizer_resume("cpu", Path(out).parent / f"ckpt_{d}", distributed=d) for d in (True, False)}
+    torch.save(res, out)
+
+
+@pytest.mark.parametrize("te", [False, True], ids=["torch_adamw", "te_fused_adam"])
+def test_the_gpu_smokes_resume_check_runs_on_cpu(tmp_path, te):
+    """The body of `hapo doctor --gpu-smoke`'s optimizer-resume check (there: CUDA, the image's
+    own optimizer -- TE's FusedAdam wherever TE imports) under the CPU shim: with torch's AdamW
+    and with the TE stand-in, distributed and replicated, four steps == two + a checkpoint +
+    two from it, bitwise; the check names the optimizer megatron-core built."""
+    out = tmp_path / "res.pt"
+    spawn(_smoke_resume_worker, 1, str(out), te)
+    res = torch.load(out)
+    want = "tests.megatron.te_standin.FusedAdam" if te else "torch.optim.adamw.AdamW"
+    for d in (True, False):
+        assert res[d]["optimizer"] == want and res[d]["same_start"] and res[d]["bitwise"], res
