@@ -40,6 +40,12 @@ PINS = {
     "megatron-core": "0.16.1",
 }
 INSTALL_DOC = "docs/cluster.md, 'Installing on GPU nodes'"
+# packages accepted over a range: [lowest, first refused), and the versions CI runs
+RANGES = {"megatron-core": ("0.16.1", "0.20", ("0.16.1", "0.19.2"))}
+# the Transformer Engine whose FusedAdam semantics the CPU tests mirror (tests/megatron/te_standin.py)
+TE_MIRRORED = "2.20.2"
+# Python versions CI runs (the rest of 3.10-3.12 is declared, not run)
+TESTED_PYTHONS = ((3, 11),)
 # bytes per parameter a checkpoint holds: bf16 weights + fp32 masters + Adam m and v
 CKPT_BYTES_PER_PARAM = 2 + 4 + 4 + 4
 
@@ -102,16 +108,93 @@ def check_packages(cfg: RunConfig) -> list[Check]:
                    "vllm": "pip install -e '.[openrlhf,gpu]' (vllm==0.29.0)",
                    "openrlhf": "pip install --no-deps openrlhf==0.11.2",
                    "megatron-core": "pip install -e '.[megatron]'",
-                   "transformer-engine": "pip install --no-build-isolation 'transformer-engine[pytorch]' matching "
-                                         "megatron-core 0.16.1 (untested here), or megatron.layer_spec: local",
+                   "transformer-engine": "megatron.layer_spec: local (te is refused until the converter maps "
+                                         "TE's names)",
                    }.get(dist, f"pip install {dist}=={pin}")
             out.append(Check(f"package {dist}", FAIL, f"not installed (needed for {why})",
                              f"{fix}; the ordered install is in {INSTALL_DOC}"))
+        elif dist in RANGES:
+            out.append(_range_check(dist, have))
         elif pin is not None and _base(have) != pin:
             out.append(Check(f"package {dist}", WARN, f"{have}, the project is tested with {pin}",
                              f"pip install {dist}=={pin}"))
         else:
             out.append(Check(f"package {dist}", OK, have))
+    return out
+
+
+def _vt(v: str) -> tuple:
+    from packaging.version import Version
+
+    return Version(_base(v)).release
+
+
+def _range_check(dist: str, have: str) -> Check:
+    lo, hi, tested = RANGES[dist]
+    if not _vt(lo) <= _vt(have) < _vt(hi):
+        return Check(f"package {dist}", FAIL, f"{have}, outside the supported range >={lo},<{hi}",
+                     f"pip install '{dist}>={lo},<{hi}' (CI runs {', '.join(tested)})")
+    if _base(have) not in tested:
+        return Check(f"package {dist}", WARN, f"{have}: inside >={lo},<{hi}, but CI runs {', '.join(tested)}",
+                     f"pip install {dist}=={tested[-1]}")
+    return Check(f"package {dist}", OK, f"{have} (tested)")
+
+
+def _imports(module: str) -> str | None:
+    """None when ``module`` imports, else the error in one line."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - a broken build raises more than ImportError (OSError, undefined symbols)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def check_matrix() -> list[Check]:
+    """One line per package of the tested matrix -- Python, torch, megatron-core, Transformer
+    Engine, flash-attn, vLLM -- against what this project runs in CI, whatever the config
+    needs; known-bad combinations fail with the reason (docs/cluster.md, the matrix)."""
+    v = sys.version_info
+    out = [Check("matrix python", OK if (v.major, v.minor) in TESTED_PYTHONS else WARN, f"{v.major}.{v.minor}.{v.micro}",
+                 f"CI runs Python {', '.join('.'.join(map(str, t)) for t in TESTED_PYTHONS)}")]
+    torch_v, mc = _version("torch"), _version("megatron-core")
+    out.append(Check("matrix torch", OK if torch_v and _base(torch_v) == PINS["torch"] else WARN,
+                     torch_v or "not installed", f"CI runs torch {PINS['torch']}"))
+    if mc is None:
+        out.append(Check("matrix megatron-core", OK, "not installed (backend: megatron needs it)"))
+    else:
+        c = _range_check("megatron-core", mc)
+        out.append(Check("matrix megatron-core", c.status, c.message, c.fix))
+        if _vt(mc) >= (0, 17) and (v.major, v.minor) < (3, 12):
+            out.append(Check("matrix megatron-core/python", WARN, f"megatron-core {mc} declares Python >= 3.12, this is "
+                             f"{v.major}.{v.minor}", "it installs with --ignore-requires-python and its files parse "
+                             "here; CI runs 0.19.x this way on 3.11 (docs/cluster.md)"))
+    te = _version("transformer-engine") or _version("transformer_engine")
+    if te is None:
+        out.append(Check("matrix transformer-engine", OK, "not installed (megatron-core then builds torch's AdamW)"))
+    else:
+        err = _imports("transformer_engine.pytorch")
+        if err:  # megatron-core imports it unguarded by anything but ImportError: a broken build stops every run
+            out.append(Check("matrix transformer-engine", FAIL, f"{te} is installed but does not import ({err})",
+                             "rebuild it against this torch, or uninstall it (megatron-core then uses torch's AdamW)"))
+        else:
+            out.append(Check("matrix transformer-engine", OK if _base(te) == TE_MIRRORED else WARN,
+                             f"{te}: megatron-core builds its optimizer on TE's FusedAdam; layer_spec: te is refused",
+                             f"CI checks resume against TE {TE_MIRRORED}'s FusedAdam semantics (a CPU stand-in); "
+                             f"run hapo doctor --gpu-smoke"))
+    for dist, module in (("flash-attn", "flash_attn"), ("vllm", "vllm")):
+        have = _version(dist)
+        if have is None:
+            out.append(Check(f"matrix {dist}", OK, "not installed"))
+            continue
+        err = _imports(module)
+        if err:
+            out.append(Check(f"matrix {dist}", FAIL, f"{have} is installed but does not import ({err})",
+                             f"reinstall {dist}=={PINS[dist]} against torch {torch_v}"))
+        else:
+            out.append(Check(f"matrix {dist}", OK if _base(have) == PINS[dist] else WARN, have,
+                             f"the project integrates with {dist} {PINS[dist]}"))
     return out
 
 
@@ -316,7 +399,7 @@ def check_network(interface: str | None) -> Check:
 
 def run_checks(cfg: RunConfig, *, static: bool = False, output_dir: str | None = None,
                interface: str | None = None) -> list[Check]:
-    checks = [check_python(), *check_packages(cfg)]
+    checks = [check_python(), *check_packages(cfg), *check_matrix()]
     if not static:
         checks += check_cuda(cfg)
     checks += [check_model(cfg), *check_data(cfg), *check_output_dir(cfg, output_dir), check_slurm_lead(cfg)]

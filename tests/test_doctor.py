@@ -126,3 +126,40 @@ def test_megatron_refuses_an_unsupported_model_family_by_name(tmp_path):
         transformer_config(Qwen3Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     with pytest.raises(ValueError, match="attention_bias: true"):
         transformer_config(LlamaConfig(**small, attention_bias=True))
+
+
+def test_the_version_matrix_prints_every_package_and_refuses_known_bad_combinations(monkeypatch):
+    """One line per package of the tested matrix here (megatron-core 0.16.1, no TE, flash-attn
+    or vLLM in this environment); then, by planting versions: megatron-core outside
+    >=0.16.1,<0.20 fails, inside but untested warns, 0.19.x on Python 3.11 warns with how CI
+    runs it; a Transformer Engine, flash-attn or vLLM that is installed but does not import
+    fails with the import error (megatron-core would stop on a broken TE)."""
+    import sys
+
+    from hapo_openrlhf import doctor
+
+    got = {c.name: c for c in doctor.check_matrix()}
+    assert set(got) >= {"matrix python", "matrix torch", "matrix megatron-core", "matrix transformer-engine",
+                        "matrix flash-attn", "matrix vllm"}
+    assert got["matrix megatron-core"].status == OK and "0.16.1 (tested)" in got["matrix megatron-core"].message
+    assert got["matrix transformer-engine"].message.startswith("not installed")
+
+    def plant(versions, broken=()):
+        monkeypatch.setattr(doctor, "_version", lambda d: versions.get(d))
+        monkeypatch.setattr(doctor, "_imports", lambda m: "OSError: undefined symbol" if m in broken else None)
+        return {c.name: c for c in doctor.check_matrix()}
+
+    base = {"torch": "2.13.0"}
+    for mc, status, words in (("0.15.0", FAIL, "outside the supported range >=0.16.1,<0.20"),
+                              ("0.20.0", FAIL, "outside"), ("0.18.0", WARN, "CI runs 0.16.1, 0.19.2"),
+                              ("0.19.2", OK, "tested")):
+        c = plant({**base, "megatron-core": mc})["matrix megatron-core"]
+        assert c.status == status and words in c.message, (mc, c)
+    m = plant({**base, "megatron-core": "0.19.2"})
+    assert ("matrix megatron-core/python" in m) == (sys.version_info < (3, 12))
+    m = plant({**base, "transformer-engine": "2.20.2", "flash-attn": "2.8.3", "vllm": "0.29.0"},
+              broken=("transformer_engine.pytorch", "flash_attn"))
+    assert m["matrix transformer-engine"].status == FAIL and "does not import" in m["matrix transformer-engine"].message
+    assert m["matrix flash-attn"].status == FAIL and m["matrix vllm"].status == OK
+    m = plant({**base, "transformer-engine": "2.12.0"})
+    assert m["matrix transformer-engine"].status == WARN and "2.20.2" in m["matrix transformer-engine"].fix
