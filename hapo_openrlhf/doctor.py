@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import RunConfig
+from .megatron import compat as megatron_compat
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -41,7 +42,7 @@ PINS = {
 }
 INSTALL_DOC = "docs/cluster.md, 'Installing on GPU nodes'"
 # packages accepted over a range: [lowest, first refused), and the versions CI runs
-RANGES = {"megatron-core": ("0.16.1", "0.20", ("0.16.1", "0.19.2"))}
+RANGES = {"megatron-core": (*megatron_compat.SUPPORTED, megatron_compat.TESTED)}
 # the Transformer Engine whose FusedAdam semantics the CPU tests mirror (tests/megatron/te_standin.py)
 TE_MIRRORED = "2.20.2"
 # Python versions CI runs (the rest of 3.10-3.12 is declared, not run)

@@ -111,14 +111,20 @@ def _stage(model):
 def _layout(optimizer) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
+    from .compat import installed
+
     return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
             "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
             "data_parallel": ps.get_data_parallel_world_size(),
-            "optimizer": optimizer.checkpoint_format if optimizer is not None else None}
+            "optimizer": optimizer.checkpoint_format if optimizer is not None else None,
+            "megatron_core": installed()}
 
 
 def check_resumable(path: Path, optimizer) -> None:
-    """Refuse, naming the reason, a checkpoint this optimizer and layout cannot resume."""
+    """Refuse, naming the reason, a checkpoint this optimizer, layout and megatron-core
+    cannot resume."""
+    from .compat import check_checkpoint_version
+
     here = _layout(optimizer)
     f = path / LAYOUT
     if not f.is_file():
@@ -133,6 +139,7 @@ def check_resumable(path: Path, optimizer) -> None:
         shape = {k: int(saved[k]) for k in ("tensor_parallel", "pipeline_parallel", "data_parallel")}
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ValueError(f"checkpoint {str(path)!r}: {LAYOUT} is unreadable ({str(e)[:100]})") from None
+    check_checkpoint_version(path, saved.get("megatron_core") if isinstance(saved, dict) else None)
     if optimizer is None:
         return
     if fmt is None:

@@ -100,6 +100,9 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
     model falls back to torch's unfused norm); the optimizer keeps fp32 masters of them."""
     from megatron.core.models.gpt import GPTModel
 
+    from .compat import quiet_known_notices
+
+    quiet_known_notices()  # megatron-core 0.19's GPTModel deprecation notice (compat.py)
     overrides.setdefault("variable_seq_lengths", pp > 1)
     if overrides["variable_seq_lengths"]:  # a dense model; megatron-core's config check asks for it
         overrides.setdefault("moe_token_dispatcher_type", "alltoall")

@@ -1,4 +1,4 @@
-"""The CPU shim megatron-core 0.16.1 needs to run on gloo without CUDA (test-only;
+"""The CPU shim megatron-core 0.16.1 - 0.19.x needs to run on gloo without CUDA (test-only;
 every line is listed in docs/megatron.md). Nothing else is patched: the model,
 tensor-parallel layers and their collectives are megatron-core's own."""
 
@@ -11,6 +11,9 @@ def install() -> None:
     # parameters and RNG trackers ask for "the current CUDA device"
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
+    # megatron-core 0.19's gradient sync waits on the current stream for CUDA-graph events
+    # (param_and_grad_buffer.py start_grad_sync): a stream that has none to wait for
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
     # tied embeddings with PP > 1: the last stage's copy is moved with weight.data.cuda()
     torch.Tensor.cuda = lambda self, *a, **k: self
     # model_parallel_cuda_manual_seed / CudaRNGStatesTracker keep CUDA generator states:
@@ -38,6 +41,19 @@ def install() -> None:
     _type = torch.Tensor.type
     torch.Tensor.type = lambda self, *a, **k: (_type(self, *a, **k) if a or k
                                                else _type(self).replace("torch.", "torch.cuda.", 1))
+
+
+class _NullStream:
+    """``torch.cuda.current_stream()`` on the CPU: work is synchronous, nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 def _cpu(device):

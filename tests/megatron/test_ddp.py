@@ -216,7 +216,7 @@ def _resume_worker(rank, tp, sharding, ckpt, phase, out, te=False, distributed=T
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron import checkpoint
-    from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
+    from hapo_openrlhf.megatron.ddp import MegatronOptimizer, keeps_step_per_parameter, wrap
     from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
 
     if te:
@@ -261,9 +261,10 @@ def _resume_worker(rank, tp, sharding, ckpt, phase, out, te=False, distributed=T
     torch.save({"losses": losses, "dp": dp, "gathers": gathers,
                 "weights": {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
                 "masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
-                # Adam's step count: per parameter (torch's AdamW) or per param group (TE's FusedAdam)
-                "steps": {float(st["step"]) for st in inner.state.values() if "step" in st}
-                | {float(g["step"]) for g in inner.param_groups if "step" in g},
+                # Adam's step count: per parameter (torch's AdamW; megatron-core also leaves the saved
+                # step in its param groups, which torch does not advance) or per param group (TE's FusedAdam)
+                "steps": ({float(st["step"]) for st in inner.state.values()} if keeps_step_per_parameter(inner)
+                          else {float(g["step"]) for g in inner.param_groups if "step" in g}),
                 "optimizer": type(inner).__module__ + "." + type(inner).__name__,
                 "moments": [inner.state[p][k].clone() for g in inner.param_groups for p in g["params"]
                             for k in ("exp_avg", "exp_avg_sq")]}, f"{out}.{rank}")
@@ -281,6 +282,7 @@ def test_distributed_optimizer_checkpoint_resumes_bitwise_and_at_another_dp(tmp_
     spawn(_resume_worker, 2, 1, "dp_reshardable", str(ckpt), "first", str(tmp_path / "first"))
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_2"]
     layout = __import__("json").loads((ckpt / "step_2" / checkpoint.LAYOUT).read_text())
+    assert layout.pop("megatron_core") == __import__("importlib.metadata").metadata.version("megatron-core")
     assert layout == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2,
                       "optimizer": "distributed/dp_reshardable"}
     spawn(_resume_worker, 2, 1, "dp_reshardable", str(ckpt), "resume", str(tmp_path / "resumed"))

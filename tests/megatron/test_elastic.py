@@ -115,3 +115,38 @@ def test_a_dp_reshardable_checkpoint_refuses_a_new_tp_naming_both_layouts(tmp_pa
     with pytest.raises(ValueError, match=r"\(TP 1 x PP 2 x DP 2\) holds .* \(TP 1 x PP 2 x DP 1\) is 'replicated'.*"
                                          r"set it to true in both runs"):
         ck.check_resumable(d, object())
+
+
+def test_a_checkpoint_from_an_unsupported_megatron_core_is_refused_before_any_tensor(tmp_path, monkeypatch):
+    """``hapo_layout.json`` records the megatron-core that wrote it: one outside >=0.16.1,<0.20
+    (or not a version) is refused by name; inside the range, and unrecorded (hapo pinned
+    0.16.1 before it recorded the version), it passes on to the layout checks."""
+    import json
+
+    import hapo_openrlhf.megatron.checkpoint as ck
+    import hapo_openrlhf.megatron.compat as compat
+
+    here = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "optimizer": "replicated"}
+    monkeypatch.setattr(ck, "_layout", lambda optimizer: {**here, "megatron_core": "0.19.2"})
+    monkeypatch.setattr(compat, "installed", lambda: "0.19.2")
+    d = tmp_path / "step_2"
+    d.mkdir()
+    for saved, refused in (("0.15.0", "megatron-core 0.15.0, outside"), ("0.20.0rc1", "0.20.0rc1, outside"),
+                           ("1.0.0", "1.0.0, outside"), ("not-a-version", "is not a version"),
+                           (7, "is not a version"), ("0.16.1", None), ("0.19.2+5a1c0de", None), (None, None)):
+        (d / ck.LAYOUT).write_text(json.dumps({**here, **({"megatron_core": saved} if saved is not None else {})}))
+        if refused is None:
+            ck.check_resumable(d, object())
+        else:
+            with pytest.raises(ValueError, match=refused) as e:
+                ck.check_resumable(d, object())
+            assert "step_2" in str(e.value)
+    # written by megatron-core >= 0.19 (common state in the shards, no common.pt): refused under 0.18,
+    # read from 0.19 on
+    (d / ck.LAYOUT).write_text(json.dumps({**here, "megatron_core": "0.19.2"}))
+    monkeypatch.setattr(compat, "installed", lambda: "0.18.0")
+    with pytest.raises(ValueError, match=r"written by megatron-core 0.19.2, which keeps the common state inside the "
+                                         r"torch_dist shards \(no common.pt\); megatron-core 0.18.0 .*>=0.19,<0.20"):
+        ck.check_resumable(d, object())
+    monkeypatch.setattr(compat, "installed", lambda: "0.19.1")
+    ck.check_resumable(d, object())

@@ -68,8 +68,11 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model_qwen3):
     # two global steps; Megatron distributed checkpoints under OpenRLHF's _actor directory
     assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2]
     assert sorted(d.name for d in (out / "ckpt" / "_actor").iterdir()) == ["step_2"]  # save_every 2
+    from hapo_openrlhf.megatron.compat import installed
+
     assert json.loads((out / "ckpt" / "_actor" / "step_2" / "hapo_layout.json").read_text()) == {
-        "tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "optimizer": "distributed/dp_reshardable"}
+        "tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "optimizer": "distributed/dp_reshardable",
+        "megatron_core": installed()}
     m = jsonl(out / "metrics.jsonl")
     assert all("quadrant/threshold" in r and "policy_loss" in r and "actor_grad_norm" in r for r in m)
     # zero only for a step whose advantages are all 0 (checked per step below)
