@@ -45,8 +45,9 @@ INSTALL_DOC = "docs/cluster.md, 'Installing on GPU nodes'"
 RANGES = {"megatron-core": (*megatron_compat.SUPPORTED, megatron_compat.TESTED)}
 # the Transformer Engine whose FusedAdam semantics the CPU tests mirror (tests/megatron/te_standin.py)
 TE_MIRRORED = "2.20.2"
-# Python versions CI runs (the rest of 3.10-3.12 is declared, not run)
-TESTED_PYTHONS = ((3, 11),)
+# Python versions CI runs (pyproject's requires-python declares exactly these): 3.11 everything,
+# 3.12 the algorithms, config, Megatron (megatron-core 0.19.2) and embedded-trainer layers
+TESTED_PYTHONS = ((3, 11), (3, 12))
 # bytes per parameter a checkpoint holds: bf16 weights + fp32 masters + Adam m and v
 CKPT_BYTES_PER_PARAM = 2 + 4 + 4 + 4
 
@@ -94,9 +95,10 @@ def required_packages(cfg: RunConfig) -> list[tuple[str, str]]:
 
 def check_python() -> Check:
     v = sys.version_info
-    ok = (3, 10) <= (v.major, v.minor) <= (3, 12)
+    ok = (v.major, v.minor) in TESTED_PYTHONS
     return Check("python", OK if ok else WARN, f"{v.major}.{v.minor}.{v.micro}",
-                 "" if ok else "tested with Python 3.10-3.12 (vLLM 0.29 wheels: 3.9-3.12)")
+                 "" if ok else "CI runs Python 3.11 (everything) and 3.12 (algorithms, config, embedded trainer, "
+                               "Megatron; not the OpenRLHF/Ray/vLLM path)")
 
 
 def check_packages(cfg: RunConfig) -> list[Check]:
@@ -157,7 +159,9 @@ def check_matrix() -> list[Check]:
     Engine, flash-attn, vLLM -- against what this project runs in CI, whatever the config
     needs; known-bad combinations fail with the reason (docs/cluster.md, the matrix)."""
     v = sys.version_info
-    out = [Check("matrix python", OK if (v.major, v.minor) in TESTED_PYTHONS else WARN, f"{v.major}.{v.minor}.{v.micro}",
+    here = f"{v.major}.{v.minor}.{v.micro}" + (" (the OpenRLHF/Ray/vLLM path is tested on 3.11 only)"
+                                               if (v.major, v.minor) == (3, 12) else "")
+    out = [Check("matrix python", OK if (v.major, v.minor) in TESTED_PYTHONS else WARN, here,
                  f"CI runs Python {', '.join('.'.join(map(str, t)) for t in TESTED_PYTHONS)}")]
     torch_v, mc = _version("torch"), _version("megatron-core")
     out.append(Check("matrix torch", OK if torch_v and _base(torch_v) == PINS["torch"] else WARN,
@@ -170,7 +174,7 @@ def check_matrix() -> list[Check]:
         if _vt(mc) >= (0, 17) and (v.major, v.minor) < (3, 12):
             out.append(Check("matrix megatron-core/python", WARN, f"megatron-core {mc} declares Python >= 3.12, this is "
                              f"{v.major}.{v.minor}", "it installs with --ignore-requires-python and its files parse "
-                             "here; CI runs 0.19.x this way on 3.11 (docs/cluster.md)"))
+                             "here, but CI runs 0.19.x on Python 3.12 (docs/megatron.md, 'megatron-core versions')"))
     te = _version("transformer-engine") or _version("transformer_engine")
     if te is None:
         out.append(Check("matrix transformer-engine", OK, "not installed (megatron-core then builds torch's AdamW)"))

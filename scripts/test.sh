@@ -9,9 +9,10 @@
 #   HAPO_TEST_NO_VLLM=1   do not build .venv-vllm: the tests that need real vLLM skip, by name
 #   HAPO_TEST_NO_SLURM=1  do not install Slurm: the real-Slurm tests skip, by name
 #   HAPO_TEST_WORKERS=N   pytest-xdist workers (default 4; 0 runs in this process)
-#   HAPO_TEST_NO_MC19=1   skip the second megatron-core leg (tests/megatron under 0.19.2, in
-#                         .venv-mc19) and the cross-version checkpoint test; with pytest
-#                         arguments the leg stays off (the venv is still built)
+#   HAPO_TEST_NO_PY312=1  skip the Python 3.12 leg (tests/megatron under megatron-core 0.19.2,
+#                         tests/algos, tests/test_config.py, in .venv-py312) and the
+#                         cross-version checkpoint test; with pytest arguments the leg stays
+#                         off (the venv is still built)
 # A piece that cannot be installed here (not root, no apt-get, no network) is reported in
 # one line and its tests skip with the reason; everything that was installed must pass.
 set -euo pipefail
@@ -107,33 +108,31 @@ else
     say "could not download the transformer-engine 2.20.2 wheel: the TE stand-in's fidelity test will skip"
 fi
 
-# The second megatron-core leg (issue 44): tests/megatron under megatron-core 0.19.2, in .venv-mc19
-# layered over this environment (like .venv-vllm) -- on Python 3.11, where 0.19 declares >= 3.12
-# but installs with --ignore-requires-python and parses (docs/cluster.md says why not a 3.12 venv:
-# torch for 3.12 is a multi-GB CUDA download). It runs beside the main run, which spends half its
-# wall time waiting; its result joins the exit status. The main run's cross-version test writes a
-# checkpoint under 0.16.1 and resumes it under 0.19.2 (HAPO_MC_OTHER_PYTHON). HAPO_TEST_NO_MC19=1
-# leaves both out; with pytest arguments the venv is built but the leg does not run.
-mc19_pid=""
+# The Python 3.12 leg (issue 44): tests/megatron under megatron-core 0.19.2 -- the newest of the
+# range, which declares Python >= 3.12 -- plus the algorithm and config layers, in .venv-py312
+# (scripts/py312_venv.sh: pyenv's 3.12, torch 2.13.0's CUDA build from PyPI, which runs on the CPU).
+# It runs beside the main run, which spends half its wall time waiting; its result joins the exit
+# status. The main run's cross-version test writes a checkpoint under 0.16.1 and resumes it under
+# 0.19.2 (HAPO_MC_OTHER_PYTHON). scripts/test_py312.sh runs the embedded trainer's tests on 3.12
+# too. HAPO_TEST_NO_PY312=1 leaves the leg and the cross-version test out; with pytest arguments
+# the venv is built but the leg does not run.
+py312_pid=""
 unset HAPO_MC_OTHER_PYTHON
-mc19_log=.cache/megatron-core-0.19.log
-mc19_ok() { .venv-mc19/bin/python -c "from importlib.metadata import version; assert version('megatron-core') == '0.19.2'" 2>/dev/null; }
-if [ "${HAPO_TEST_NO_MC19:-0}" = 1 ]; then
-    say "megatron-core 0.19 leg off (HAPO_TEST_NO_MC19=1)"
-elif { [ -x .venv-mc19/bin/python ] && mc19_ok; } \
-        || { rm -rf .venv-mc19 && layer_venv .venv-mc19 \
-             && .venv-mc19/bin/python -m pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2 triton \
-             && mc19_ok; }; then
-    export HAPO_MC_OTHER_PYTHON="$PWD/.venv-mc19/bin/python"
-    if [ "$#" = 0 ]; then
-        mkdir -p .cache
-        HAPO_REQUIRE_MEGATRON=1 HAPO_MC_OTHER_PYTHON= .venv-mc19/bin/python -m pytest -q -p no:cacheprovider \
-            tests/megatron >"$mc19_log" 2>&1 &
-        mc19_pid=$!
-        say "megatron-core 0.19.2 leg started (tests/megatron; log: $mc19_log)"
-    fi
+py312_log=.cache/python-3.12.log
+if [ "${HAPO_TEST_NO_PY312:-0}" = 1 ]; then
+    say "Python 3.12 leg off (HAPO_TEST_NO_PY312=1)"
 else
-    say "could not build .venv-mc19 with megatron-core 0.19.2: that leg and the cross-version test do not run"
+    source scripts/py312_venv.sh
+    if build_py312; then
+        export HAPO_MC_OTHER_PYTHON="$PY312"
+        if [ "$#" = 0 ]; then
+            mkdir -p .cache
+            HAPO_REQUIRE_MEGATRON=1 HAPO_MC_OTHER_PYTHON= "$PY312" -m pytest -q -p no:cacheprovider \
+                tests/megatron tests/algos tests/test_config.py >"$py312_log" 2>&1 &
+            py312_pid=$!
+            say "Python 3.12 leg started (megatron-core 0.19.2: tests/megatron, tests/algos, tests/test_config.py; log: $py312_log)"
+        fi
+    fi
 fi
 
 workers="${HAPO_TEST_WORKERS:-4}"
@@ -147,14 +146,14 @@ else
     # the end-to-end tests share one warm model built once (tests/conftest.py: shared_once).
     python -m pytest -q -n "$workers" --dist load "$@" || rc=$?
 fi
-if [ -n "$mc19_pid" ]; then
-    mc19_rc=0
-    wait "$mc19_pid" || mc19_rc=$?
-    say "megatron-core 0.19.2 leg: $(tail -n 1 "$mc19_log")"
-    if [ "$mc19_rc" != 0 ]; then  # pytest's exit 5 (nothing collected) fails too
-        tail -n 40 "$mc19_log"
-        say "megatron-core 0.19.2 leg failed (exit $mc19_rc)"
-        [ "$rc" != 0 ] || rc=$mc19_rc
+if [ -n "$py312_pid" ]; then
+    py312_rc=0
+    wait "$py312_pid" || py312_rc=$?
+    say "Python 3.12 leg: $(tail -n 1 "$py312_log")"
+    if [ "$py312_rc" != 0 ]; then  # pytest's exit 5 (nothing collected) fails too
+        tail -n 40 "$py312_log"
+        say "Python 3.12 leg failed (exit $py312_rc)"
+        [ "$rc" != 0 ] || rc=$py312_rc
     fi
 fi
 exit "$rc"

@@ -15,6 +15,15 @@ def test_embedded_config_passes_here(tmp_path):
     p = run_cli(["doctor", "--config", "configs/cpu_tiny.yaml", "--output-dir", str(tmp_path / "o")])
     assert p.returncode == 0, p.stdout + p.stderr
     assert "all checks passed" in p.stdout and "[  ok] cuda: not needed" in p.stdout
+    # the version matrix, one line per package, whatever the config needs
+    import sys
+    from importlib.metadata import version
+
+    v = sys.version_info
+    for line in (f"matrix python: {v.major}.{v.minor}.{v.micro}", f"matrix torch: {version('torch')}",
+                 f"matrix megatron-core: {version('megatron-core')}", "matrix transformer-engine: not installed",
+                 "matrix flash-attn: not installed", "matrix vllm: not installed"):
+        assert line in p.stdout, (line, p.stdout)
 
 
 def test_gpu_config_is_refused_naming_cuda_and_ring_flash_attn(tmp_path):

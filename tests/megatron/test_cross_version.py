@@ -1,5 +1,5 @@
 """A checkpoint moves up between the megatron-core versions CI runs (0.16.1 here, 0.19.2 in
-``.venv-mc19``, which scripts/test.sh builds and names in HAPO_MC_OTHER_PYTHON): written under
+``.venv-py312`` on Python 3.12, which scripts/test.sh builds and names in HAPO_MC_OTHER_PYTHON): written under
 0.16.1, resumed under 0.19.2 in fresh processes, the run equals the uninterrupted one
 bitwise -- weights, fp32 masters, Adam moments, losses and grad norms -- with both
 optimizer shardings. Down, a 0.19.2 checkpoint (its common state inside the shards, no
@@ -45,7 +45,7 @@ def _equal(a: dict, b: dict) -> None:
     assert a["steps"] == b["steps"] == {4.0}
 
 
-@pytest.mark.skipif(not OTHER, reason="HAPO_MC_OTHER_PYTHON is not set (scripts/test.sh sets it to .venv-mc19's "
+@pytest.mark.skipif(not OTHER, reason="HAPO_MC_OTHER_PYTHON is not set (scripts/test.sh sets it to .venv-py312's "
                                       "python, megatron-core 0.19.2)")
 @pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
 def test_a_checkpoint_resumes_bitwise_under_a_newer_megatron_core_and_is_refused_under_an_older(tmp_path, sharding):
