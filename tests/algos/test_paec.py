@@ -11,17 +11,13 @@ import torch
 from hapo_openrlhf import algos
 from hapo_openrlhf.algos.paec import observe, position_mask, step_state
 
+from ._ragged import ragged_batch
+
 P = dict(beta=2.0, rho_min=0.5, top_p=0.9, mask="nucleus_entropy", softness=0.0)
 
 
 def _batch(seed=0, B=5, T=9):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    mask = torch.arange(T)[None, :] < lengths[:, None]
-    logp = -torch.rand(B, T, generator=g) * 3
-    old = logp + 0.05 * torch.randn(B, T, generator=g)
-    adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
-    ent = torch.rand(B, T, generator=g) * 2 + 0.05
+    g, mask, logp, old, adv, ent = ragged_batch(seed, B, T)
     hp = ent * torch.rand(B, T, generator=g)
     gap = torch.rand(B, T, generator=g) * 3
     for t in (logp, ent, hp, gap):

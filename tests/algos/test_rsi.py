@@ -10,15 +10,11 @@ import torch
 from hapo_openrlhf import algos
 from hapo_openrlhf.algos.rsi import relative_surprisal
 
+from ._ragged import ragged_batch
+
 
 def _batch(seed=0, B=5, T=8):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    mask = torch.arange(T)[None, :] < lengths[:, None]
-    logp = -torch.rand(B, T, generator=g) * 3
-    old = logp + 0.05 * torch.randn(B, T, generator=g)
-    adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
-    ent = torch.rand(B, T, generator=g) * 2 + 0.05
+    _, mask, logp, old, adv, ent = ragged_batch(seed, B, T)
     logp[~mask], ent[~mask] = 9.0, float("nan")  # padding holds garbage
     return logp, old, adv, mask, ent
 
