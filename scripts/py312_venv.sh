@@ -14,10 +14,15 @@ import hapo_openrlhf, psutil, pytest  # noqa: F401  (the project, the checkpoint
 PY
 }
 find_python312() {
-    command -v python3.12 2>/dev/null && return 0
-    local root
+    # pyenv's versions first: a pyenv shim named python3.12 can be on PATH without running
+    local root c
     root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
-    ls -d "$root"/versions/3.12*/bin/python 2>/dev/null | sort -V | tail -n 1 | grep . && return 0
+    for c in $(ls -d "$root"/versions/3.12*/bin/python 2>/dev/null | sort -Vr) "$(command -v python3.12 2>/dev/null)"; do
+        if [ -n "$c" ] && "$c" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then
+            echo "$c"
+            return 0
+        fi
+    done
     return 1
 }
 build_py312() {

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The Python 3.12 layers in full: the algorithms, the config, checkpoints, the embedded trainer
 # and the Megatron back end (megatron-core 0.19.2), in .venv-py312 (scripts/py312_venv.sh). The
-# README's test command runs only the Megatron and algorithm layers on 3.12 (beside the main run,
-# to stay within the suite's time); this runs the rest as well (about 7 minutes on 2 cores).
+# README's test command runs only the Megatron layer on 3.12 (beside the main run, for the suite's
+# time); this runs the rest as well (about 7 minutes on 2 cores).
 #
 #   bash scripts/test_py312.sh [PYTEST ARGS...]
 set -euo pipefail
