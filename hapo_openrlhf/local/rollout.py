@@ -1,4 +1,5 @@
-"""Sampling and scoring forwards for the embedded trainer (Hugging Face generate).
+"""Sampling and scoring forwards for the embedded trainer (``sampler.KVSampler``, equal to
+Hugging Face ``generate``'s draws).
 
 Shape legend: B sequences, P prompt tokens (left padded), R response tokens
 (right padded), L = P + R.
@@ -13,6 +14,8 @@ import torch
 from ..algos import check_finite, logprobs_and_entropy
 from ..algos.fused import fused_logprobs_entropy, fused_token_loss
 from ..algos.nucleus import sharded_nucleus_logmass, sharded_nucleus_stats
+from .sampler import SUPPORTED as SAMPLER_FAMILIES
+from .sampler import KVSampler
 
 
 @dataclass
@@ -39,8 +42,9 @@ class Rollout:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float, top_p: float,
              max_new_tokens: int, check_positions: bool = False) -> Rollout:
-    """Sample ``n`` responses per prompt; rows are grouped: prompt j -> rows [j*n, (j+1)*n)."""
-    from transformers import GenerationConfig
+    """Sample ``n`` responses per prompt; rows are grouped: prompt j -> rows [j*n, (j+1)*n).
+    Qwen2 / Qwen3 / Llama models sample through ``KVSampler`` (token for token what
+    ``generate`` draws under the same seed), others through ``generate``."""
 
     # each prompt is tokenized once; its n rows are copies (the same ids and padding as
     # tokenizing the expanded list), so the position check costs nothing extra
@@ -53,13 +57,23 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
                                  f"{max_new_tokens} it exceeds the model's {limit} positions "
                                  f"(model.max_position_embeddings): shorten or drop it")
     enc = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
-    gen_cfg = GenerationConfig(
-        do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
     was_training = model.training
     model.eval()
-    out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], generation_config=gen_cfg)
+    if getattr(model.config, "model_type", None) in SAMPLER_FAMILIES and not getattr(model.config, "use_sliding_window",
+                                                                                      False):
+        # the same tokens as generate under the same seed, without its per-step machinery (sampler.py)
+        out = KVSampler(model).sample(enc["input_ids"], enc["attention_mask"], temperature=temperature, top_p=top_p,
+                                      max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id)
+    else:  # another architecture (hapo eval --engine hf on any Hugging Face model): transformers' generate
+        from transformers import GenerationConfig
+
+        gen_cfg = GenerationConfig(
+            do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )
+        out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                             generation_config=gen_cfg)
     model.train(was_training)
     P = enc["input_ids"].shape[1]
     resp = out[:, P:]
