@@ -2,8 +2,8 @@
 # environment with megatron-core 0.19.2 (the newest of the range, which declares Python >= 3.12)
 # and this project with its [megatron] extra. torch==2.13.0 for 3.12 comes from PyPI as the CUDA
 # build (~4.7 GB installed; it runs on the CPU): measured 65 s for torch and 53 s for the rest
-# on the development machine (docs/performance.md). Python 3.12 is found as python3.12 on PATH
-# or under pyenv. Sets PY312 to the venv's python, or leaves it empty and says why.
+# on the development machine (docs/performance.md). Python 3.12 is found under pyenv, else as
+# python3.12 on PATH (run to check it). Sets PY312 to the venv's python, or leaves it empty and says why.
 PY312=""
 py312_ok() {
     .venv-py312/bin/python - 2>/dev/null <<'PY'
