@@ -126,15 +126,9 @@ def check_packages(cfg: RunConfig) -> list[Check]:
     return out
 
 
-def _vt(v: str) -> tuple:
-    from packaging.version import Version
-
-    return Version(_base(v)).release
-
-
 def _range_check(dist: str, have: str) -> Check:
     lo, hi, tested = RANGES[dist]
-    if not _vt(lo) <= _vt(have) < _vt(hi):
+    if not megatron_compat.release(lo) <= megatron_compat.release(have) < megatron_compat.release(hi):
         return Check(f"package {dist}", FAIL, f"{have}, outside the supported range >={lo},<{hi}",
                      f"pip install '{dist}>={lo},<{hi}' (CI runs {', '.join(tested)})")
     if _base(have) not in tested:
@@ -171,7 +165,7 @@ def check_matrix() -> list[Check]:
     else:
         c = _range_check("megatron-core", mc)
         out.append(Check("matrix megatron-core", c.status, c.message, c.fix))
-        if _vt(mc) >= (0, 17) and (v.major, v.minor) < (3, 12):
+        if megatron_compat.release(mc) >= (0, 17) and (v.major, v.minor) < (3, 12):
             out.append(Check("matrix megatron-core/python", WARN, f"megatron-core {mc} declares Python >= 3.12, this is "
                              f"{v.major}.{v.minor}", "it installs with --ignore-requires-python and its files parse "
                              "here, but CI runs 0.19.x on Python 3.12 (docs/megatron.md, 'megatron-core versions')"))

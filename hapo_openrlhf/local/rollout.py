@@ -14,7 +14,6 @@ import torch
 from ..algos import check_finite, logprobs_and_entropy
 from ..algos.fused import fused_logprobs_entropy, fused_token_loss
 from ..algos.nucleus import sharded_nucleus_logmass, sharded_nucleus_stats
-from .sampler import SUPPORTED as SAMPLER_FAMILIES
 from .sampler import KVSampler
 
 
@@ -59,8 +58,7 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     enc = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
     was_training = model.training
     model.eval()
-    if getattr(model.config, "model_type", None) in SAMPLER_FAMILIES and not getattr(model.config, "use_sliding_window",
-                                                                                      False):
+    if KVSampler.unsupported(model.config) is None:
         # the same tokens as generate under the same seed, without its per-step machinery (sampler.py)
         out = KVSampler(model).sample(enc["input_ids"], enc["attention_mask"], temperature=temperature, top_p=top_p,
                                       max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,

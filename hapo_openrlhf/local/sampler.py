@@ -17,7 +17,7 @@ What it leaves out is ``generate``'s per-step machinery: building a 4-D mask, ca
 ``prepare_inputs_for_generation``, logits-processor and stopping-criteria lists. Position ids
 follow ``generate``'s rule (the attention mask's cumulative sum; a generated token's position
 is the prompt's length plus its index). ``tests/local/test_sampler.py`` checks the tokens equal
-``generate``'s under the same seed and the scores equal the model's forward.
+``generate``'s under the same seed, and that the random stream ends where ``generate``'s does.
 """
 
 from __future__ import annotations
@@ -29,32 +29,34 @@ import torch
 SUPPORTED = ("qwen2", "qwen3", "llama")
 
 
-def _mask_for(valid_BL: torch.Tensor, q_len: int) -> torch.Tensor | None:
-    """transformers' SDPA mask for queries at the last ``q_len`` of the ``L`` keys (True =
-    attend): causal plus key padding; None when no row has padding (SDPA's own causal path,
-    as transformers passes it). A padded query attends to itself (no all-masked row, no NaN
-    in the cache); its output reaches no real token."""
-    if bool(valid_BL.all()):
-        return None
-    B, L = valid_BL.shape
-    k = torch.arange(L, device=valid_BL.device)
-    q = k[L - q_len:]
-    causal = k[None, :] <= q[:, None]  # [q, L]
-    m = causal[None] & valid_BL[:, None, :]  # [B, q, L]
-    m |= (k[None, :] == q[:, None])[None]
-    return m[:, None]  # [B, 1, q, L]
+def _prefill_mask(valid_BP: torch.Tensor) -> torch.Tensor:
+    """transformers' SDPA mask for a left-padded prompt (True = attend): causal plus key
+    padding, ``[B, 1, P, P]``. A padded query attends to itself (no all-masked row, no NaN in
+    the cache); its output reaches no real token."""
+    k = torch.arange(valid_BP.shape[1], device=valid_BP.device)
+    m = (k[None, :] <= k[:, None])[None] & valid_BP[:, None, :]
+    m |= torch.eye(len(k), dtype=torch.bool, device=k.device)[None]
+    return m[:, None]
 
 
 class KVSampler:
     """``sample(input_ids, attention_mask, ...)`` for one ``*ForCausalLM`` model of a
     supported family (its weights are read live: no copy, training changes them)."""
 
-    def __init__(self, model) -> None:
-        kind = getattr(model.config, "model_type", None)
+    @staticmethod
+    def unsupported(config) -> str | None:
+        """Why a model with this config cannot be sampled here (None: it can)."""
+        kind = getattr(config, "model_type", None)
         if kind not in SUPPORTED:
-            raise ValueError(f"KVSampler: model_type {kind!r} is not supported (only {', '.join(SUPPORTED)})")
-        if getattr(model.config, "use_sliding_window", False):
-            raise ValueError("KVSampler: sliding-window attention is not supported")
+            return f"model_type {kind!r} is not supported (only {', '.join(SUPPORTED)})"
+        if getattr(config, "use_sliding_window", False):
+            return "sliding-window attention is not supported"
+        return None
+
+    def __init__(self, model) -> None:
+        why = self.unsupported(model.config)
+        if why:
+            raise ValueError(f"KVSampler: {why}")
         self.model = model
         self.decoder = model.get_decoder()
         self.layers = list(self.decoder.layers)
@@ -127,8 +129,11 @@ class KVSampler:
         out = torch.empty(B, L, dtype=input_ids.dtype, device=dev)
         out[:, :P] = input_ids
         unfinished = torch.ones(B, dtype=torch.long, device=dev)
+        # no padding: no mask (SDPA's own causal path, as transformers passes it); with padding,
+        # a decode step's mask is the keys' validity so far (its query is the newest key)
+        padded = not bool(attention_mask.all())
         h = self.decoder.embed_tokens(input_ids)
-        logits = self._logits(h, cos[:, :P], sin[:, :P], caches, 0, _mask_for(valid[:, :P], P))
+        logits = self._logits(h, cos[:, :P], sin[:, :P], caches, 0, _prefill_mask(valid[:, :P]) if padded else None)
         n = 0
         for t in range(max_new_tokens):
             probs = torch.softmax(self._warp(logits, temperature, top_p), dim=-1)
@@ -142,5 +147,5 @@ class KVSampler:
             at = P + t
             h = self.decoder.embed_tokens(nxt[:, None])
             logits = self._logits(h, cos[:, at:at + 1], sin[:, at:at + 1], caches, at,
-                                  _mask_for(valid[:, :at + 1], 1))
+                                  valid[:, None, None, :at + 1] if padded else None)
         return out[:, :P + n]

@@ -139,7 +139,7 @@ def check_resumable(path: Path, optimizer) -> None:
         shape = {k: int(saved[k]) for k in ("tensor_parallel", "pipeline_parallel", "data_parallel")}
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ValueError(f"checkpoint {str(path)!r}: {LAYOUT} is unreadable ({str(e)[:100]})") from None
-    check_checkpoint_version(path, saved.get("megatron_core") if isinstance(saved, dict) else None)
+    check_checkpoint_version(path, saved.get("megatron_core"))  # a dict: saved["optimizer"] was read
     if optimizer is None:
         return
     if fmt is None:
