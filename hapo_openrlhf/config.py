@@ -199,9 +199,16 @@ class RolloutConfig:
     # under top-p < 1, log rollout/nucleus_logmass on RL steps 1, 1 + N, 1 + 2N, ... (0: never);
     # it costs a sort of every [chunk, V/TP] block of the old-log-prob pass (docs/performance.md)
     nucleus_metric_every: int = 1
+    # the embedded trainer's old log-probs, behaviour entropy and nucleus mass: "sampler" (what
+    # the sampler computed as it drew, from the same logits; no scoring forward) or "forward"
+    # (a separate no-grad forward over the batch, as OpenRLHF recomputes them); they agree to
+    # float tolerance (tests/local/test_sampler.py). Models the sampler does not serve use a forward.
+    old_logprobs: str = "auto"  # auto: sampler on backend local, forward on the others
 
     def __post_init__(self):
         _require(self.prompts_per_step > 0, "rollout.prompts_per_step must be > 0")
+        _require(self.old_logprobs in ("auto", "sampler", "forward"),
+                 f"rollout.old_logprobs must be auto, sampler or forward, got {self.old_logprobs!r}")
         _require(self.samples_per_prompt >= 2, "rollout.samples_per_prompt must be >= 2 (group baselines)")
         _require(self.temperature > 0, "rollout.temperature must be > 0")
         _require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
@@ -563,6 +570,10 @@ class RunConfig:
                      f"response (>= {need} tokens: max_new_tokens {need - prompt} + a ~{prompt}-token prompt)")
         if self.backend == "megatron":
             self._check_megatron()
+        _require(self.backend == "local" or self.rollout.old_logprobs != "sampler",
+                 f"rollout.old_logprobs: sampler is the embedded trainer's (backend local); backend {self.backend} "
+                 "recomputes old log-probs with the actor, as OpenRLHF does: set rollout.old_logprobs: auto or forward "
+                 "(vLLM's own log-probs enter through algorithm.is_correction)")
 
     def _check_megatron(self) -> None:
         o, m = self.openrlhf, self.megatron

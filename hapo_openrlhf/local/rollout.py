@@ -1,5 +1,5 @@
-"""Sampling and scoring forwards for the embedded trainer (``sampler.KVSampler``, equal to
-Hugging Face ``generate``'s draws).
+"""Sampling and scoring forwards for the embedded trainer (``sampler.KVSampler``: Hugging Face
+``generate``'s sampling rule, its log-probs and entropy recorded as it draws).
 
 Shape legend: B sequences, P prompt tokens (left padded), R response tokens
 (right padded), L = P + R.
@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..algos import check_finite, logprobs_and_entropy
 from ..algos.fused import fused_logprobs_entropy, fused_token_loss
 from ..algos.nucleus import sharded_nucleus_logmass, sharded_nucleus_stats
+from .decoder import Decoder, unsupported
 from .sampler import KVSampler
 
 
@@ -25,6 +27,11 @@ class Rollout:
     prompt_len: int
     responses: list[str]
     truncated_B: torch.Tensor  # bool: hit max_new_tokens without EOS
+    # the sampler's log p_T, entropy of p_T and log p_T(top-p set) per response token (0 off
+    # the mask); None when the rollout came from transformers' generate (another architecture)
+    logprobs_BR: torch.Tensor | None = None
+    entropy_BR: torch.Tensor | None = None
+    logmass_BR: torch.Tensor | None = None
 
     @property
     def response_ids_BR(self) -> torch.Tensor:
@@ -32,9 +39,11 @@ class Rollout:
 
     def select(self, idx: list[int]) -> "Rollout":
         i = torch.as_tensor(idx, dtype=torch.long)
+        pick = lambda t: None if t is None else t[i]  # noqa: E731
         return Rollout(
             self.sequences_BL[i], self.attention_mask_BL[i], self.response_mask_BR[i],
             self.prompt_len, [self.responses[j] for j in idx], self.truncated_B[i],
+            pick(self.logprobs_BR), pick(self.entropy_BR), pick(self.logmass_BR),
         )
 
 
@@ -42,8 +51,8 @@ class Rollout:
 def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float, top_p: float,
              max_new_tokens: int, check_positions: bool = False) -> Rollout:
     """Sample ``n`` responses per prompt; rows are grouped: prompt j -> rows [j*n, (j+1)*n).
-    Qwen2 / Qwen3 / Llama models sample through ``KVSampler`` (token for token what
-    ``generate`` draws under the same seed), others through ``generate``."""
+    Qwen2 / Qwen3 / Llama models sample through ``KVSampler`` (``generate``'s sampling rule,
+    with the log-probs and entropy of what it drew), others through ``generate``."""
 
     # each prompt is tokenized once; its n rows are copies (the same ids and padding as
     # tokenizing the expanded list), so the position check costs nothing extra
@@ -55,14 +64,14 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
                 raise ValueError(f"prompt {j} ({prompts[j][:60]!r}...) has {n_tok} tokens; with max_new_tokens "
                                  f"{max_new_tokens} it exceeds the model's {limit} positions "
                                  f"(model.max_position_embeddings): shorten or drop it")
-    enc = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
     was_training = model.training
     model.eval()
-    if KVSampler.unsupported(model.config) is None:
-        # the same tokens as generate under the same seed, without its per-step machinery (sampler.py)
-        out = KVSampler(model).sample(enc["input_ids"], enc["attention_mask"], temperature=temperature, top_p=top_p,
-                                      max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id)
+    scores, rows = None, {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
+    if KVSampler.unsupported(model) is None:  # generate's rule without its per-step machinery (sampler.py)
+        s = KVSampler(model).sample(enc["input_ids"], enc["attention_mask"], temperature=temperature, top_p=top_p,
+                                    max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.pad_token_id, repeats=n)
+        out, scores = s.sequences, (s.logprobs, s.entropy, s.nucleus_logmass)
     else:  # another architecture (hapo eval --engine hf on any Hugging Face model): transformers' generate
         from transformers import GenerationConfig
 
@@ -70,7 +79,7 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
             do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )
-        out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+        out = model.generate(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"],
                              generation_config=gen_cfg)
     model.train(was_training)
     P = enc["input_ids"].shape[1]
@@ -78,22 +87,28 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     if resp.shape[1] == 0:
         resp = torch.full((out.shape[0], 1), tokenizer.pad_token_id, dtype=out.dtype)
         out = torch.cat([out, resp], 1)
+        scores = None
     is_eos = resp == tokenizer.eos_token_id
-    # valid = positions up to and including the first EOS
+    # valid = positions up to and including the first EOS: a row without EOS ran every step (the
+    # batch stops when all rows have ended), so only the pad after an EOS is padding; a pad token
+    # the model drew mid-response is a token it attended to while sampling, and stays
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
     resp_mask = (~after_eos).long()
-    if tokenizer.pad_token_id != tokenizer.eos_token_id:
-        resp_mask &= (resp != tokenizer.pad_token_id).long() | is_eos.long()
     truncated = ~is_eos.any(-1)
     texts = [
         tokenizer.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(resp, resp_mask)
     ]
-    attn = torch.cat([enc["attention_mask"], resp_mask], dim=1)
-    return Rollout(out, attn, resp_mask, P, texts, truncated)
+    attn = torch.cat([rows["attention_mask"], resp_mask], dim=1)
+    scores = (None,) * 3 if scores is None else tuple(t * resp_mask for t in scores)
+    return Rollout(out, attn, resp_mask, P, texts, truncated, *scores)
 
 
 def _hidden_states(model, seq_BL, attn_BL, packing: bool) -> torch.Tensor:
-    """Last hidden states [B, L, H] of the decoder (before the LM head).
+    """Last hidden states [B, L, H] of the decoder (before the LM head); padding positions
+    carry no meaning (0, or whatever transformers computes there).
+
+    Qwen2 / Qwen3 / Llama without ``packing``: ``decoder.Decoder``'s forward (the projections
+    on the real tokens only). Other architectures: transformers' forward over the padded batch.
 
     packing: drop the padding and run the rows as one [1, sum(len)] sequence whose
     position ids restart at 0 for every row. Hugging Face attention detects the
@@ -103,7 +118,11 @@ def _hidden_states(model, seq_BL, attn_BL, packing: bool) -> torch.Tensor:
     padded [B, L] layout (zeros on padding).
     """
     decoder = model.get_decoder()
-    if not packing:
+    if not packing and unsupported(model) is None:
+        # the projections and MLPs on the real tokens only (decoder.py): transformers' forward within
+        # float tolerance, without arithmetic on padding
+        return Decoder(model).forward(seq_BL, attn_BL)
+    if not packing:  # another architecture: transformers' padded forward
         pos = (attn_BL.cumsum(-1) - 1).clamp(min=0)
         return decoder(input_ids=seq_BL, attention_mask=attn_BL, position_ids=pos, use_cache=False).last_hidden_state
     keep = attn_BL.bool()
@@ -217,7 +236,15 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         z = lambda n: torch.zeros((B, n), dtype=p.attention_mask_BL.dtype)  # noqa: E731
         attns.append(torch.cat([z(dp), p.attention_mask_BL, z(dr)], 1))
         masks.append(torch.cat([p.response_mask_BR, z(dr)], 1))
+
+    def scores(name):  # the sampler's per-token log-probs / entropy, right-padded with 0
+        ts = [getattr(p, name) for p in parts]
+        if any(t is None for t in ts):
+            return None
+        return torch.cat([F.pad(t, (0, R - t.shape[1])) for t in ts])
+
     return Rollout(
         torch.cat(seqs), torch.cat(attns), torch.cat(masks), P,
         [t for p in parts for t in p.responses], torch.cat([p.truncated_B for p in parts]),
+        scores("logprobs_BR"), scores("entropy_BR"), scores("logmass_BR"),
     )

@@ -1,151 +1,186 @@
-"""Batched sampling with a preallocated KV cache for the embedded trainer's models
-(Qwen2, Qwen3, Llama), without ``transformers``' ``generate`` (issue 40).
+"""Batched sampling with a preallocated KV cache for the embedded trainer's models (Qwen2,
+Qwen3, Llama), without ``transformers``' ``generate`` (issue 40).
 
-What it computes is ``generate``'s multinomial sampling, step for step:
-* the same modules: the model's own embedding, norms, projections, QK-norms, MLPs, rotary
-  table, ``apply_rotary_pos_emb`` and transformers' own SDPA attention function, called on
-  the same shapes (the cache is preallocated once, ``[B, kv_heads, P + R, head_dim]``, and
-  each step attends to its filled prefix, as ``DynamicCache`` would hand it over);
-* the same sampling rule: float32 logits of the last position, ``TemperatureLogitsWarper``
-  (``scores / T``, skipped at T = 1), ``TopPLogitsWarper`` (ascending sort, cumulative
-  softmax, remove ``<= 1 - top_p``, keep the top token; skipped at top-p 1), softmax,
-  ``torch.multinomial`` on the whole batch every step -- finished rows draw too and get the
-  pad token, so the random stream advances as ``generate``'s does;
-* the same stop: after ``max_new_tokens`` or when every row has emitted EOS.
+What it computes is ``generate``'s multinomial sampling rule at temperature T and top-p:
+* the model's forward (``decoder.Decoder``: the model's own weights, read at every call,
+  equal to transformers' forward within float tolerance); positions follow ``generate``'s
+  rule (the attention mask's cumulative sum; a generated token's position is the prompt's
+  length plus its index);
+* the same filter: float32 logits of the last position divided by T, then top-p as
+  ``TopPLogitsWarper`` has it -- a token is dropped when the probability mass of the tokens
+  ranked above it is already >= top-p (the top token always stays); a tied group straddling
+  the boundary is cut by count, its members in sort order;
+* the same stop: after ``max_new_tokens`` or when every row has emitted EOS; pad after a
+  row's EOS.
 
-What it leaves out is ``generate``'s per-step machinery: building a 4-D mask, cache objects,
-``prepare_inputs_for_generation``, logits-processor and stopping-criteria lists. Position ids
-follow ``generate``'s rule (the attention mask's cumulative sum; a generated token's position
-is the prompt's length plus its index). ``tests/local/test_sampler.py`` checks the tokens equal
-``generate``'s under the same seed, and that the random stream ends where ``generate``'s does.
+How it is faster (docs/performance.md, "The sampler"): the prompt's KV cache is computed once
+per distinct prompt and shared by its ``repeats`` rows; a decode step is ``Decoder``'s fused
+projections plus attention as two batched matrix products against the preallocated cache,
+the query heads grouped by their key/value head (no ``repeat_kv`` copy of the cache); rows
+that have ended leave the batch (the caches compacted when an eighth of the rows has ended);
+the draw is an inverse-CDF draw over the top-p set found with ``topk`` (a full sort only when
+the nucleus is larger than its k) instead of a sort of the vocabulary and
+``torch.multinomial``.
+
+The random stream: one ``torch.rand(B)`` a step from the global generator, for every row
+(ended rows included), so a row's tokens depend on its own uniforms and logits only: they do
+not depend on when other rows end, on the compaction, or on the batch's prompt grouping.
+They are not ``generate``'s tokens under the same seed (``torch.multinomial`` draws
+exponentials for every row and vocabulary entry); the distribution is the same, which
+``tests/local/test_sampler.py`` checks with a chi-square test against the exact top-p
+distribution and against ``generate``'s draws, and it checks the cache machinery exactly
+against a cache-free reference that uses the same uniforms.
+
+Per token it also returns the log-probability of the drawn token and the entropy of the
+full distribution at temperature T (what a scoring forward at the rollout temperature
+computes, from the same logits), so the trainer needs no separate behaviour forward.
 """
 
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-SUPPORTED = ("qwen2", "qwen3", "llama")
+from .decoder import Decoder, unsupported
+
+TOPK = 16  # the top-p set is searched among this many tokens first (a full sort if it is larger)
+COMPACT = 7 / 8  # the caches drop ended rows when at most this fraction of them is left
 
 
-def _prefill_mask(valid_BP: torch.Tensor) -> torch.Tensor:
-    """transformers' SDPA mask for a left-padded prompt (True = attend): causal plus key
-    padding, ``[B, 1, P, P]``. A padded query attends to itself (no all-masked row, no NaN in
-    the cache); its output reaches no real token."""
-    k = torch.arange(valid_BP.shape[1], device=valid_BP.device)
-    m = (k[None, :] <= k[:, None])[None] & valid_BP[:, None, :]
-    m |= torch.eye(len(k), dtype=torch.bool, device=k.device)[None]
-    return m[:, None]
+@dataclass
+class Sample:
+    sequences: torch.Tensor  # [B, P + n]: the prompts (left padded), the responses, pad after EOS
+    logprobs: torch.Tensor  # [B, n] float32: log p_T(drawn token), 0 after a row's end
+    entropy: torch.Tensor  # [B, n] float32: entropy of p_T at that position, 0 after a row's end
+    nucleus_logmass: torch.Tensor  # [B, n] float32: log p_T(top-p set) at that position (0 at top-p 1)
 
 
 class KVSampler:
     """``sample(input_ids, attention_mask, ...)`` for one ``*ForCausalLM`` model of a
-    supported family (its weights are read live: no copy, training changes them)."""
+    supported family (``decoder.unsupported``)."""
 
-    @staticmethod
-    def unsupported(config) -> str | None:
-        """Why a model with this config cannot be sampled here (None: it can)."""
-        kind = getattr(config, "model_type", None)
-        if kind not in SUPPORTED:
-            return f"model_type {kind!r} is not supported (only {', '.join(SUPPORTED)})"
-        if getattr(config, "use_sliding_window", False):
-            return "sliding-window attention is not supported"
-        return None
+    unsupported = staticmethod(unsupported)
 
     def __init__(self, model) -> None:
-        why = self.unsupported(model.config)
-        if why:
-            raise ValueError(f"KVSampler: {why}")
         self.model = model
-        self.decoder = model.get_decoder()
-        self.layers = list(self.decoder.layers)
-        attn = self.layers[0].self_attn
-        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        self.dec = Decoder(model)
 
-        self.attend = sdpa_attention_forward
-        self.head_dim = attn.head_dim
-        self.kv_heads = model.config.num_key_value_heads
-        self.qk_norm = hasattr(attn, "q_norm")
+    def _decode(self, w, h, cos, sin, kc, vc, bias, at: int):
+        """One layer for one new token a row, ``h [b, H]`` at position ``at`` of the caches
+        ``[b, Hkv, L, d]``; ``bias [b * Hkv, 1, L]`` is 0 on keys to attend, -inf on padding."""
+        dec = self.dec
+        b, end = h.shape[0], at + 1
+        qk, v = dec.qkv(w, h, cos, sin)
+        kc[:, :, at] = qk[:, dec.q_heads:]
+        vc[:, :, at] = v
+        L, d, g = kc.shape[2], dec.head_dim, dec.kv_heads
+        # query heads grouped by their key/value head: [b * Hkv, Hq / Hkv, d] against [b * Hkv, end, d]
+        q = qk[:, :dec.q_heads].reshape(b * g, dec.q_heads // g, d)
+        s = torch.baddbmm(bias[:, :, :end], q, kc.view(b * g, L, d)[:, :end].transpose(1, 2), alpha=dec.scaling)
+        o = torch.bmm(s.softmax(-1), vc.view(b * g, L, d)[:, :end]).view(b, -1)
+        h = h + F.linear(o, w.o_w, w.o_b)
+        return dec.mlp_residual(w, h)
 
-    def _layer(self, layer, h, cos, sin, k_cache, v_cache, start: int, mask):
-        """One decoder layer over the new positions ``[start, start + q)``; writes their keys
-        and values into the caches and attends to ``[0, start + q)``."""
-        attn = layer.self_attn
-        res = h
-        x = layer.input_layernorm(h)
-        shape = (*x.shape[:-1], -1, self.head_dim)
-        q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
-        if self.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = self.rope(q, k, cos, sin)
-        end = start + x.shape[1]
-        k_cache[:, :, start:end] = k
-        v_cache[:, :, start:end] = v
-        out, _ = self.attend(attn, q, k_cache[:, :, :end], v_cache[:, :, :end], mask, dropout=0.0,
-                             scaling=attn.scaling)
-        h = res + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    def _logits(self, h, cos, sin, caches, start: int, mask) -> torch.Tensor:
-        for layer, (kc, vc) in zip(self.layers, caches):
-            h = self._layer(layer, h, cos, sin, kc, vc, start, mask)
-        last = self.decoder.norm(h[:, -1:])
-        return self.model.get_output_embeddings()(last)[:, -1].to(dtype=torch.float32, copy=True)
+    def _head(self):
+        head = self.model.get_output_embeddings()
+        return head.weight, head.bias
 
     @staticmethod
-    def _warp(scores: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-        if temperature != 1.0:
-            scores = scores / temperature
+    def draw(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float):
+        """(token, log p_T(token), entropy of p_T, log p_T(top-p set)) per row of ``logits
+        [b, V]`` for uniforms ``u [b]`` in [0, 1): the inverse-CDF draw over the top-p set in
+        descending probability order."""
+        z = logits / temperature if temperature != 1.0 else logits
+        lse = torch.logsumexp(z, -1, keepdim=True)
+        logp = z - lse
+        p_all = logp.exp()
+        entropy = -(p_all * logp).sum(-1)
         if top_p < 1.0:
-            s, idx = torch.sort(scores, descending=False)
-            drop = s.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-            drop[..., -1:] = 0
-            scores = scores.masked_fill(drop.scatter(1, idx, drop), -float("inf"))
-        return scores
+            k = min(TOPK, z.shape[-1])
+            top, idx = z.topk(k, -1)
+            p = (top - lse).exp()
+            c = p.cumsum(-1)
+            if k < z.shape[-1] and bool((c[:, -1] < top_p).any()):  # the nucleus may reach past k
+                top, idx = z.sort(-1, descending=True)
+                p = (top - lse).exp()
+                c = p.cumsum(-1)
+            p = p.masked_fill(c - p >= top_p, 0.0)  # mass above a token already >= top-p: dropped
+        else:
+            p, idx = p_all, None
+        c = p.cumsum(-1)
+        mass = c[:, -1]
+        j = (c <= (u * mass).unsqueeze(-1)).sum(-1, keepdim=True).clamp_(max=p.shape[-1] - 1)
+        tok = (idx.gather(-1, j) if idx is not None else j).squeeze(-1)
+        logmass = mass.log() if idx is not None else torch.zeros_like(mass)
+        return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), entropy, logmass
 
     @torch.no_grad()
     def sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float, top_p: float,
-               max_new_tokens: int, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
-        """``[B, P + n]`` token ids, ``n <= max_new_tokens`` (the prompt, left padded, then the
-        responses; pad after a row's EOS), like ``generate``'s ``sequences``."""
+               max_new_tokens: int, eos_token_id: int, pad_token_id: int, repeats: int = 1) -> Sample:
+        """Sample ``repeats`` responses for each prompt row (rows grouped: prompt j gives rows
+        ``[j * repeats, (j + 1) * repeats)``), at most ``max_new_tokens`` each."""
         if temperature <= 0:
             raise ValueError(f"KVSampler samples: temperature must be > 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"KVSampler: top_p must be in (0, 1], got {top_p}")
-        B, P = input_ids.shape
-        dev = input_ids.device
-        L = P + max_new_tokens
-        valid = torch.ones(B, L, dtype=torch.bool, device=dev)
-        valid[:, :P] = attention_mask.bool()
-        pos = valid.long().cumsum(-1) - 1
-        pos = pos.masked_fill(~valid, 1)  # generate's rule for padding (its positions reach no real token)
-        probe = self.decoder.embed_tokens.weight
-        cos, sin = self.decoder.rotary_emb(probe[:1].expand(B, 1, -1), pos)
-        caches = [(probe.new_empty(B, self.kv_heads, L, self.head_dim), probe.new_empty(B, self.kv_heads, L, self.head_dim))
-                  for _ in self.layers]
-        out = torch.empty(B, L, dtype=input_ids.dtype, device=dev)
-        out[:, :P] = input_ids
-        unfinished = torch.ones(B, dtype=torch.long, device=dev)
-        # no padding: no mask (SDPA's own causal path, as transformers passes it); with padding,
-        # a decode step's mask is the keys' validity so far (its query is the newest key)
-        padded = not bool(attention_mask.all())
-        h = self.decoder.embed_tokens(input_ids)
-        logits = self._logits(h, cos[:, :P], sin[:, :P], caches, 0, _prefill_mask(valid[:, :P]) if padded else None)
+        if max_new_tokens < 0 or repeats < 1:
+            raise ValueError(f"KVSampler: max_new_tokens must be >= 0 and repeats >= 1, got {max_new_tokens}, "
+                             f"{repeats}")
+        U, P = input_ids.shape
+        if P == 0 or not bool(attention_mask.bool().any(-1).all()):
+            raise ValueError("KVSampler: a prompt has no token (an empty prompt has no position to sample from)")
+        if max_new_tokens == 0:
+            seq = input_ids.repeat_interleave(repeats, 0)
+            return Sample(seq, *(seq.new_zeros(len(seq), 0, dtype=torch.float32) for _ in range(3)))
+        B, L, dev = U * repeats, P + max_new_tokens, input_ids.device
+        dec, g = self.dec, self.dec.kv_heads
+        layers = dec.layers()
+        valid = attention_mask.bool()
+        emb = dec.decoder.embed_tokens.weight
+        # prefill: once per distinct prompt, into caches its ``repeats`` rows share
+        h, kvs = dec.forward(input_ids, attention_mask, keep_kv=True)
+        caches = []
+        for k, v in kvs:
+            kc, vc = emb.new_empty(B, g, L, dec.head_dim), emb.new_empty(B, g, L, dec.head_dim)
+            kc[:, :, :P] = k.repeat_interleave(repeats, 0)
+            vc[:, :, :P] = v.repeat_interleave(repeats, 0)
+            caches.append((kc, vc))
+        # a generated token's position: the prompt's length plus its index (generate's rule)
+        pos = valid.sum(-1, keepdim=True) + torch.arange(max_new_tokens, device=dev)
+        cos, sin = dec.rope(pos.repeat_interleave(repeats, 0))
+        logits = F.linear(h[:, -1], *self._head()).float().repeat_interleave(repeats, 0)  # h is normed
+        rows = torch.arange(B, device=dev)  # the batch's rows, as indices into the B outputs
+        bias = torch.zeros(B, 1, L, device=dev, dtype=emb.dtype)
+        bias[:, 0, :P].masked_fill_(~valid.repeat_interleave(repeats, 0), float("-inf"))
+        bias = bias.repeat_interleave(g, 0)  # [B * Hkv, 1, L]
+        tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=dev)
+        logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=dev)
+        entropy, logmass = torch.zeros_like(logprobs), torch.zeros_like(logprobs)
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
         n = 0
         for t in range(max_new_tokens):
-            probs = torch.softmax(self._warp(logits, temperature, top_p), dim=-1)
-            nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
-            nxt = nxt * unfinished + pad_token_id * (1 - unfinished)
-            out[:, P + t] = nxt
+            u = torch.rand(B, device=dev)  # every row draws, ended ones too: the stream is the same however rows end
+            tok, lp, en, lm = self.draw(logits, u[rows], temperature, top_p)
+            tok = tok.masked_fill(~alive, pad_token_id)
+            tokens[rows, t] = tok
+            for buf, val in ((logprobs, lp), (entropy, en), (logmass, lm)):
+                buf[rows, t] = val.masked_fill(~alive, 0.0)
+            alive &= tok != eos_token_id
             n = t + 1
-            unfinished = unfinished & (nxt != eos_token_id).long()
-            if int(unfinished.max()) == 0 or n == max_new_tokens:
+            left = int(alive.sum())
+            if left == 0 or n == max_new_tokens:
                 break
+            if left <= COMPACT * len(rows):  # drop the ended rows
+                keep = alive.nonzero().squeeze(1)
+                rows, tok, alive, cos, sin = rows[keep], tok[keep], alive[keep], cos[keep], sin[keep]
+                caches = [(kc[keep], vc[keep]) for kc, vc in caches]
+                bias = bias.view(-1, g, 1, L)[keep].view(-1, 1, L)
             at = P + t
-            h = self.decoder.embed_tokens(nxt[:, None])
-            logits = self._logits(h, cos[:, at:at + 1], sin[:, at:at + 1], caches, at,
-                                  valid[:, None, None, :at + 1] if padded else None)
-        return out[:, :P + n]
+            h = F.embedding(tok, emb)
+            for w, (kc, vc) in zip(layers, caches):
+                h = self._decode(w, h, cos[:, t], sin[:, t], kc, vc, bias, at)
+            logits = F.linear(dec.norm(h), *self._head()).float()
+        seq = torch.cat([input_ids.repeat_interleave(repeats, 0), tokens[:, :n]], 1)
+        return Sample(seq, logprobs[:, :n], entropy[:, :n], logmass[:, :n])

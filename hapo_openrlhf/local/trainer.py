@@ -246,11 +246,15 @@ class LocalTrainer:
         return _merge_groups(kept, self.tok.pad_token_id), buf.metrics()
 
     # ------------------------------------------------------------------- update
-    def _behaviour(self, ro: Rollout, nucleus: bool = False):
+    def _behaviour(self, ro: Rollout, nucleus: bool = False, sampler: bool = False):
         """(log-probs, entropy) at the rollout temperature; with ``nucleus`` and top-p < 1 a
-        third tensor, log P(nucleus) per token (``rollout/nucleus_logmass``)."""
+        third tensor, log P(nucleus) per token (``rollout/nucleus_logmass``). ``sampler``:
+        the sampler's own values when it recorded them (``rollout.old_logprobs``), else a
+        no-grad forward."""
         a, r = self.cfg.algorithm, self.cfg.rollout
         top_p = r.top_p if nucleus and r.top_p < 1.0 else None
+        if sampler and ro.logprobs_BR is not None:
+            return (ro.logprobs_BR, ro.entropy_BR) + ((ro.logmass_BR,) if top_p is not None else ())
         with torch.no_grad():
             return policy_forward(self.model, ro, temperature=r.temperature, chunk_size=a.entropy_chunk_size,
                                   fused=self.cfg.model.fused_head, packing=self.cfg.model.packing,
@@ -263,7 +267,7 @@ class LocalTrainer:
         ro = batch.rollout
         mask = ro.response_mask_BR
         due = metric_due(cfg.rollout.top_p, cfg.rollout.nucleus_metric_every, self.state.step)
-        old_logp, ent, *logmass = self._behaviour(ro, nucleus=due)
+        old_logp, ent, *logmass = self._behaviour(ro, nucleus=due, sampler=cfg.rollout.old_logprobs != "forward")
         if logmass:  # top-p rollouts: the mean log P(nucleus) over response tokens (docs/method.md 6b)
             metrics["rollout/nucleus_logmass"] = float(logmass[0].sum() / mask.sum().clamp(min=1))
         inputs = algos.AdvantageInputs(

@@ -1,0 +1,84 @@
+"""The chain task's cost: one warm start, then one 30-step RL run per variant with its final
+held-out evaluation, at the decisive experiment's settings (configs/experiments/decisive.yaml:
+the 0.8M-parameter chain model, 80-token responses, Avg@8 on 512 problems), each job in one
+worker process with one thread -- as the experiment runs them -- timed by the experiment's own
+``experiment.json`` (each job's wall time).
+
+Pass ``--repo`` to time another checkout (for example today's main in a ``git worktree``) with
+the same command, so two versions are compared in one session on one machine:
+
+    git worktree add /tmp/base <commit>
+    python benchmarks/chain_cost.py --repo /tmp/base --out /tmp/cost_base
+    python benchmarks/chain_cost.py --out /tmp/cost_head
+    python benchmarks/chain_cost.py --compare /tmp/cost_base /tmp/cost_head
+
+Prints one JSON object per run: the wall time of the warm start and of each RL run (its 30
+steps and its final evaluation), and with ``--compare`` the ratios (head / base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _experiment_file(repo: Path, out: Path, variants: list[str]) -> Path:
+    import yaml
+
+    spec = yaml.safe_load((repo / "configs" / "experiments" / "decisive.yaml").read_text())
+    cfg_dir = repo / "configs" / "experiments"
+    for v in spec["variants"].values():  # absolute paths: the file is written elsewhere
+        if "config" in v:
+            v["config"] = str((cfg_dir / v["config"]).resolve())
+    spec["run_config"] = str((cfg_dir / spec["run_config"]).resolve())
+    spec.update(output_dir=str(out), workers=1, threads_per_worker=1, seeds=[101], warm_start_seed=101)
+    spec["suites"] = {"cost": variants}
+    spec["comparisons"] = []
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def run(repo: Path, out: Path, variants: list[str]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    exp = _experiment_file(repo, out, variants)
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hapo_openrlhf.cli", "experiment", "cost", "--config", str(exp)],
+                   cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL)
+    total = time.perf_counter() - t0
+    manifest = json.loads((out / "experiment.json").read_text())
+    jobs = manifest.get("jobs") or manifest.get("results") or {}
+    rows = jobs.values() if isinstance(jobs, dict) else jobs
+    walls = {r["name"]: round(r["wall_s"], 1) for r in rows}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                            text=True).stdout.strip()
+    return {"repo": str(repo), "commit": commit, "total_s": round(total, 1), "jobs_s": walls}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repo", type=Path, default=REPO)
+    ap.add_argument("--out", type=Path, default=Path("runs/chain_cost"))
+    ap.add_argument("--variants", default="grpo,hapo")
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("BASE", "HEAD"))
+    a = ap.parse_args()
+    if a.compare:
+        base, head = (json.loads((d / "cost.json").read_text()) for d in a.compare)
+        ratios = {k: round(head["jobs_s"][k] / base["jobs_s"][k], 3) for k in base["jobs_s"] if k in head["jobs_s"]}
+        print(json.dumps({"base": base["commit"], "head": head["commit"], "ratio_head_over_base": ratios}))
+        return
+    res = run(a.repo.resolve(), a.out.resolve(), a.variants.split(","))
+    (a.out / "cost.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
