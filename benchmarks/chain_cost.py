@@ -14,6 +14,14 @@ the same command, so two versions are compared in one session on one machine:
 
 Prints one JSON object per run: the wall time of the warm start and of each RL run (its 30
 steps and its final evaluation), and with ``--compare`` the ratios (head / base).
+
+``--rerun`` times the RL runs again in an ``--out`` that already holds them: their
+directories are moved aside (``runs.1``, ``runs.2``, ...) and the finished warm start is
+reused (the experiment skips it; it took about 8 minutes here). Two checkouts can then be
+timed side by side, one per core, under the same load:
+
+    python benchmarks/chain_cost.py --repo /tmp/base --out /tmp/cost_base --rerun &
+    python benchmarks/chain_cost.py --out /tmp/cost_head --rerun; wait
 """
 
 from __future__ import annotations
@@ -46,8 +54,13 @@ def _experiment_file(repo: Path, out: Path, variants: list[str]) -> Path:
     return path
 
 
-def run(repo: Path, out: Path, variants: list[str]) -> dict:
+def run(repo: Path, out: Path, variants: list[str], rerun: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
+    if rerun and (out / "runs").is_dir():
+        n = 1
+        while (out / f"runs.{n}").exists():
+            n += 1
+        (out / "runs").rename(out / f"runs.{n}")
     exp = _experiment_file(repo, out, variants)
     env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
@@ -58,8 +71,9 @@ def run(repo: Path, out: Path, variants: list[str]) -> dict:
     jobs = manifest.get("jobs") or manifest.get("results") or {}
     rows = jobs.values() if isinstance(jobs, dict) else jobs
     walls = {r["name"]: round(r["wall_s"], 1) for r in rows}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                            text=True).stdout.strip()
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no")
+                                                    else "")
     return {"repo": str(repo), "commit": commit, "total_s": round(total, 1), "jobs_s": walls}
 
 
@@ -69,13 +83,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/chain_cost"))
     ap.add_argument("--variants", default="grpo,hapo")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BASE", "HEAD"))
+    ap.add_argument("--rerun", action="store_true", help="move the RL runs in --out aside and time them again")
     a = ap.parse_args()
     if a.compare:
         base, head = (json.loads((d / "cost.json").read_text()) for d in a.compare)
         ratios = {k: round(head["jobs_s"][k] / base["jobs_s"][k], 3) for k in base["jobs_s"] if k in head["jobs_s"]}
         print(json.dumps({"base": base["commit"], "head": head["commit"], "ratio_head_over_base": ratios}))
         return
-    res = run(a.repo.resolve(), a.out.resolve(), a.variants.split(","))
+    res = run(a.repo.resolve(), a.out.resolve(), a.variants.split(","), a.rerun)
     (a.out / "cost.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res))
 
