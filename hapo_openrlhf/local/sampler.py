@@ -17,7 +17,7 @@ How it is faster (docs/performance.md, "The sampler"): the prompt's KV cache is 
 per distinct prompt and shared by its ``repeats`` rows; a decode step is ``Decoder``'s fused
 projections plus attention as two batched matrix products against the preallocated cache,
 the query heads grouped by their key/value head (no ``repeat_kv`` copy of the cache); rows
-that have ended leave the batch (the caches compacted when an eighth of the rows has ended);
+that have ended leave the batch (the caches compacted when a quarter of the rows has ended);
 the draw is an inverse-CDF draw over the top-p set found with ``topk`` (a full sort only when
 the nucleus is larger than its k) instead of a sort of the vocabulary and
 ``torch.multinomial``.
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from .decoder import Decoder, unsupported
 
 TOPK = 16  # the top-p set is searched among this many tokens first (a full sort if it is larger)
-COMPACT = 7 / 8  # the caches drop ended rows when at most this fraction of them is left
+COMPACT = 3 / 4  # the caches drop ended rows when at most this fraction of them is left
 
 
 @dataclass
