@@ -216,6 +216,44 @@ def test_decisive_followup_is_the_frozen_experiment_on_fresh_seeds():
     assert fol.manifest()["comparisons"] == [{"a": "hapo", "b": "grpo"}]
 
 
+def test_league_is_the_chain_task_with_its_named_comparisons_and_fresh_seeds():
+    """configs/experiments/league.yaml (issue 40): the decisive experiment's warm start and RL
+    settings (one set of numbers), the nine methods each with its own config's algorithm and
+    sampling, the five comparisons named in the issue, and >= 24 held-out seeds (35: the
+    decisive run's largest paired sd, 0.059, resolving 0.02 at 2 s.e.) that no earlier
+    experiment used."""
+    import math
+
+    dec = load_experiment(REPO / "configs/experiments/decisive.yaml")
+    fol = load_experiment(REPO / "configs/experiments/decisive_followup.yaml")
+    lg = load_experiment(REPO / "configs/experiments/league.yaml")
+    used = set(dec.seeds) | set(fol.seeds) | {101, 102, 103, 150, 151, 200, 300, 301}
+    assert len(lg.seeds) == math.ceil((2 * 0.059 / 0.02) ** 2) == 35 and not set(lg.seeds) & used
+    assert lg.warm_jobs()[0].config["seed"] not in used | set(lg.seeds)
+    strip = ("output_dir", "seed", "run_name")
+    assert {k: v for k, v in lg.warm_jobs()[0].config.items() if k not in strip} == \
+        {k: v for k, v in dec.warm_jobs()[0].config.items() if k not in strip}
+    methods = ("grpo", "dapo", "hapo", "entro_adv", "forking", "eapo_entropic", "stare", "pepo", "less")
+    assert lg.suites["league"] == methods
+    s0 = lg.seeds[0]
+    for v in ("grpo", "dapo", "hapo", "entro_adv", "forking"):  # the decisive file's runs, seed aside
+        a, b = lg.runs[(v, s0)].config, dec.runs[(v, dec.seeds[0])].config
+        assert {k: x for k, x in a.items() if k not in (*strip, "model")} == \
+            {k: x for k, x in b.items() if k not in (*strip, "model")}
+    from hapo_openrlhf.config import load_config
+
+    for v in ("eapo_entropic", "stare", "pepo", "less"):  # each competitor's own config, on the chain task
+        own = load_config(REPO / f"configs/cpu_tiny_{v}.yaml").to_dict()
+        run = lg.runs[(v, s0)].config
+        assert run["algorithm"] == own["algorithm"], v
+        for k in ("temperature", "top_p", "samples_per_prompt", "prompts_per_step"):
+            assert run["rollout"][k] == own["rollout"][k], (v, k)
+        assert run["rollout"]["max_new_tokens"] == 80 and run["trainer"]["steps"] == 30
+    assert lg.manifest()["comparisons"] == [{"a": "hapo", "b": "grpo"}, {"a": "eapo_entropic", "b": "hapo"},
+                                           {"a": "eapo_entropic", "b": "grpo"}, {"a": "stare", "b": "dapo"},
+                                           {"a": "pepo", "b": "grpo"}]
+
+
 def test_decisive_experiment_smoke(tmp_path):
     """The decisive experiment reduced (two seeds, two RL steps, a tiny evaluation): every
     method of every seed runs from the one shared warm start, whose evaluation is each run's
