@@ -139,11 +139,74 @@ class Decoder:
     def norm(self, h):
         return self.decoder.norm(h)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, keep_kv: bool = False):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, keep_kv: bool = False,
+                prompt_len: int | None = None):
         """(last hidden states ``[B, L, H]`` after the final norm, 0 on padding; with
         ``keep_kv`` each layer's keys and values ``[B, Hkv, L, d]``, 0 on padding) of a
         padded batch; positions are the mask's cumulative sum (``generate``'s and the
-        scoring forward's rule). Differentiable."""
+        scoring forward's rule). Differentiable.
+
+        ``prompt_len``: columns ``[0, prompt_len)`` are prompts, the rest responses (a
+        rollout's layout). Rows whose prompts are equal (ids and mask: a group's G samples)
+        then share one forward of the prompt -- its hidden states and keys/values, which no
+        response token can change (causal attention) -- and only the responses run per row;
+        the gradient through the shared prompt is the sum over its rows, as in the per-row
+        forward."""
+        if prompt_len is not None and not keep_kv and 0 < prompt_len < input_ids.shape[1]:
+            shared = self._shared_prompt_forward(input_ids, attention_mask, prompt_len)
+            if shared is not None:
+                return shared
+        return self._rows_forward(input_ids, attention_mask, keep_kv)
+
+    def _mask(self, keep_q: torch.Tensor, keep_k: torch.Tensor, offset: int) -> torch.Tensor:
+        """``[B, 1, Lq, Lk]`` attention mask: query i (at key position ``offset + i``)
+        attends to valid keys at or before it; a padded query attends to itself only (no
+        all-masked row, no NaN)."""
+        Lq, Lk = keep_q.shape[1], keep_k.shape[1]
+        iq = torch.arange(Lq, device=keep_q.device)[:, None] + offset
+        ik = torch.arange(Lk, device=keep_q.device)[None, :]
+        return (((ik <= iq)[None] & keep_k[:, None, :]) | (ik == iq)[None])[:, None]
+
+    def _layer_heads(self, w: Layer, h, cos, sin, keep):
+        """Queries, keys and values ``[B, heads, Lq, d]`` of one layer for the real tokens
+        ``h [N, H]`` scattered to the padded layout ``keep [B, Lq]`` (0 on padding)."""
+        nqk = self.q_heads + self.kv_heads
+        qk, v = self.qkv(w, h, cos, sin)
+        heads = h.new_zeros(*keep.shape, nqk + self.kv_heads, self.head_dim).index_put((keep,), torch.cat([qk, v], 1))
+        q, k, v = heads[:, :, :self.q_heads], heads[:, :, self.q_heads:nqk], heads[:, :, nqk:]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend_residual(self, w: Layer, h, q, k, v, mask, keep):
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                           enable_gqa=self.q_heads != self.kv_heads)
+        h = h + F.linear(o.transpose(1, 2)[keep].flatten(1), w.o_w, w.o_b)
+        return self.mlp_residual(w, h)
+
+    def _shared_prompt_forward(self, input_ids, attention_mask, P: int):
+        B, L = input_ids.shape
+        pmask = attention_mask[:, :P]
+        _, group = torch.unique(torch.cat([input_ids[:, :P] * pmask, pmask], 1), dim=0, return_inverse=True)
+        U = int(group.max()) + 1
+        if U == B:  # no two rows share a prompt
+            return None
+        first = torch.zeros(U, dtype=torch.long, device=group.device).scatter_reduce_(
+            0, group, torch.arange(B, device=group.device), "amin", include_self=False)
+        h_prompt, kvs = self._rows_forward(input_ids[first, :P], pmask[first], keep_kv=True)
+        keep_p = pmask.bool()
+        keep = attention_mask[:, P:].bool()
+        pos = (attention_mask.long().cumsum(-1) - 1)[:, P:]
+        cos, sin = self.rope(pos[keep][None])
+        cos, sin = cos[0], sin[0]
+        h = F.embedding(input_ids[:, P:][keep], self.decoder.embed_tokens.weight)  # [N, H]: real response tokens
+        mask = self._mask(keep, torch.cat([keep_p, keep], 1), offset=P)
+        for w, (kp, vp) in zip(self.layers(), kvs):
+            q, k, v = self._layer_heads(w, h, cos, sin, keep)
+            k, v = torch.cat([kp[group], k], 2), torch.cat([vp[group], v], 2)
+            h = self._attend_residual(w, h, q, k, v, mask, keep)
+        out = h.new_zeros(B, L - P, h.shape[-1]).index_put((keep,), self.norm(h))
+        return torch.cat([h_prompt[group], out], 1)
+
+    def _rows_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep_kv: bool):
         B, L = input_ids.shape
         keep = attention_mask.bool()
         if not bool(keep.any(-1).all()):
@@ -152,20 +215,11 @@ class Decoder:
         cos, sin = self.rope(pos[keep][None])
         cos, sin = cos[0], sin[0]
         h = F.embedding(input_ids[keep], self.decoder.embed_tokens.weight)  # [N, H]: the real tokens
-        k_ = torch.arange(L, device=keep.device)
-        mask = ((k_[None, :] <= k_[:, None])[None] & keep[:, None, :]) | torch.eye(L, dtype=torch.bool,
-                                                                                  device=keep.device)
-        mask = mask[:, None]  # causal + key padding; a padded query attends to itself (no NaN)
-        nqk, kvs = self.q_heads + self.kv_heads, []
+        mask = self._mask(keep, keep, offset=0)
+        kvs = []
         for w in self.layers():
-            qk, v = self.qkv(w, h, cos, sin)
-            heads = h.new_zeros(B, L, nqk + self.kv_heads, self.head_dim).index_put((keep,), torch.cat([qk, v], 1))
-            q, k, v = heads[:, :, :self.q_heads], heads[:, :, self.q_heads:nqk], heads[:, :, nqk:]
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
-                                               enable_gqa=self.q_heads != self.kv_heads)
-            h = h + F.linear(o.transpose(1, 2)[keep].flatten(1), w.o_w, w.o_b)
-            h = self.mlp_residual(w, h)
+            q, k, v = self._layer_heads(w, h, cos, sin, keep)
+            h = self._attend_residual(w, h, q, k, v, mask, keep)
             if keep_kv:
                 kvs.append((k, v))
         out = h.new_zeros(B, L, h.shape[-1]).index_put((keep,), self.norm(h))

@@ -103,7 +103,7 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     return Rollout(out, attn, resp_mask, P, texts, truncated, *scores)
 
 
-def _hidden_states(model, seq_BL, attn_BL, packing: bool) -> torch.Tensor:
+def _hidden_states(model, seq_BL, attn_BL, packing: bool, prompt_len: int | None = None) -> torch.Tensor:
     """Last hidden states [B, L, H] of the decoder (before the LM head); padding positions
     carry no meaning (0, or whatever transformers computes there).
 
@@ -121,7 +121,7 @@ def _hidden_states(model, seq_BL, attn_BL, packing: bool) -> torch.Tensor:
     if not packing and unsupported(model) is None:
         # the projections and MLPs on the real tokens only (decoder.py): transformers' forward within
         # float tolerance, without arithmetic on padding
-        return Decoder(model).forward(seq_BL, attn_BL)
+        return Decoder(model).forward(seq_BL, attn_BL, prompt_len=prompt_len)  # a group's prompt runs once
     if not packing:  # another architecture: transformers' padded forward
         pos = (attn_BL.cumsum(-1) - 1).clamp(min=0)
         return decoder(input_ids=seq_BL, attention_mask=attn_BL, position_ids=pos, use_cache=False).last_hidden_state
@@ -141,7 +141,7 @@ def _response_hidden(model, rollout: Rollout, packing: bool) -> torch.Tensor:
     """Hidden states [B, R, H] that predict the response tokens: the state at t predicts
     token t+1, so the response is predicted from positions P-1 .. L-2."""
     P = rollout.prompt_len
-    return _hidden_states(model, rollout.sequences_BL, rollout.attention_mask_BL, packing)[:, P - 1 : -1]
+    return _hidden_states(model, rollout.sequences_BL, rollout.attention_mask_BL, packing, P)[:, P - 1 : -1]
 
 
 def _fused_head_weight(model) -> torch.Tensor:

@@ -105,3 +105,49 @@ def test_unsupported_models_are_named_and_fall_back():
     with pytest.raises(ValueError, match="a row has no attended token"):
         model.config.attention_dropout = 0.0
         Decoder(model).forward(torch.tensor([[5, 6], [0, 0]]), torch.tensor([[1, 1], [0, 0]]))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_rows_sharing_a_prompt_run_it_once_and_equal_transformers(family):
+    """A rollout's layout (left-padded prompts, right-padded responses) with each prompt in
+    three rows: ``prompt_len`` makes the prompt's forward run once per distinct prompt, and
+    hidden states and every gradient still equal transformers' per-row forward."""
+    tok = build_tokenizer()
+    model = build_model(replace(ModelConfig(), family=family), tok, seed=7)
+    g = torch.Generator().manual_seed(3)
+    P, R = 9, 12
+    prompts = torch.randint(3, 250, (3, P), generator=g)
+    pm = torch.ones(3, P, dtype=torch.long)
+    pm[0, :4], pm[1, :1] = 0, 0
+    prompts[pm == 0] = tok.pad_token_id
+    ids = torch.cat([prompts.repeat_interleave(3, 0), torch.randint(3, 250, (9, R), generator=g)], 1)
+    am = torch.cat([pm.repeat_interleave(3, 0), torch.ones(9, R, dtype=torch.long)], 1)
+    for row, n in ((0, 5), (4, 11), (8, 1), (7, 0)):  # responses that ended early (row 7 runs to the end)
+        if n:
+            am[row, -n:] = 0
+    ids[am == 0] = tok.pad_token_id
+    keep = am.bool()
+    w = torch.randn(*ids.shape, model.config.hidden_size, generator=g)
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        h = fn()
+        (h * w)[keep].sum().backward()
+        return h.detach()[keep], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    seen = []
+    orig = Decoder._rows_forward
+    Decoder._rows_forward = lambda self, i, m, keep_kv: seen.append(tuple(i.shape)) or orig(self, i, m, keep_kv)
+    try:
+        got_h, got_g = run(lambda: Decoder(model).forward(ids, am, prompt_len=P))
+    finally:
+        Decoder._rows_forward = orig
+    assert seen == [(3, P)]  # the three distinct prompts, once each; the responses per row
+    want_h, want_g = run(lambda: _hf_hidden(model, ids, am))
+    torch.testing.assert_close(got_h, want_h, atol=2e-5, rtol=1e-4)
+    for n in want_g:  # relative to the gradient's scale (a sum over three rows for the prompts' tokens)
+        scale = want_g[n].abs().max()
+        torch.testing.assert_close(got_g[n] / scale, want_g[n] / scale, atol=1e-5, rtol=1e-4, msg=n)
+    # distinct prompts: the per-row forward, the same values
+    torch.testing.assert_close(Decoder(model).forward(ids[::3], am[::3], prompt_len=P),
+                               Decoder(model).forward(ids[::3], am[::3]), atol=1e-6, rtol=0)
