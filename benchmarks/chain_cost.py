@@ -54,7 +54,7 @@ def _experiment_file(repo: Path, out: Path, variants: list[str]) -> Path:
     return path
 
 
-def run(repo: Path, out: Path, variants: list[str], rerun: bool = False) -> dict:
+def run(repo: Path, out: Path, variants: list[str], rerun: bool = False, overrides: tuple[str, ...] = ()) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if rerun and (out / "runs").is_dir():
         n = 1
@@ -64,7 +64,8 @@ def run(repo: Path, out: Path, variants: list[str], rerun: bool = False) -> dict
     exp = _experiment_file(repo, out, variants)
     env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hapo_openrlhf.cli", "experiment", "cost", "--config", str(exp)],
+    sets = [a for kv in overrides for a in ("--set", kv)]
+    subprocess.run([sys.executable, "-m", "hapo_openrlhf.cli", "experiment", "cost", "--config", str(exp), *sets],
                    cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL)
     total = time.perf_counter() - t0
     manifest = json.loads((out / "experiment.json").read_text())
@@ -84,13 +85,15 @@ def main() -> None:
     ap.add_argument("--variants", default="grpo,hapo")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BASE", "HEAD"))
     ap.add_argument("--rerun", action="store_true", help="move the RL runs in --out aside and time them again")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a run-config key in every run (a reduced smoke run; not for the figures)")
     a = ap.parse_args()
     if a.compare:
         base, head = (json.loads((d / "cost.json").read_text()) for d in a.compare)
         ratios = {k: round(head["jobs_s"][k] / base["jobs_s"][k], 3) for k in base["jobs_s"] if k in head["jobs_s"]}
         print(json.dumps({"base": base["commit"], "head": head["commit"], "ratio_head_over_base": ratios}))
         return
-    res = run(a.repo.resolve(), a.out.resolve(), a.variants.split(","), a.rerun)
+    res = run(a.repo.resolve(), a.out.resolve(), a.variants.split(","), a.rerun, tuple(a.set))
     (a.out / "cost.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res))
 

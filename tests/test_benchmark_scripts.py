@@ -104,6 +104,27 @@ def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     assert res["loss_ppo"]["paper_ratio"] == 1.0 and res["loss_stare"]["paper_ratio"] > 0 and res["loss_rsi_s"]["paper_ratio"] > 0
 
 
+def test_chain_cost_script_times_runs_and_compares_two_directories(tmp_path):
+    """benchmarks/chain_cost.py reduced to a few steps: it writes the experiment file from the
+    decisive one, runs it in a subprocess, reads each job's wall time from experiment.json;
+    --rerun times the RL runs again beside the kept warm start; --compare gives the ratios."""
+    smoke = ["trainer.steps=1", "warmup.steps=5", "data.synthetic.eval_size=4", "data.synthetic.train_size=64",
+             "eval.n_samples=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+             "rollout.max_new_tokens=8", "eval.max_new_tokens=8", "trainer.sample_every=0"]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "chain_cost.py"), "--variants", "grpo",
+           *[a for kv in smoke for a in ("--set", kv)]]
+    for out, extra in ((tmp_path / "a", []), (tmp_path / "b", []), (tmp_path / "b", ["--rerun"])):
+        res = subprocess.run([*cmd, "--out", str(out), *extra], capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert res.returncode == 0, res.stderr[-2000:]
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert set(got["jobs_s"]) == {"warm_start/seed_101", "grpo/seed_101"} and got["jobs_s"]["grpo/seed_101"] > 0
+    assert (tmp_path / "b" / "runs.1" / "grpo").is_dir() and (tmp_path / "b" / "runs" / "grpo").is_dir()
+    cmp = subprocess.run([sys.executable, str(REPO / "benchmarks" / "chain_cost.py"), "--compare", str(tmp_path / "a"),
+                          str(tmp_path / "b")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    ratios = json.loads(cmp.stdout)["ratio_head_over_base"]
+    assert set(ratios) == {"warm_start/seed_101", "grpo/seed_101"} and all(r > 0 for r in ratios.values())
+
+
 def test_nucleus_metric_script_reports_ratios_and_agreement():
     out = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "nucleus_metric.py"), "--tokens", "512", "--vocab", "2000",
