@@ -46,6 +46,9 @@ def test_cpu_tiny_uses_paper_hapo_defaults():
         ({"model": {"family": "mistral"}}, "model.family must be one of qwen2, qwen3, llama, got 'mistral'"),
         ({"data": {"synthetic": {"min_terms": 7}}}, "data.synthetic.min_terms must be in \\[2, n_terms=3\\], got 7"),
         ({"data": {"synthetic": {"skip_error": 2}}}, "data.synthetic.skip_error must be in \\[0, 1\\], got 2"),
+        ({"rollout": {"old_logprobs": "vllm"}}, "rollout.old_logprobs must be auto, sampler or forward, got 'vllm'"),
+        ({"backend": "openrlhf", "model": {"path": "m"}, "rollout": {"old_logprobs": "sampler"}},
+         "rollout.old_logprobs: sampler is the embedded trainer's \\(backend local\\); backend openrlhf recomputes"),
     ],
 )
 def test_bad_configs_name_the_problem(raw, match):

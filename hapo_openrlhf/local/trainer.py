@@ -20,6 +20,7 @@ import torch
 
 from .. import algos
 from ..algos.advantages import grpo_sequence_advantage
+from ..algos.entropy import check_finite
 from ..algos.nucleus import metric_due
 from .. import runlock
 from ..checkpoint import list_complete, load_checkpoint, resumable_checkpoints, rng_state, save_checkpoint, set_rng_state
@@ -254,6 +255,7 @@ class LocalTrainer:
         a, r = self.cfg.algorithm, self.cfg.rollout
         top_p = r.top_p if nucleus and r.top_p < 1.0 else None
         if sampler and ro.logprobs_BR is not None:
+            check_finite("log-probs", ro.logprobs_BR, ro.response_mask_BR)  # as the scoring forward checks them
             return (ro.logprobs_BR, ro.entropy_BR) + ((ro.logmass_BR,) if top_p is not None else ())
         with torch.no_grad():
             return policy_forward(self.model, ro, temperature=r.temperature, chunk_size=a.entropy_chunk_size,

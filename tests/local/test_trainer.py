@@ -164,6 +164,42 @@ def test_non_finite_logits_are_a_clear_error(tmp_path, fused, what):
         t._behaviour(batch.rollout)
 
 
+def test_non_finite_sampler_log_probs_are_a_clear_error(tmp_path):
+    """rollout.old_logprobs: auto takes the sampler's log-probs: a model that turned NaN is
+    named as the scoring forward would name it, not trained on."""
+    t = _trainer(tmp_path, [])
+    with torch.no_grad():
+        t.model.lm_head.weight.fill_(float("nan"))
+    batch, _ = t.collect()
+    assert batch.rollout.logprobs_BR is not None
+    with pytest.raises(FloatingPointError, match="non-finite log-probs"):
+        t._behaviour(batch.rollout, sampler=True)
+
+
+def test_old_logprobs_sampler_and_forward_agree_in_a_training_step(tmp_path):
+    """The same step with the sampler's log-probs and with a separate forward: the same
+    rollout (one seed), old log-probs and entropy within 1e-5, and the step's metrics close."""
+    steps = []
+    for mode in ("sampler", "forward"):
+        t = _trainer(tmp_path / mode, [f"rollout.old_logprobs={mode}", "algorithm.dynamic_sampling=false"])
+        seen = {}
+        orig = t._behaviour
+
+        def spy(ro, nucleus=False, sampler=False, orig=orig, seen=seen):
+            out = orig(ro, nucleus=nucleus, sampler=sampler)
+            seen.setdefault("first", (ro.sequences_BL.clone(), out[0].clone(), out[1].clone()))
+            return out
+
+        t._behaviour = spy
+        steps.append((t.train_step(), seen["first"]))
+    (m_s, (seq_s, lp_s, en_s)), (m_f, (seq_f, lp_f, en_f)) = steps
+    assert torch.equal(seq_s, seq_f)
+    torch.testing.assert_close(lp_s, lp_f, atol=1e-5, rtol=0)
+    torch.testing.assert_close(en_s, en_f, atol=1e-5, rtol=0)
+    for k in ("reward/mean", "actor/entropy", "actor/loss", "actor/grad_norm"):
+        assert m_s[k] == pytest.approx(m_f[k], rel=1e-3, abs=1e-5), k
+
+
 def test_cli_errors_are_one_clear_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(CONFIG).read_text().replace("prompts_per_step", "prompt_per_step"))
