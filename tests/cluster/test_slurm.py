@@ -113,6 +113,49 @@ def test_ray_bringup_timeout_names_missing_nodes(tmp_path):
     assert all(p.poll() is not None for p in c.procs) or not c.procs  # the head was stopped
 
 
+def _flaky_ray(tmp_path, message: str):
+    """A stand-in ``ray`` that fails its first start printing ``message`` (as Ray's own
+    ``ray start`` does), then runs the real one."""
+    from hapo_openrlhf.cluster import ray_cluster
+
+    real, count = ray_cluster._ray_exe(), tmp_path / "starts"
+    fake = tmp_path / "ray"
+    fake.write_text(f"""#!/bin/sh
+echo start >> {count}
+if [ "$(wc -l < {count})" -eq 1 ]; then echo "Exception: {message}"; exit 1; fi
+exec {real} "$@"
+""")
+    fake.chmod(0o755)
+    return fake, count
+
+
+def test_ray_bringup_retries_rays_own_startup_timeout(tmp_path, monkeypatch):
+    """Ray's `ray start` gives up when its raylet has not registered within a fixed 30 s (a
+    loaded node; it failed the suite's two-host test once under load): the bring-up starts
+    again and the cluster comes up; any other failed start is raised at once."""
+    import socket
+
+    from hapo_openrlhf.cluster import ray_cluster
+
+    fake, count = _flaky_ray(tmp_path, ray_cluster.RAY_STARTUP_TIMEOUT + ". This could happen because ...")
+    monkeypatch.setattr(ray_cluster, "_ray_exe", lambda: str(fake))
+    (tmp_path / "logs").mkdir()
+    c = RayCluster([socket.gethostname()], port=6394, timeout_s=120, log_dir=tmp_path / "logs", start_workers=False)
+    try:
+        c.start()
+        assert len(c.nodes) == 1 and count.read_text().count("start") == 2
+    finally:
+        c.stop()
+    other = tmp_path / "other"
+    other.mkdir()
+    fake, count = _flaky_ray(other, "some other failure")
+    monkeypatch.setattr(ray_cluster, "_ray_exe", lambda: str(fake))
+    c = RayCluster([socket.gethostname()], port=6394, timeout_s=120, log_dir=other, start_workers=False)
+    with pytest.raises(RuntimeError, match="the head start exited with 1"):
+        c.start()
+    assert count.read_text().count("start") == 1
+
+
 PAPER = ["qwen25_math_7b_hapo", "deepscaler_1p5b_24k_hapo", "qwen25_math_7b_hapo_megatron"]
 
 
@@ -254,7 +297,9 @@ def test_timeout_then_resubmit_resumes_from_the_newest_complete_checkpoint(slurm
     import threading
 
     os.kill(pid, signal.SIGSTOP)
-    stopped_at = max(json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines())
+    # what exists when it stops (the trainer may have checkpointed a step or two more while
+    # pgrep ran: a tiny step takes ~0.2 s); nothing may be added after this point
+    at_stop = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
     done = threading.Event()
 
     def keep_stopped():
@@ -276,8 +321,9 @@ def test_timeout_then_resubmit_resumes_from_the_newest_complete_checkpoint(slurm
     events = [e["event"] for e in _events(out)]
     assert "requeue" not in events and "end" not in events, events  # killed at the limit: no requeue
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == at_stop  # killed at the limit: no checkpoint after the stop
     newest = max(int(n.split("_")[1]) for n in ckpts)
-    assert 2 <= newest <= stopped_at and newest % 2 == 0  # regular checkpoints only
+    assert newest >= 2 and newest % 2 == 0  # regular checkpoints only
 
     job2 = _submit([*args, "--time", "0:30:00"])  # the same command again
     st = slurm.wait_for(job2, timeout=900)
