@@ -466,7 +466,9 @@ class MegatronConfig:
     # flash: hapo's FlashCoreAttention (flash-attn varlen / causal SDPA, packed or right-padded rows);
     # local: megatron-core's DotProductAttention ([S, S] scores and an explicit mask; for comparison)
     attention: str = "flash"
-    layer_spec: str = "local"  # local; te (Transformer Engine's spec) is refused until the converter maps its names
+    # local: megatron-core's local spec (torch norms and linears; ``attention`` picks its core attention);
+    # te: Transformer Engine's spec (fused norm + linear, TE's attention; needs transformer-engine on CUDA)
+    layer_spec: str = "local"
     # fused: log-probs and entropy from the hidden states and the head shard, chunk by chunk (no
     # [T, V/TP] logits; megatron/head.py); logits: Megatron's output layer, then the vocabulary-
     # parallel reductions (for comparison); auto: fused with attention: flash, logits with local
@@ -484,11 +486,9 @@ class MegatronConfig:
                  "megatron.tensor_parallel and pipeline_parallel must be >= 1")
         _require(self.attention in ("flash", "local"), f"megatron.attention must be flash or local, got {self.attention!r}")
         _require(self.layer_spec in ("local", "te"), f"megatron.layer_spec must be local or te, got {self.layer_spec!r}")
-        _require(self.layer_spec != "te",
-                 "megatron.layer_spec: te is refused for now: Transformer Engine's spec fuses the input and pre-MLP "
-                 "norms into linear_qkv / linear_fc1 (layer_norm_weight) and makes pre_mlp_layernorm an IdentityOp, "
-                 "and hapo's converter, streamed vLLM weight sync and checkpoints do not map those names yet (the "
-                 "load would stop on unexpected keys); use layer_spec: local (docs/megatron.md)")
+        _require(self.layer_spec != "te" or self.attention == "flash",
+                 "megatron.attention: local is the local spec's DotProductAttention; with megatron.layer_spec: te "
+                 "the core attention is Transformer Engine's (leave attention: flash, the default)")
         _require(self.head in ("auto", "fused", "logits"), f"megatron.head must be auto, fused or logits, got {self.head!r}")
         _require(self.distributed_optimizer in (None, True, False),
                  f"megatron.distributed_optimizer must be true, false or null (on when DP > 1), "
@@ -503,6 +503,8 @@ class MegatronConfig:
         _require(not self.sequence_parallel or self.layer_spec == "te",
                  "megatron.sequence_parallel needs megatron.layer_spec: te (Transformer Engine's norms); "
                  "megatron-core's local spec builds torch norms, which refuse it (docs/megatron.md)")
+        _require(not self.sequence_parallel or self.tensor_parallel > 1,
+                 "megatron.sequence_parallel splits tokens over tensor-parallel ranks: it needs tensor_parallel > 1")
         _require(self.params_dtype in ("bf16", "fp32"), f"megatron.params_dtype must be bf16 or fp32, got {self.params_dtype!r}")
         _require(self.vocab_multiple >= 1 and self.timeout_minutes >= 1, "megatron.vocab_multiple and timeout_minutes must be >= 1")
 

@@ -111,8 +111,8 @@ def check_packages(cfg: RunConfig) -> list[Check]:
                    "vllm": "pip install -e '.[openrlhf,gpu]' (vllm==0.29.0)",
                    "openrlhf": "pip install --no-deps openrlhf==0.11.2",
                    "megatron-core": "pip install -e '.[megatron]'",
-                   "transformer-engine": "megatron.layer_spec: local (te is refused until the converter maps "
-                                         "TE's names)",
+                   "transformer-engine": "install the image's transformer-engine (docs/cluster.md 1b), or use "
+                                         "megatron.layer_spec: local",
                    }.get(dist, f"pip install {dist}=={pin}")
             out.append(Check(f"package {dist}", FAIL, f"not installed (needed for {why})",
                              f"{fix}; the ordered install is in {INSTALL_DOC}"))
@@ -179,8 +179,8 @@ def check_matrix() -> list[Check]:
                              "rebuild it against this torch, or uninstall it (megatron-core then uses torch's AdamW)"))
         else:
             out.append(Check("matrix transformer-engine", OK if _base(te) == TE_MIRRORED else WARN,
-                             f"{te}: megatron-core builds its optimizer on TE's FusedAdam; layer_spec: te is refused",
-                             f"CI checks resume against TE {TE_MIRRORED}'s FusedAdam semantics (a CPU stand-in); "
+                             f"{te}: megatron-core builds its optimizer on TE's FusedAdam; layer_spec: te available",
+                             f"CI checks TE {TE_MIRRORED}'s FusedAdam and layer-spec semantics on a CPU stand-in; "
                              f"run hapo doctor --gpu-smoke"))
     for dist, module in (("flash-attn", "flash_attn"), ("vllm", "vllm")):
         have = _version(dist)

@@ -135,6 +135,7 @@ def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
                      ("megatron_fused_vocab_head_vs_logits", _smoke_megatron_head),
                      ("megatron_distributed_optimizer_step", lambda: _smoke_distributed_optimizer(work)),
                      ("megatron_optimizer_resume_bitwise", lambda: _smoke_optimizer_resume(work)),
+                     ("megatron_te_spec_vs_hf", lambda: _smoke_te_spec(work)),
                      ("openrlhf_loop_vllm_sleep_stop_resume", lambda: _smoke_openrlhf_loop(work)),
                      ("megatron_tp1_loop", lambda: _smoke_openrlhf_loop(work, "megatron"))):
         t0 = time.perf_counter()
@@ -457,6 +458,84 @@ def _optimizer_resume(device: str, ckpt_dir: Path, distributed: bool = True) -> 
     return {"optimizer": f"{type(inner).__module__}.{type(inner).__name__}", "same_start": same_start,
             "bitwise": same_start and all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
                                           for a, b in zip(full, resumed))}
+
+
+def _smoke_te_spec(work: Path) -> dict:
+    """Transformer Engine's layer spec on the real TE (docs/megatron.md, "Transformer Engine";
+    on CPU only a stand-in of TE is tested): :func:`te_spec_check` in a child process on one GPU."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("transformer_engine") is None:
+        return {"ok": True, "skipped": "needs megatron-core and transformer-engine"}
+    log = work / "te_spec.log"
+    code = "import json; from hapo_openrlhf.gpu_smoke import te_spec_check; print(json.dumps(te_spec_check('cuda')))"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29543", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    rc = _run([sys.executable, "-c", code], log, timeout=600, env=env)
+    lines = log.read_text().strip().splitlines() if log.exists() else []
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"ok": False, "error": f"exit {rc}; see {log}"}
+    return {**res, "ok": rc == 0 and res["ok"]}
+
+
+def te_spec_check(device: str = "cuda") -> dict:
+    """A tiny fp32 Qwen3 (QK-norm) GPTModel built from Transformer Engine's layer spec, loaded
+    with the converter's TE names: its log-probs and entropy against the Hugging Face model's
+    (packed THD through TE's attention), and the streamed Hugging Face weights against the
+    ones it was loaded from (``stream_exact``). One rank of an initialised job (torch.distributed
+    from the environment unless it is up); ``device="cpu"`` runs it under the TE stand-in
+    (tests/megatron/test_te_spec.py)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from .megatron.convert import gather_hf_state_dict, hf_to_megatron
+    from .megatron.model import build_gpt_model
+    from .megatron.schedule import logprobs_and_entropy
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=48,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    hf = Qwen3ForCausalLM(cfg).to(device)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0, 0.2)
+    model = build_gpt_model(cfg, spec="te", perform_initialization=False, use_cpu_initialization=not cuda).to(device)
+    missing, unexpected = model.load_state_dict(hf_to_megatron(hf.state_dict(), cfg, spec="te"), strict=False)
+    loaded = not unexpected and all(k.endswith("_extra_state") for k in missing)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (3, 40), generator=g).to(device)
+    am = torch.ones_like(ids)
+    am[1, :9] = 0  # left padding
+    am[2, -7:] = 0  # a shorter response
+    with torch.no_grad():
+        lp, en = logprobs_and_entropy(model, ids, am, vocab_size=512)
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        z = hf(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, :-1].float()
+        ref = torch.log_softmax(z, -1)
+        ref_lp, ref_en = ref.gather(-1, ids[:, 1:, None]).squeeze(-1), -(ref.exp() * ref).sum(-1)
+    valid = (am[:, :-1] * am[:, 1:]).bool()
+    lp_err = float((lp[valid] - ref_lp[valid]).abs().max())
+    en_err = float((en[valid] - ref_en[valid]).abs().max())
+    sd = gather_hf_state_dict(model, cfg)
+    ref_sd = hf.state_dict()
+    exact = sd is None or all(torch.equal(t, ref_sd[n].cpu()) for n, t in sd.items())
+    return {"ok": loaded and exact and lp_err < 2e-3 and en_err < 2e-3, "loaded_strict": loaded,
+            "stream_exact": exact, "logprob_max_abs_err": lp_err, "entropy_max_abs_err": en_err}
 
 
 def _ddp_step_child(overlap: bool = True) -> None:

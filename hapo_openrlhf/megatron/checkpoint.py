@@ -209,7 +209,18 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
     if why:
         raise ValueError(f"checkpoint {str(path)!r} is not loaded: {why}")
     check_resumable(path, optimizer)
-    state = dist_checkpointing.load(_sharded(model, optimizer, {}, is_loading=True), str(path))
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    # what the model asks for and the checkpoint lacks is left out of the load and returned: a
+    # Transformer Engine module's (fp8-only) extra state may be absent -- a checkpoint of the local
+    # layer spec, which names every tensor as the TE spec does, loads into the TE spec -- anything else
+    # is refused by name
+    state, _, absent = dist_checkpointing.load(_sharded(model, optimizer, {}, is_loading=True), str(path),
+                                               strict=StrictHandling.RETURN_UNEXPECTED)
+    absent = sorted(k for k in absent if not k.endswith("_extra_state"))
+    if absent:
+        raise ValueError(f"checkpoint {str(path)!r} does not hold {len(absent)} tensors this model needs "
+                         f"(another model or layer layout?): {absent[:5]}")
     missing, unexpected = _stage(model).load_state_dict(state["model"], strict=False)
     bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
     if bad:

@@ -23,6 +23,15 @@ Megatron layout (local layer spec, per TP rank ``r`` of ``tp``, PP stage ``s`` o
   exists only when the last stage is not also the first (Megatron then keeps a
   copy of the embedding there).
 
+Transformer Engine's layer spec (``spec="te"``) fuses each layer's two norms into the
+linear layer after them (``TELayerNormColumnParallelLinear``; ``input_layernorm`` and
+``pre_mlp_layernorm`` become ``IdentityOp``): the same replicated tensors are then named
+``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``
+(:data:`TE_NORM_NAMES`). Everything else -- the fused QKV and [gate; up] layouts, Qwen3's
+``q_layernorm`` / ``k_layernorm`` (``TENorm``), the final norm -- keeps its name and layout.
+Megatron's distributed checkpoints already use the TE names for both specs (the local
+spec's ``sharded_state_dict_keys_map``), so a checkpoint moves between specs unchanged.
+
 Layers are split evenly over stages (Megatron's default offset): stage ``s`` holds
 global layers ``s * L/pp ... (s+1) * L/pp - 1`` as local ``0 ... L/pp - 1``.
 """
@@ -77,10 +86,49 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
 
 
+SPECS = ("local", "te")
+# the local spec's per-layer norm -> the Transformer Engine spec's fused norm (module docstring)
+TE_NORM_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_FROM_TE = {v: k for k, v in TE_NORM_NAMES.items()}
+
+
+def _check_spec(spec: str) -> None:
+    if spec not in SPECS:
+        raise ValueError(f"megatron layer spec must be one of {SPECS}, got {spec!r}")
+
+
+def _rename_layer_key(key: str, names: Mapping[str, str]) -> str:
+    """``decoder.layers.{i}.<name>`` (or a bare layer key) renamed through ``names``."""
+    head, dot, rest = key.partition("decoder.layers.")
+    i, _, name = (rest.partition(".") if dot else ("", "", key))
+    if name in names:
+        return f"{head}{dot}{i}.{names[name]}" if dot else names[name]
+    return key
+
+
+def to_spec(sd: Mapping[str, torch.Tensor], spec: str) -> dict[str, torch.Tensor]:
+    """A Megatron state dict in the local spec's names, renamed for ``spec``."""
+    _check_spec(spec)
+    return dict(sd) if spec == "local" else {_rename_layer_key(k, TE_NORM_NAMES): v for k, v in sd.items()}
+
+
+def to_local_names(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Megatron state dict of either spec in the local spec's names (what the converters read)."""
+    return {_rename_layer_key(k, _FROM_TE): v for k, v in sd.items()}
+
+
+def spec_of(sd: Mapping[str, object]) -> str:
+    """``"te"`` when the state dict's layers hold Transformer Engine's fused norms, else ``"local"``."""
+    return "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in sd) else "local"
+
+
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp_rank: int = 0, pp: int = 1,
-                   pp_rank: int = 0, vocab_multiple: int = 128) -> dict[str, torch.Tensor]:
+                   pp_rank: int = 0, vocab_multiple: int = 128, spec: str = "local") -> dict[str, torch.Tensor]:
     """The Megatron state dict of one (TP rank, PP stage) from a Hugging Face state dict of a
-    supported family (refused by name otherwise, before any tensor is touched)."""
+    supported family (refused by name otherwise, before any tensor is touched), named for the
+    layer ``spec`` (``local`` or ``te``)."""
+    _check_spec(spec)
     fam = family_of(hf_config)
     check_parallel_layout(hf_config, tp, pp)
     H, nq, nkv, d = _dims(hf_config)
@@ -122,17 +170,18 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [split(hf[p + "mlp.gate_proj.weight"], 0), split(hf[p + "mlp.up_proj.weight"], 0)])
         out[m + "mlp.linear_fc2.weight"] = split(hf[p + "mlp.down_proj.weight"], 1)
-    return out
+    return to_spec(out, spec)
 
 
 def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], hf_config, *, tp: int,
                    pp: int) -> dict[str, torch.Tensor]:
-    """Merge every (pp_rank, tp_rank) -> Megatron state dict back into one Hugging Face
-    state dict of the config's family (vocabulary padding dropped)."""
+    """Merge every (pp_rank, tp_rank) -> Megatron state dict (either layer spec) back into one
+    Hugging Face state dict of the config's family (vocabulary padding dropped)."""
     keys = layer_keys(hf_config)
     missing = [(s, r) for s in range(pp) for r in range(tp) if (s, r) not in shards]
     if missing:
         raise ValueError(f"megatron_to_hf: missing shards (pp_rank, tp_rank) {missing}")
+    shards = {sr: to_local_names(sd) for sr, sd in shards.items()}
     check_parallel_layout(hf_config, tp, pp)
     H, nq, nkv, d = _dims(hf_config)
     g = nq // nkv
@@ -247,7 +296,8 @@ def stream_hf_tensors(model, hf_config, fn, *, dst: int = 0) -> int:
         tp_group = ps.get_tensor_model_parallel_group()
         # on dst: the global rank of each stage's TP rank 0 (dst's pipeline group, by stage)
         owners = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if rank == dst else None
-        sd = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+        sd = to_local_names({k: v for k, v in model.state_dict(keep_vars=True).items()
+                             if not k.endswith("_extra_state")})
         shapes, keys = hf_shapes(hf_config), layer_keys(hf_config)
         ref = next(model.parameters())
 

@@ -198,13 +198,22 @@ def ids_within_vocabulary(mb: dict, vocab_size: int) -> bool:
 
 def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,
                          temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, tp_group=None,
-                         tp_rank: int = 0, layout: str | None = None, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                         tp_rank: int = 0, layout: str | None = None,
+                         pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probs and entropy [B, S-1] (fp32) of a single-stage GPTModel (or
     the last stage with ``pp == 1``), from vocabulary shards: the full vocabulary is
     never gathered, and with the fused head (``head.install``) no logits shard exists
     either. ``layout``: :class:`RowLayout` (default: the model's,
     :func:`~.model.default_layout`); ``pad_to``: pad the model input's token count to a
-    multiple of this (sequence parallelism needs TP)."""
+    multiple of this (default: TP with sequence parallelism, which splits the tokens over
+    the TP ranks; else 1). ``tp_group`` / ``tp_rank``: default Megatron's tensor-parallel group."""
+    if pad_to is None:
+        cfg = model.config
+        pad_to = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    if tp_group is None:  # the model's own TP group (None would reduce the vocabulary over the whole job)
+        from megatron.core import parallel_state as ps
+
+        tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     lay = RowLayout.of(attention_mask, layout or default_layout(model), pad_to)
     inputs = lay.model_inputs(input_ids)
     out = model(**inputs)  # [B or 1, S or T, V / tp], or the hidden states [.., H] for the fused head
@@ -343,17 +352,23 @@ def allreduce_tied_embedding_grads(model) -> None:
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
-def allreduce_qk_norm_grads(model) -> None:
-    """QK-norm (Qwen3) weights are replicated over the tensor-parallel group while each rank
-    normalises only its own heads, so each rank's gradient is a partial sum: add them over
-    TP (what megatron-core's ``finalize_model_grads`` does for ``q_layernorm`` /
-    ``k_layernorm`` under its DDP wrapper; ``ddp.MegatronOptimizer.step``), for a model
-    stepped without that wrapper. A no-op at TP = 1 or without QK-norm."""
+def allreduce_tp_replicated_grads(model) -> None:
+    """Weights replicated over the tensor-parallel group whose gradient each rank holds only
+    part of: Qwen3's QK-norm (each rank normalises only its own heads) and, with sequence
+    parallelism, every norm weight (each rank normalises only its share of the tokens). Add
+    their gradients over TP, once each -- megatron-core's condition in ``finalize_model_grads``
+    (``_allreduce_non_tensor_model_parallel_grads``), which its DDP wrapper runs
+    (``ddp.MegatronOptimizer.step``) -- for a model stepped without that wrapper. A no-op at
+    TP = 1."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if ps.get_tensor_model_parallel_world_size() == 1:
         return
+    cfg = model.config
     for name, p in model.named_parameters():
-        if ("q_layernorm" in name or "k_layernorm" in name) and p.grad is not None:
+        if p.grad is None:
+            continue
+        if (cfg.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
+                cfg.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
             dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())

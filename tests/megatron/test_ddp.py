@@ -52,6 +52,14 @@ def hf_reference(tied: bool):
 
 
 def _worker(rank, tp, pp, tied, dtype, out):
+    init_megatron(tp=tp, pp=pp)
+    train_two_steps(rank, tp, pp, tied, dtype, out)
+
+
+def train_two_steps(rank, tp, pp, tied, dtype, out, spec="local", sp=False):
+    """STEPS steps of the Megatron model (layer ``spec``, sequence parallelism ``sp``) under
+    the parallel state already set up; rank 0 saves the merged Hugging Face weights, the grad
+    norms and the losses to ``out``."""
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
@@ -59,14 +67,13 @@ def _worker(rank, tp, pp, tied, dtype, out):
     from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
     from hapo_openrlhf.megatron.schedule import forward_backward
 
-    init_megatron(tp=tp, pp=pp)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     hf = tiny_qwen2(tied, layers=2)
     pdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = build_qwen2_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=pp_rank, params_dtype=pdt,
-                                  perform_initialization=False)
-    load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
+                                  perform_initialization=False, spec=spec, sequence_parallel=sp)
+    load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, spec=spec)
     model = model.to(pdt)
     ddp = wrap(model, distributed_optimizer=True)
     opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP)
@@ -208,11 +215,14 @@ def resume_step(ddp, opt, step: int, tp: int) -> tuple[float, float]:
     return float(loss) / tp, opt.step()  # every TP rank of the last stage reported it
 
 
-def _resume_worker(rank, tp, sharding, ckpt, phase, out, te=False, distributed=True):
+def _resume_worker(rank, tp, sharding, ckpt, phase, out, te=False, distributed=True, spec="local", sp=False,
+                   init=True):
     """phase 'full': 4 steps; 'first': 2 steps, save; 'resume': load, steps 3-4. A bf16
     model (fp32 masters in the optimizer), the weights of the saved steps' HF start.
     ``te``: megatron-core builds on Transformer Engine's FusedAdam (the stand-in,
-    te_standin.py); ``distributed``: the distributed optimizer, else Float16Optimizer."""
+    te_standin.py); ``distributed``: the distributed optimizer, else Float16Optimizer;
+    ``spec`` / ``sp``: the layer spec and sequence parallelism; ``init``: set up Megatron's
+    parallel state (else it is already up)."""
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron import checkpoint
@@ -223,12 +233,14 @@ def _resume_worker(rank, tp, sharding, ckpt, phase, out, te=False, distributed=T
         from .te_standin import Patch, use_te_fused_adam
 
         use_te_fused_adam(Patch())
-    init_megatron(tp=tp)
+    if init:
+        init_megatron(tp=tp)
     dp = ps.get_data_parallel_world_size()
     hf = tiny_qwen2(True, layers=2)
-    model = build_qwen2_gpt_model(hf.config, tp=tp, params_dtype=torch.bfloat16, perform_initialization=False)
+    model = build_qwen2_gpt_model(hf.config, tp=tp, params_dtype=torch.bfloat16, perform_initialization=False,
+                                  spec=spec, sequence_parallel=sp)
     if phase != "resume":  # a resumed run must get every weight and state from disk
-        load_hf_into(model, hf, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank())
+        load_hf_into(model, hf, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), spec=spec)
     model = model.to(torch.bfloat16)
     ddp = wrap(model, distributed_optimizer=distributed)
     opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP, weight_decay=0.01, sharding=sharding)

@@ -46,7 +46,7 @@ def _worker(rank, tp, pp, tied, out, family="qwen2"):
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
     from hapo_openrlhf.megatron.model import build_gpt_model
-    from hapo_openrlhf.megatron.schedule import allreduce_qk_norm_grads, allreduce_tied_embedding_grads, forward_backward
+    from hapo_openrlhf.megatron.schedule import allreduce_tp_replicated_grads, allreduce_tied_embedding_grads, forward_backward
 
     init_megatron(tp=tp, pp=pp)
     world = tp * pp
@@ -65,7 +65,7 @@ def _worker(rank, tp, pp, tied, out, family="qwen2"):
 
     stats = forward_backward(model, mbs, loss_fn, vocab_size=259, temperature=T, chunk_size=7)
     allreduce_tied_embedding_grads(model)
-    allreduce_qk_norm_grads(model)
+    allreduce_tp_replicated_grads(model)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     everyone = [None] * world
     dist.all_gather_object(everyone, (pp_rank, tp_rank, grads, [float(s["loss"]) for s in stats]))
@@ -97,7 +97,7 @@ def _worker(rank, tp, pp, tied, out, family="qwen2"):
 def test_microbatched_loss_through_the_schedule_equals_one_big_batch(tmp_path, tp, pp, tied, family):
     """PP=2 with tied embeddings: the embedding (first stage) and head (last stage) copies'
     gradients are summed by ``allreduce_tied_embedding_grads``; Qwen3's QK-norm at TP=2 by
-    ``allreduce_qk_norm_grads``. The forward-only pass's log-probs and entropy equal Hugging
+    ``allreduce_tp_replicated_grads``. The forward-only pass's log-probs and entropy equal Hugging
     Face's, for every family."""
     out = tmp_path / "ok.pt"
     spawn(_worker, tp * pp, tp, pp, tied, str(out), family)

@@ -41,7 +41,7 @@ def _worker(rank, world, tied, out, layout="thd", head="auto", family="qwen2"):
     from hapo_openrlhf.megatron.convert import megatron_to_hf
     from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.head import is_installed, resolve
-    from hapo_openrlhf.megatron.schedule import allreduce_qk_norm_grads, logprobs_and_entropy
+    from hapo_openrlhf.megatron.schedule import allreduce_tp_replicated_grads, logprobs_and_entropy
 
     init_megatron(tp=world)
     hf = tiny_model(family, tied, layers=2)
@@ -67,14 +67,14 @@ def _worker(rank, world, tied, out, layout="thd", head="auto", family="qwen2"):
         assert bool((lp[~_both_real(am)] == 0).all()) and bool((en[~_both_real(am)] == 0).all())
     m = _both_real(am).float()
     ((lp * w_lp * m).sum() + (en * w_en * m).sum()).backward()
-    allreduce_qk_norm_grads(model)  # Qwen3's replicated QK-norm: each rank saw only its heads
+    allreduce_tp_replicated_grads(model)  # Qwen3's replicated QK-norm: each rank saw only its heads
     grads = {n.replace("module.", ""): p.grad.detach().clone() for n, p in model.named_parameters()}
     if layout == "thd":  # packed == right-aligned padded directly: values and every gradient, tightly
         model.zero_grad(set_to_none=True)
         lp2, en2 = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5,
                                         tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank, layout="padded")
         ((lp2 * w_lp * m).sum() + (en2 * w_en * m).sum()).backward()
-        allreduce_qk_norm_grads(model)
+        allreduce_tp_replicated_grads(model)
         torch.testing.assert_close(lp2, lp.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(en2, en.detach(), rtol=1e-5, atol=1e-5)
         for n, p in model.named_parameters():

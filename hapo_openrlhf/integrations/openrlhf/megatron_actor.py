@@ -278,7 +278,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                        "padded" if m.get("attention", "flash") == "flash" or m.get("layer_spec") == "te" else "masked")
         self.token_budget = int(args.train.max_tokens_per_gpu) if args.train.dynamic_batch_enable else None
         weights = hf_to_megatron(SafetensorsDir(path), self.hf_config, tp=self.tp, tp_rank=self.tp_rank, pp=self.pp,
-                                 pp_rank=self.pp_rank, vocab_multiple=int(m["vocab_multiple"]))
+                                 pp_rank=self.pp_rank, vocab_multiple=int(m["vocab_multiple"]),
+                                 spec=m.get("layer_spec", "local"))
         missing, unexpected = model.load_state_dict(weights, strict=False)
         del weights
         bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)

@@ -129,10 +129,16 @@ def test_megatron_configs_are_shipped_and_checked():
     # what the Megatron back end now runs: packed THD micro-batches by a token budget; SP with TE's spec
     cfg = load_config(base, ["openrlhf.packing_samples=true", "openrlhf.dynamic_batch=true"])
     assert cfg.openrlhf.packing_samples and cfg.megatron.attention == "flash"
-    # TE's spec (fused norms: layer_norm_weight in linear_qkv / linear_fc1) is refused by name until the
-    # converter, the weight sync and the checkpoints map its names; so is sequence parallelism, which needs it
-    for sets in (["megatron.layer_spec=te"], ["megatron.layer_spec=te", "megatron.sequence_parallel=true"]):
-        with pytest.raises(ValueError, match="layer_spec: te is refused for now: .*layer_norm_weight"):
+    # TE's spec (fused norms: the converter, weight sync and checkpoints map layer_norm_weight) and, with
+    # it, sequence parallelism over TP ranks; what cannot run together is refused by name
+    tp2 = ["megatron.tensor_parallel=2"]
+    cfg = load_config(base, tp2 + ["megatron.layer_spec=te", "megatron.sequence_parallel=true"])
+    assert cfg.megatron.layer_spec == "te" and cfg.megatron.sequence_parallel
+    for sets, msg in [(["megatron.layer_spec=te", "megatron.sequence_parallel=true", "megatron.tensor_parallel=1"],
+                       "needs tensor_parallel > 1"),
+                      (tp2 + ["megatron.layer_spec=te", "megatron.attention=local"], "core attention is Transformer Engine"),
+                      (tp2 + ["megatron.sequence_parallel=true"], "needs megatron.layer_spec: te")]:
+        with pytest.raises(ValueError, match=msg):
             load_config(base, sets)
 
 

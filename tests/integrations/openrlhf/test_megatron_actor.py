@@ -221,6 +221,11 @@ BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=2
     # the KL-to-reference loss (kl_coef > 0: OpenRLHF's k3 loss, and k2 set on its args) == the DeepSpeed actor's
     ("tp2_kl_k3", ["megatron.tensor_parallel=2", "algorithm.kl_coef=0.05"], False, "qwen2"),
     ("dp2_kl_k2", ["algorithm.kl_coef=0.05"], True, "qwen2"),
+    # Transformer Engine's layer spec (the TE 2.20.2 stand-in, in fresh rank processes: megatron-core looks
+    # for TE at import) with sequence parallelism: fused norms loaded by their TE names, tokens padded to a
+    # multiple of TP, norm gradients summed over TP, TE's FusedAdam, the saved model by the HF names
+    ("tp2_te_spec_sequence_parallel", ["megatron.tensor_parallel=2", "megatron.layer_spec=te",
+                                       "megatron.sequence_parallel=true", *BUDGET], False, "qwen3"),
 ])
 def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family):
     from transformers import AutoModelForCausalLM
@@ -239,7 +244,13 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
     per_rank = [data[(r // mp_size) * k: (r // mp_size + 1) * k] for r in range(2)]
     out = tmp_path / "out"
     out.mkdir()
-    start(_worker, 2, (2, _free_port(), args, model_dir, per_rank, str(out)))
+    if cfg.megatron.layer_spec == "te":
+        from tests.megatron._dist import spawn_te
+
+        spawn_te("tests.integrations.openrlhf.test_megatron_actor:_worker", 2, 2, _free_port(), args, model_dir,
+                 per_rank, str(out), process_group=False)
+    else:
+        start(_worker, 2, (2, _free_port(), args, model_dir, per_rank, str(out)))
 
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     got = [torch.load(out / f"rank{r}.pt") for r in range(2)]

@@ -1,0 +1,2 @@
+"""transformer_engine.common (stand-in): only ``recipe``."""
+from . import recipe  # noqa: F401,E402
