@@ -270,9 +270,9 @@ def check_model(cfg: RunConfig) -> Check:
                 if cfg.backend == "megatron":  # the family and its variant (RoPE scaling, biases, sliding window)
                     from types import SimpleNamespace
 
-                    from .megatron.families import family_of
+                    from .megatron.families import check_actor_family
 
-                    family_of(SimpleNamespace(**meta))
+                    check_actor_family(SimpleNamespace(**meta))
             except ValueError as e:
                 return Check("model", FAIL, str(e), "re-copy or re-save the model directory, or choose a supported "
                                                     "model / back end")

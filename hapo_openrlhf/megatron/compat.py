@@ -16,6 +16,11 @@ not possible: from 0.19 megatron-core's ``dist_checkpointing.save`` writes the c
 (hapo's trainer state) into the torch_dist shards as a ``common_state`` object instead of
 ``common.pt``, which 0.16 - 0.18 read (checked in the 0.17.0 and 0.18.0 wheels); such a
 checkpoint is refused by name under them, before any tensor is read.
+
+megatron-core 0.16.1's MoE router, with ``moe_router_dtype`` set (hapo's fp32 router), calls
+``moe_utils.te_general_gemm``, a name its module binds only when Transformer Engine imports:
+without TE the first MoE forward stops with ``NameError``. 0.19 binds it to None without TE
+(the torch fallback). :func:`fill_known_gaps` does what 0.19 does, on versions that lack it.
 """
 
 from __future__ import annotations
@@ -100,3 +105,12 @@ def check_checkpoint_version(path, saved: str | None) -> None:
             f"the torch_dist shards (no common.pt); megatron-core {here} reads it only from common.pt: resume it "
             f"under megatron-core >={'.'.join(map(str, COMMON_IN_SHARDS))},<{SUPPORTED[1]} (a checkpoint moves up "
             f"across versions, not down)")
+
+
+def fill_known_gaps() -> None:
+    """Bind the names megatron-core < 0.19 leaves unbound without Transformer Engine to what
+    0.19 binds them to (module docstring): ``moe_utils.te_general_gemm = None``. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -44,6 +44,7 @@ import torch
 
 # the families (model_type -> what the layout needs) live in one module; re-exported here
 from .families import SUPPORTED_MODEL_TYPES, check_model_type, family_of  # noqa: F401
+from . import moe as moes
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
@@ -59,7 +60,7 @@ def _dims(hf_config):
     return H, nq, nkv, d
 
 
-def check_parallel_layout(hf_config, tp: int, pp: int) -> None:
+def check_parallel_layout(hf_config, tp: int, pp: int, ep: int = 1) -> None:
     _, nq, nkv, _ = _dims(hf_config)
     L, F = hf_config.num_hidden_layers, hf_config.intermediate_size
     problems = []
@@ -67,8 +68,9 @@ def check_parallel_layout(hf_config, tp: int, pp: int) -> None:
         problems.append(f"num_key_value_heads {nkv} is not divisible by tensor parallel size {tp}")
     if nq % nkv:
         problems.append(f"num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}")
-    if F % tp:
+    if not family_of(hf_config).moe and F % tp:
         problems.append(f"intermediate_size {F} is not divisible by tensor parallel size {tp}")
+    problems += moes.check_moe_layout(hf_config, tp, ep)
     if L % pp:
         problems.append(f"num_hidden_layers {L} is not divisible by pipeline parallel size {pp}")
     if problems:
@@ -124,13 +126,18 @@ def spec_of(sd: Mapping[str, object]) -> str:
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp_rank: int = 0, pp: int = 1,
-                   pp_rank: int = 0, vocab_multiple: int = 128, spec: str = "local") -> dict[str, torch.Tensor]:
-    """The Megatron state dict of one (TP rank, PP stage) from a Hugging Face state dict of a
-    supported family (refused by name otherwise, before any tensor is touched), named for the
-    layer ``spec`` (``local`` or ``te``)."""
+                   pp_rank: int = 0, vocab_multiple: int = 128, spec: str = "local", ep: int = 1,
+                   ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of one (TP rank, PP stage, EP rank) from a Hugging Face state dict
+    of a supported family (refused by name otherwise, before any tensor is touched), named for
+    the layer ``spec`` (``local`` or ``te``). MoE experts: ``moe.hf_layer_to_megatron`` (either
+    Hugging Face layout)."""
     _check_spec(spec)
     fam = family_of(hf_config)
-    check_parallel_layout(hf_config, tp, pp)
+    check_parallel_layout(hf_config, tp, pp, ep)
+    if fam.moe and spec == "te":
+        raise ValueError("megatron.layer_spec: te with a mixture-of-experts model is not supported yet "
+                         "(TE's grouped experts); use layer_spec: local")
     H, nq, nkv, d = _dims(hf_config)
     g = nq // nkv
     tied = bool(hf_config.tie_word_embeddings)
@@ -167,22 +174,32 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp
         out[m + "self_attention.linear_proj.weight"] = split(hf[p + "self_attn.o_proj.weight"], 1)
         out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
+        if fam.moe:
+            out.update({m + k: v for k, v in moes.hf_layer_to_megatron(hf, i, hf_config, tp=tp, tp_rank=tp_rank,
+                                                                        ep=ep, ep_rank=ep_rank).items()})
+            continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [split(hf[p + "mlp.gate_proj.weight"], 0), split(hf[p + "mlp.up_proj.weight"], 0)])
         out[m + "mlp.linear_fc2.weight"] = split(hf[p + "mlp.down_proj.weight"], 1)
     return to_spec(out, spec)
 
 
-def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], hf_config, *, tp: int,
-                   pp: int) -> dict[str, torch.Tensor]:
-    """Merge every (pp_rank, tp_rank) -> Megatron state dict (either layer spec) back into one
-    Hugging Face state dict of the config's family (vocabulary padding dropped)."""
+def megatron_to_hf(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], hf_config, *, tp: int,
+                   pp: int, ep: int = 1) -> dict[str, torch.Tensor]:
+    """Merge every (pp_rank, tp_rank) -- with ``ep`` > 1 every (pp_rank, ep_rank, tp_rank) --
+    -> Megatron state dict (either layer spec) back into one Hugging Face state dict of the
+    config's family (vocabulary padding dropped; MoE experts under the checkpoint's per-expert
+    names, ``moe.to_fused_names`` gives transformers' in-memory ones)."""
     keys = layer_keys(hf_config)
-    missing = [(s, r) for s in range(pp) for r in range(tp) if (s, r) not in shards]
+    want = [(s, e, r) if ep > 1 else (s, r) for s in range(pp) for e in range(ep) for r in range(tp)]
+    missing = [k for k in want if k not in shards]
     if missing:
-        raise ValueError(f"megatron_to_hf: missing shards (pp_rank, tp_rank) {missing}")
-    shards = {sr: to_local_names(sd) for sr, sd in shards.items()}
-    check_parallel_layout(hf_config, tp, pp)
+        raise ValueError(f"megatron_to_hf: missing shards {'(pp_rank, ep_rank, tp_rank)' if ep > 1 else '(pp_rank, tp_rank)'} "
+                         f"{missing}")
+    full = {k if ep > 1 else (k[0], 0, k[1]): to_local_names(sd) for k, sd in shards.items()}
+    shards = {(s, r): full[(s, 0, r)] for s in range(pp) for r in range(tp)}  # EP rank 0 holds every dense tensor
+    check_parallel_layout(hf_config, tp, pp, ep)
+    moe = family_of(hf_config).moe
     H, nq, nkv, d = _dims(hf_config)
     g = nq // nkv
     Vhf = hf_config.vocab_size
@@ -199,6 +216,10 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
             m = f"decoder.layers.{local}."
             out.update(_layer_to_hf(i, {k: [shards[(stage, r)][m + k] for r in range(tp)] for k in keys},
                                     hf_config))
+            if moe:
+                parts = {(e, r): {k[len(m):]: v for k, v in full[(stage, e, r)].items() if k.startswith(m + "mlp.")}
+                         for e in range(ep) for r in range(tp)}
+                out.update(moes.megatron_layer_to_hf(parts, i, hf_config))
     return out
 
 
@@ -212,7 +233,8 @@ LAYER_KEYS = {"self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.
 def layer_keys(hf_config) -> dict[str, int | None]:
     """:data:`LAYER_KEYS` for the config's family: no QKV bias outside Qwen2, QK-norm weights for Qwen3."""
     fam = family_of(hf_config)
-    keys = {k: v for k, v in LAYER_KEYS.items() if fam.qkv_bias or not k.endswith("linear_qkv.bias")}
+    keys = {k: v for k, v in LAYER_KEYS.items() if (fam.qkv_bias or not k.endswith("linear_qkv.bias"))
+            and not (fam.moe and k.startswith("mlp."))}  # a MoE layer's MLP: moe.megatron_layer_to_hf
     if fam.qk_norm:
         keys.update({"self_attention.q_layernorm.weight": None, "self_attention.k_layernorm.weight": None})
     return keys
@@ -239,6 +261,8 @@ def _layer_to_hf(i: int, parts: Mapping[str, list[torch.Tensor]], hf_config) -> 
     out[p + "self_attn.o_proj.weight"] = torch.cat(parts["self_attention.linear_proj.weight"], 1)
     out[p + "input_layernorm.weight"] = parts["input_layernorm.weight"][0].clone()
     out[p + "post_attention_layernorm.weight"] = parts["pre_mlp_layernorm.weight"][0].clone()
+    if "mlp.linear_fc1.weight" not in parts:  # a mixture of experts (moe.megatron_layer_to_hf)
+        return out
     fc1 = [t.chunk(2, 0) for t in parts["mlp.linear_fc1.weight"]]
     out[p + "mlp.gate_proj.weight"] = torch.cat([a for a, _ in fc1])
     out[p + "mlp.up_proj.weight"] = torch.cat([b for _, b in fc1])
@@ -263,8 +287,12 @@ def hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
         if fam.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         out.update({p + "self_attn.o_proj.weight": (H, nq * d), p + "input_layernorm.weight": (H,),
-                    p + "post_attention_layernorm.weight": (H,), p + "mlp.gate_proj.weight": (F, H),
-                    p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F)})
+                    p + "post_attention_layernorm.weight": (H,)})
+        if fam.moe:
+            out.update(moes.hf_layer_shapes(i, hf_config))
+        else:
+            out.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                        p + "mlp.down_proj.weight": (H, F)})
     out["model.norm.weight"] = (H,)
     if not hf_config.tie_word_embeddings:
         out["lm_head.weight"] = (V, H)
@@ -286,6 +314,9 @@ def stream_hf_tensors(model, hf_config, fn, *, dst: int = 0) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    if family_of(hf_config).moe:
+        raise NotImplementedError("streaming a mixture-of-experts model's weights (the vLLM sync, the final save) "
+                                  "is not built yet: experts live on other expert-parallel ranks (issue 41)")
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     rank = dist.get_rank()
     sent = 0

@@ -11,7 +11,15 @@ family     QKV bias  QK-norm  head_dim                      RoPE
 qwen2      yes       no       hidden / heads (or the key)   default
 qwen3      no        yes      the config's (may differ)     default
 llama      no        no       the config's (may differ)     default or llama3 (Llama 3.1-3.3)
+qwen3_moe  no        yes      the config's (may differ)     default
 =========  ========  =======  ============================  ==================================
+
+``qwen3_moe`` (Qwen3-MoE) replaces every layer's MLP with a mixture of experts: a top-k
+softmax router (``mlp.gate``, no bias, no shared expert) over ``num_experts`` SwiGLU experts
+of width ``moe_intermediate_size``; ``norm_topk_prob`` renormalises the k probabilities
+(megatron-core's router: top-k before the softmax), else they are the softmax's over all
+experts (``moe_router_pre_softmax``). Layouts with dense layers between sparse ones
+(``mlp_only_layers``, ``decoder_sparse_step`` > 1) are refused.
 
 :func:`family_of` refuses, by name and before any weight is read, a ``model_type``
 outside this table and a supported family's variant that the GPTModel built here would
@@ -33,13 +41,31 @@ class Family:
     label: str
     qkv_bias: bool  # q/k/v projections carry a bias (o_proj and the MLP never do)
     qk_norm: bool  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3)
+    moe: bool = False  # every layer's MLP is a mixture of experts (Qwen3-MoE)
 
 
 FAMILIES = {
     "qwen2": Family("qwen2", "Qwen2 / Qwen2.5", qkv_bias=True, qk_norm=False),
     "qwen3": Family("qwen3", "Qwen3 (dense)", qkv_bias=False, qk_norm=True),
     "llama": Family("llama", "Llama 2 / 3.x", qkv_bias=False, qk_norm=False),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3-MoE", qkv_bias=False, qk_norm=True, moe=True),
 }
+
+
+@dataclass(frozen=True)
+class MoE:
+    num_experts: int
+    top_k: int
+    ffn: int  # each expert's intermediate size
+    norm_topk_prob: bool
+
+
+def moe_of(hf_config) -> MoE | None:
+    """The mixture-of-experts dimensions of a MoE family's config (None for a dense family)."""
+    if not check_model_type(getattr(hf_config, "model_type", None)).moe:
+        return None
+    return MoE(int(hf_config.num_experts), int(hf_config.num_experts_per_tok), int(hf_config.moe_intermediate_size),
+               bool(hf_config.norm_topk_prob))
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 # megatron-core 0.16.1's llama3 RoPE scaling: only ``factor`` is a parameter
@@ -49,7 +75,8 @@ MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 def check_model_type(model_type) -> Family:
     """The family of a Hugging Face ``model_type``, or a named refusal listing the supported ones."""
     if model_type not in FAMILIES:
-        names = ", ".join(f"{k} ({f.label})" for k, f in FAMILIES.items())
+        names = ", ".join(f"{k} ({f.label}{'; not trained by the actor yet' if f.moe else ''})"
+                          for k, f in FAMILIES.items())
         raise ValueError(f"backend: megatron supports Hugging Face model_type {names}; got {model_type!r}. "
                          f"Use backend: openrlhf (DeepSpeed, any Hugging Face causal LM) for other families")
     return FAMILIES[model_type]
@@ -88,6 +115,12 @@ def family_of(hf_config) -> Family:
     layer_types = set(getattr(hf_config, "layer_types", None) or ())
     if getattr(hf_config, "use_sliding_window", False) or layer_types - {"full_attention"}:
         problems.append("sliding-window attention layers")
+    if fam.moe:
+        e, k = int(getattr(hf_config, "num_experts", 0) or 0), int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
+        if e < 1 or not 1 <= k <= e:
+            problems.append(f"num_experts_per_tok {k} must be between 1 and num_experts {e}")
+        if getattr(hf_config, "mlp_only_layers", None) or int(getattr(hf_config, "decoder_sparse_step", 1)) != 1:
+            problems.append("dense MLP layers between the sparse ones (mlp_only_layers / decoder_sparse_step > 1)")
     rp = rope_parameters(hf_config)
     kind = rp["rope_type"]
     if kind == "llama3":
@@ -102,4 +135,17 @@ def family_of(hf_config) -> Family:
     if problems:
         raise ValueError(f"backend: megatron cannot build this {fam.label} config exactly: " + "; ".join(problems)
                          + ". Use backend: openrlhf (DeepSpeed) for it")
+    return fam
+
+
+def check_actor_family(hf_config) -> Family:
+    """:func:`family_of`, and what the Megatron policy actor can train end to end: a
+    mixture-of-experts family is built, converted and checked against Hugging Face by the model
+    library (``model``, ``convert``, ``moe``), but the actor refuses it by name until the expert
+    weights stream to vLLM and to the final save and the actor lays out expert parallelism."""
+    fam = family_of(hf_config)
+    if fam.moe:
+        raise ValueError(f"backend: megatron does not train {fam.label} models yet: the expert weight sync to vLLM, "
+                         f"the final save and the actor's expert-parallel layout are not built (the Megatron model "
+                         f"and converter support it); use backend: openrlhf (DeepSpeed) for it")
     return fam

@@ -15,16 +15,21 @@ from .convert import check_parallel_layout, padded_vocab_size
 from .families import family_of, llama3_rope_factor, rope_parameters
 
 
-def transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtype=torch.float32, **overrides):
+def transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtype=torch.float32, ep: int = 1,
+                       moe: dict | None = None, **overrides):
     """Megatron ``TransformerConfig`` equal to a Hugging Face config of a supported family
     (``families.family_of``, which refuses the rest by name): RMSNorm, SwiGLU,
     grouped-query attention, RoPE, ``head_dim`` as ``kv_channels``; QKV bias for Qwen2,
     QK-norm for Qwen3. Fusions default off so the same config runs on CPU; pass
-    ``overrides`` (e.g. ``bias_activation_fusion=True``, ``sequence_parallel=True``) on GPUs."""
+    ``overrides`` (e.g. ``bias_activation_fusion=True``, ``sequence_parallel=True``) on GPUs.
+    A mixture-of-experts family adds its MoE layers (``moe.moe_config_kwargs``: ``ep`` expert
+    parallel ranks, ``moe`` the router / dispatcher settings)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from .moe import moe_config_kwargs
+
     fam = family_of(hf_config)
-    check_parallel_layout(hf_config, tp, pp)
+    check_parallel_layout(hf_config, tp, pp, ep)
     H, nq = hf_config.hidden_size, hf_config.num_attention_heads
     kw = dict(
         num_layers=hf_config.num_hidden_layers, hidden_size=H, num_attention_heads=nq,
@@ -40,6 +45,8 @@ def transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtype=torc
         # hapo's losses divide by the global normaliser themselves (schedule.forward_backward)
         calculate_per_token_loss=True,
     )
+    kw.update(moe_config_kwargs(hf_config, ep=ep, tp=tp, sequence_parallel=bool(overrides.get("sequence_parallel")),
+                                **(moe or {})))
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -55,17 +62,21 @@ ATTENTIONS = ("flash", "local")
 LAYER_SPECS = ("local", "te")
 
 
-def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = False):
+def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = False, num_experts: int | None = None):
     """The transformer-layer spec: megatron-core's local spec with its ``core_attention``
     replaced by :class:`~hapo_openrlhf.megatron.attention.FlashCoreAttention`
     (``attention="flash"``) or left as Megatron's ``DotProductAttention``
     (``"local"``: [S, S] scores, explicit mask; for comparison); or the Transformer Engine
-    spec (``spec="te"``; needs transformer-engine on CUDA, untested here). ``qk_norm``:
-    RMSNorm over head_dim on queries and keys (Qwen3)."""
+    spec (``spec="te"``; needs transformer-engine on CUDA). ``qk_norm``: RMSNorm over
+    head_dim on queries and keys (Qwen3). ``num_experts``: every layer's MLP a megatron-core
+    ``MoELayer`` with ``SequentialMLP`` experts (local spec)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"megatron.attention must be one of {ATTENTIONS}, got {attention!r}")
     if spec not in LAYER_SPECS:
         raise ValueError(f"megatron.layer_spec must be one of {LAYER_SPECS}, got {spec!r}")
+    if spec == "te" and num_experts:
+        raise ValueError("megatron.layer_spec: te with a mixture-of-experts model is not supported yet "
+                         "(TE's grouped experts); use layer_spec: local")
     if spec == "te":
         try:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -75,7 +86,8 @@ def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = Fa
             raise RuntimeError(f"megatron.layer_spec: te needs transformer-engine ({e}); use layer_spec: local") from e
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    s = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    s = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts,
+                                 moe_grouped_gemm=False)
     if attention == "flash":
         from .attention import FlashCoreAttention
 
@@ -85,7 +97,7 @@ def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = Fa
 
 def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, params_dtype=torch.float32,
                     vocab_multiple: int = 128, attention: str = "flash", spec: str = "local", head: str = "auto",
-                    **overrides):
+                    ep: int = 1, moe: dict | None = None, freeze_router: bool = False, **overrides):
     """A GPTModel stage for this rank, for any supported family (``hf_config.model_type``:
     ``families``; Llama 3's RoPE scaling through megatron-core's own); load weights with
     ``model.load_state_dict(hf_to_megatron(...), strict=False)`` (only ``_extra_state``
@@ -97,19 +109,24 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
     Megatron's output layer (logits shards). With PP > 1 the config sets
     ``variable_seq_lengths`` (packed micro-batches differ in length). The norms are cast
     to ``params_dtype`` (megatron-core's torch norms are built in fp32, which in a bf16
-    model falls back to torch's unfused norm); the optimizer keeps fp32 masters of them."""
+    model falls back to torch's unfused norm); the optimizer keeps fp32 masters of them.
+    Mixture of experts (``families``): ``ep`` expert-parallel ranks (Megatron's parallel state
+    must have been set up with them), ``moe`` router / dispatcher settings
+    (``moe.moe_config_kwargs``), ``freeze_router`` keeps every router's weight fixed."""
     from megatron.core.models.gpt import GPTModel
 
-    from .compat import quiet_known_notices
+    from .compat import fill_known_gaps, quiet_known_notices
 
     quiet_known_notices()  # megatron-core 0.19's GPTModel deprecation notice (compat.py)
+    fill_known_gaps()  # 0.16's MoE router without Transformer Engine (compat.py)
     overrides.setdefault("variable_seq_lengths", pp > 1)
-    if overrides["variable_seq_lengths"]:  # a dense model; megatron-core's config check asks for it
-        overrides.setdefault("moe_token_dispatcher_type", "alltoall")
-    cfg = transformer_config(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, **overrides)
+    if overrides["variable_seq_lengths"] and not family_of(hf_config).moe:  # megatron-core's config check asks
+        overrides.setdefault("moe_token_dispatcher_type", "alltoall")  # for it even in a dense model
+    cfg = transformer_config(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep, moe=moe, **overrides)
     factor = llama3_rope_factor(hf_config)
     model = GPTModel(
-        config=cfg, transformer_layer_spec=layer_spec(attention, spec, qk_norm=cfg.qk_layernorm),
+        config=cfg, transformer_layer_spec=layer_spec(attention, spec, qk_norm=cfg.qk_layernorm,
+                                                      num_experts=cfg.num_moe_experts),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_multiple),
         max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
@@ -121,6 +138,10 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
             m.to(params_dtype)
     if not cfg.perform_initialization:
         mark_tensor_parallel_weights(model)
+    if freeze_router:
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.router.weight"):
+                p.requires_grad_(False)
     if heads.resolve(head, attention) == "fused":
         heads.install(model)
     return model

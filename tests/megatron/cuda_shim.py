@@ -2,6 +2,7 @@
 every line is listed in docs/megatron.md). Nothing else is patched: the model,
 tensor-parallel layers and their collectives are megatron-core's own."""
 
+import contextlib
 import types
 
 import torch
@@ -14,6 +15,10 @@ def install() -> None:
     # megatron-core 0.19's gradient sync waits on the current stream for CUDA-graph events
     # (param_and_grad_buffer.py start_grad_sync): a stream that has none to wait for
     torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    # megatron-core's all-to-all MoE token dispatcher copies its token counts to the host on a side
+    # stream (token_dispatcher.py, cuda_dtoh_stream): on the CPU the copy is synchronous
+    torch.cuda.Stream = lambda *a, **k: _NullStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     # tied embeddings with PP > 1: the last stage's copy is moved with weight.data.cuda()
     torch.Tensor.cuda = lambda self, *a, **k: self
     # model_parallel_cuda_manual_seed / CudaRNGStatesTracker keep CUDA generator states:
@@ -36,6 +41,22 @@ def install() -> None:
 
     for mod in (optimizer, clip_grads, distrib_optimizer, utils):
         mod.torch = _TorchWithCpuForCuda("torch")
+    # the MoE auxiliary-loss tracker's buffers (moe_utils.py, save_to_aux_losses_tracker)
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.torch = _TorchWithCpuForCuda("torch")
+    # ... and hands its all-to-all the split sizes as numpy arrays only when they were on the GPU
+    # (moe_utils.maybe_move_tensor_to_cpu): a CPU tensor of sizes is what gloo's binding refuses
+    from megatron.core.transformer.moe import token_dispatcher
+
+    real = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return real(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     # ... and accepts a parameter only if its type() is 'torch.cuda.{Float,Half,BFloat16}Tensor'
     # (distrib_optimizer.py _build_model_and_main_param_groups, optimizer.py, clip_grads.py)
     _type = torch.Tensor.type
@@ -53,6 +74,12 @@ class _NullStream:
         pass
 
     def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self  # an event that has already happened: wait() / synchronize() return at once
+
+    def wait(self, stream=None) -> None:
         pass
 
 

@@ -259,6 +259,9 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
 
         path = resolve_pretrained(pretrain)
         self.hf_config = AutoConfig.from_pretrained(path)
+        from ...megatron.families import check_actor_family
+
+        check_actor_family(self.hf_config)  # before any weight is read (a MoE model: not yet)
         self.params_dtype = DTYPES[m["params_dtype"]]
         self.vocab_size = int(self.hf_config.vocab_size)
         cuda = torch.cuda.is_available()

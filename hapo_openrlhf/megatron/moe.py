@@ -1,0 +1,192 @@
+"""Mixture-of-experts layers of the Megatron back end (Qwen3-MoE; ``families``): the
+megatron-core config that computes what Hugging Face computes, and the expert weights between
+the two layouts. Pure tensor code and config; megatron-core's own ``MoELayer`` does the work.
+
+**Hugging Face layouts.** A checkpoint on disk (what ``from_pretrained``, vLLM and every
+Qwen3-MoE release read) holds one tensor per expert::
+
+    model.layers.{i}.mlp.gate.weight                    [E, H]   the router
+    model.layers.{i}.mlp.experts.{j}.gate_proj.weight   [I, H]
+    model.layers.{i}.mlp.experts.{j}.up_proj.weight     [I, H]
+    model.layers.{i}.mlp.experts.{j}.down_proj.weight   [H, I]
+
+transformers 5.15's ``Qwen3MoeExperts`` keeps them fused in memory (its
+``conversion_mapping``, ``qwen2_moe`` entry: ``MergeModulelist`` + ``Concatenate``)::
+
+    model.layers.{i}.mlp.experts.gate_up_proj           [E, 2I, H]  expert j: [gate_j; up_j]
+    model.layers.{i}.mlp.experts.down_proj              [E, H, I]
+
+:func:`to_checkpoint_names` / :func:`to_fused_names` move between the two; the converter
+speaks the checkpoint's names (:func:`hf_layer_to_megatron` accepts either).
+
+**Megatron layout** (local spec, ``SequentialMLP``; EP rank ``e`` of ``ep`` holds experts
+``e * E/ep ... (e+1) * E/ep - 1`` as local ``0 ... E/ep - 1``; expert tensor parallelism is TP)::
+
+    decoder.layers.{l}.mlp.router.weight                              [E, H] replicated
+    decoder.layers.{l}.mlp.experts.local_experts.{j}.linear_fc1.weight [2I/tp, H]  [gate_r; up_r]
+    decoder.layers.{l}.mlp.experts.local_experts.{j}.linear_fc2.weight [H, I/tp]
+
+**Token dispatch** is a collective over the expert-parallel group in every MoE layer of every
+forward: the ranks of a group must run the same number of micro-batches (the actor must even
+them out before it trains a MoE model), and the ``allgather`` dispatcher also needs the same
+token count per micro-batch on each (fixed-shape padded rows; packed THD micro-batches vary).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .families import moe_of
+
+# megatron-core router settings that are safe for RL, and where each default comes from
+# (docs/megatron.md, "Mixture of experts")
+ROUTER_DEFAULTS = {
+    "moe_aux_loss_coeff": 0.0,  # slime's default; NeMo-RL: the sequence aux loss makes log-prob errors diverge
+    "moe_router_dtype": "fp32",  # the router's softmax and top-k in fp32 (verl, NeMo-RL, slime)
+    "moe_router_enable_expert_bias": False,  # no aux-loss-free bias update: routing only moves with the weights
+    "moe_token_dispatcher_type": "alltoall",
+}
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def check_moe_layout(hf_config, tp: int, ep: int) -> list[str]:
+    """What keeps a MoE config from splitting ``tp`` x ``ep`` ways (empty for a dense family)."""
+    moe = moe_of(hf_config)
+    if moe is None:
+        return [f"expert parallel size {ep} needs a mixture-of-experts model"] if ep != 1 else []
+    problems = []
+    if ep < 1 or moe.num_experts % ep:
+        problems.append(f"num_experts {moe.num_experts} is not divisible by expert parallel size {ep}")
+    if moe.ffn % tp:
+        problems.append(f"moe_intermediate_size {moe.ffn} is not divisible by tensor parallel size {tp} "
+                        f"(expert tensor parallelism is TP)")
+    return problems
+
+
+def moe_config_kwargs(hf_config, *, ep: int = 1, dispatcher: str = "alltoall", aux_loss_coeff: float = 0.0,
+                      tp: int = 1, sequence_parallel: bool = False, **router) -> dict:
+    """megatron-core ``TransformerConfig`` keywords for the config's MoE layers ({} when dense).
+    MoE at ``tp`` > 1 needs ``sequence_parallel``: without it every TP rank holds every token,
+    the dispatcher gathers them from each TP rank, and each expert's gradient counts every token
+    TP times (megatron-core refuses it in training, ``MoELayer.forward``); sequence parallelism
+    needs Transformer Engine's spec, not wired for MoE yet."""
+    moe = moe_of(hf_config)
+    if moe is None:
+        return {}
+    if tp > 1 and not sequence_parallel:
+        raise ValueError(f"a mixture of experts at tensor_parallel {tp} needs sequence parallelism (every TP rank "
+                         f"would hold every token and each expert's gradient count it {tp} times; megatron-core "
+                         f"refuses it in training), which needs layer_spec: te -- not wired for MoE yet: use "
+                         f"expert parallelism with tensor_parallel 1")
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"MoE token dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+    if aux_loss_coeff < 0:
+        raise ValueError(f"moe aux_loss_coeff must be >= 0, got {aux_loss_coeff}")
+    kw = {**ROUTER_DEFAULTS, **router}
+    kw.update(num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.ffn,
+              # Hugging Face: softmax over all experts, then the top k, renormalised when norm_topk_prob --
+              # megatron-core's top-k of the logits, then a softmax over them; else softmax first
+              moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_score_function="softmax",
+              moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=float(aux_loss_coeff),
+              # dropless: no capacity factor, every token reaches its k experts
+              moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+              moe_grouped_gemm=False, moe_permute_fusion=False, expert_model_parallel_size=ep)
+    return kw
+
+
+def _prefix(i: int) -> str:
+    return f"model.layers.{i}.mlp."
+
+
+def to_checkpoint_names(sd: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+    """transformers 5.15's in-memory state dict (fused experts) -> the checkpoint's per-expert names."""
+    moe = moe_of(hf_config)
+    out = dict(sd)
+    if moe is None:
+        return out
+    for i in range(hf_config.num_hidden_layers):
+        p = _prefix(i) + "experts."
+        if p + "gate_up_proj" not in out:
+            continue
+        gate_up, down = out.pop(p + "gate_up_proj"), out.pop(p + "down_proj")
+        for j in range(moe.num_experts):
+            gate, up = gate_up[j].chunk(2, 0)
+            out[f"{p}{j}.gate_proj.weight"], out[f"{p}{j}.up_proj.weight"] = gate, up
+            out[f"{p}{j}.down_proj.weight"] = down[j]
+    return out
+
+
+def to_fused_names(sd: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+    """The checkpoint's per-expert names -> transformers 5.15's fused in-memory names."""
+    moe = moe_of(hf_config)
+    out = dict(sd)
+    if moe is None:
+        return out
+    for i in range(hf_config.num_hidden_layers):
+        p = _prefix(i) + "experts."
+        if f"{p}0.gate_proj.weight" not in out:
+            continue
+        gate = [out.pop(f"{p}{j}.gate_proj.weight") for j in range(moe.num_experts)]
+        up = [out.pop(f"{p}{j}.up_proj.weight") for j in range(moe.num_experts)]
+        out[p + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        out[p + "down_proj"] = torch.stack([out.pop(f"{p}{j}.down_proj.weight") for j in range(moe.num_experts)])
+    return out
+
+
+def _expert(hf: Mapping[str, torch.Tensor], i: int, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate, up, down) of global expert ``j`` of layer ``i``, from either Hugging Face layout."""
+    p = _prefix(i) + "experts."
+    if f"{p}{j}.gate_proj.weight" in hf:
+        return hf[f"{p}{j}.gate_proj.weight"], hf[f"{p}{j}.up_proj.weight"], hf[f"{p}{j}.down_proj.weight"]
+    gate, up = hf[p + "gate_up_proj"][j].chunk(2, 0)
+    return gate, up, hf[p + "down_proj"][j]
+
+
+def hf_layer_to_megatron(hf: Mapping[str, torch.Tensor], i: int, hf_config, *, tp: int, tp_rank: int, ep: int,
+                         ep_rank: int) -> dict[str, torch.Tensor]:
+    """The MoE MLP of global layer ``i`` for one (TP rank, EP rank), without the
+    ``decoder.layers.{l}.`` prefix."""
+    moe = moe_of(hf_config)
+    per = moe.num_experts // ep
+    out = {"mlp.router.weight": hf[_prefix(i) + "gate.weight"].clone()}
+    for j in range(per):
+        gate, up, down = _expert(hf, i, ep_rank * per + j)
+        m = f"mlp.experts.local_experts.{j}."
+        out[m + "linear_fc1.weight"] = torch.cat([gate.chunk(tp, 0)[tp_rank], up.chunk(tp, 0)[tp_rank]])
+        out[m + "linear_fc2.weight"] = down.chunk(tp, 1)[tp_rank].clone()
+    return out
+
+
+def megatron_layer_to_hf(parts: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], i: int,
+                         hf_config) -> dict[str, torch.Tensor]:
+    """The checkpoint-named Hugging Face MoE tensors of global layer ``i`` from its Megatron
+    tensors per (EP rank, TP rank) (prefix-free names, as :func:`hf_layer_to_megatron` writes)."""
+    moe = moe_of(hf_config)
+    ep = 1 + max(e for e, _ in parts)
+    tp = 1 + max(r for _, r in parts)
+    per = moe.num_experts // ep
+    p = _prefix(i)
+    out = {p + "gate.weight": parts[(0, 0)]["mlp.router.weight"].clone()}
+    for e in range(ep):
+        for j in range(per):
+            m = f"mlp.experts.local_experts.{j}."
+            fc1 = [parts[(e, r)][m + "linear_fc1.weight"].chunk(2, 0) for r in range(tp)]
+            g = e * per + j
+            out[f"{p}experts.{g}.gate_proj.weight"] = torch.cat([a for a, _ in fc1])
+            out[f"{p}experts.{g}.up_proj.weight"] = torch.cat([b for _, b in fc1])
+            out[f"{p}experts.{g}.down_proj.weight"] = torch.cat([parts[(e, r)][m + "linear_fc2.weight"]
+                                                                 for r in range(tp)], 1)
+    return out
+
+
+def hf_layer_shapes(i: int, hf_config) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes of layer ``i``'s MoE tensors."""
+    moe = moe_of(hf_config)
+    H, p = hf_config.hidden_size, _prefix(i)
+    out = {p + "gate.weight": (moe.num_experts, H)}
+    for j in range(moe.num_experts):
+        out.update({f"{p}experts.{j}.gate_proj.weight": (moe.ffn, H), f"{p}experts.{j}.up_proj.weight": (moe.ffn, H),
+                    f"{p}experts.{j}.down_proj.weight": (H, moe.ffn)})
+    return out

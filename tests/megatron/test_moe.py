@@ -1,0 +1,231 @@
+"""Qwen3-MoE on the Megatron back end (issue 41): megatron-core's ``MoELayer`` (local spec,
+``SequentialMLP`` experts, the all-to-all and all-gather token dispatchers) against
+transformers 5.15's ``Qwen3MoeForCausalLM``.
+
+* The expert weights' two Hugging Face layouts -- the checkpoint's per-expert tensors and
+  transformers' fused in-memory ``gate_up_proj`` / ``down_proj`` -- are what transformers itself
+  writes and reads (``save_pretrained`` / ``from_pretrained``).
+* HF -> Megatron -> HF is exact at TP x EP x PP in {1, 2}^3 (pure tensors).
+* On gloo ranks at EP=1, EP=2 (both dispatchers) and EP=2 x DP=4 (four ranks, each expert on two
+  data-parallel replicas): log-probs and entropy equal Hugging Face's, and so does every
+  gradient -- the router's, every expert's (summed over the ranks that hold it, from the tokens
+  of every data-parallel rank in its expert-parallel group) and the rest.
+* MoE with TP > 1 needs sequence parallelism (megatron-core double-counts expert gradients
+  without it, where every TP rank holds every token; it refuses that in training), which needs
+  the TE spec: refused by name until TE's MoE layers are wired.
+* Hostile layouts and settings are refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ._dist import init_megatron, spawn
+
+T = 0.8
+
+
+def tiny_moe_config(layers: int = 2, experts: int = 4, top_k: int = 2, norm_topk_prob: bool = True, tied=False):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=259, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                          num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
+                          max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=tied)
+
+
+def tiny_moe(**kw):
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_moe_config(**kw)
+    cfg._experts_implementation = "eager"  # transformers' loop over experts (grouped_mm has no float64)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0, 0.3)
+            elif n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)  # decisive routing: no near-tie between the k-th and the next expert
+            elif "experts" in n:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def test_checkpoint_names_are_what_transformers_writes_and_reads(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from hapo_openrlhf.megatron.moe import to_checkpoint_names, to_fused_names
+
+    model = tiny_moe()
+    model.save_pretrained(tmp_path / "saved")
+    on_disk = load_file(tmp_path / "saved" / "model.safetensors")
+    ours = to_checkpoint_names(model.state_dict(), model.config)
+    ours.pop("lm_head.weight", None) if model.config.tie_word_embeddings else None
+    assert ours.keys() == on_disk.keys()
+    assert all(torch.equal(ours[k], v) for k, v in on_disk.items())
+    fused = to_fused_names(on_disk, model.config)
+    assert all(torch.equal(fused[k], v) for k, v in model.state_dict().items())
+    # a checkpoint written under our names loads back through transformers' own conversion
+    (tmp_path / "ours").mkdir()
+    save_file({k: v.contiguous() for k, v in ours.items()}, tmp_path / "ours" / "model.safetensors")
+    model.config.save_pretrained(tmp_path / "ours")
+    back = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("tp, ep, pp", [(t, e, p) for t in (1, 2) for e in (1, 2) for p in (1, 2)])
+def test_round_trip_is_exact(tp, ep, pp):
+    from hapo_openrlhf.megatron.convert import hf_to_megatron, megatron_to_hf
+    from hapo_openrlhf.megatron.moe import to_checkpoint_names
+
+    model = tiny_moe(layers=4)
+    sd, cfg = model.state_dict(), model.config
+    ckpt = to_checkpoint_names(sd, cfg)
+    shards = {}
+    for s in range(pp):
+        for e in range(ep):
+            for r in range(tp):
+                shard = hf_to_megatron(sd, cfg, tp=tp, tp_rank=r, pp=pp, pp_rank=s, ep=ep, ep_rank=e)
+                same = hf_to_megatron(ckpt, cfg, tp=tp, tp_rank=r, pp=pp, pp_rank=s, ep=ep, ep_rank=e)
+                assert shard.keys() == same.keys() and all(torch.equal(shard[k], same[k]) for k in shard)
+                experts = [k for k in shard if ".local_experts." in k]
+                assert len(experts) == 2 * (4 // pp) * (4 // ep)  # fc1 + fc2 per local expert per layer
+                shards[(s, e, r) if ep > 1 else (s, r)] = shard
+    back = megatron_to_hf(shards, cfg, tp=tp, pp=pp, ep=ep)
+    assert back.keys() == ckpt.keys()
+    assert all(torch.equal(back[k], v) for k, v in ckpt.items())
+
+
+def test_hostile_moe_layouts_and_settings_are_refused_by_name():
+    from hapo_openrlhf.megatron.convert import hf_to_megatron
+    from hapo_openrlhf.megatron.families import family_of
+    from hapo_openrlhf.megatron.model import layer_spec
+    from hapo_openrlhf.megatron.moe import moe_config_kwargs
+
+    model = tiny_moe(experts=4)
+    sd, cfg = model.state_dict(), model.config
+    with pytest.raises(ValueError, match="num_experts 4 is not divisible by expert parallel size 3"):
+        hf_to_megatron(sd, cfg, ep=3)
+    with pytest.raises(ValueError, match="moe_intermediate_size 32 is not divisible by tensor parallel size 3"):
+        hf_to_megatron(sd, cfg, tp=3)
+    with pytest.raises(ValueError, match="num_experts_per_tok 5 must be between 1 and num_experts 4"):
+        family_of(tiny_moe_config(top_k=5))
+    dense_between = tiny_moe_config()
+    dense_between.mlp_only_layers = [1]
+    with pytest.raises(ValueError, match="dense MLP layers between the sparse ones"):
+        family_of(dense_between)
+    with pytest.raises(ValueError, match="layer_spec: te with a mixture-of-experts model"):
+        hf_to_megatron(sd, cfg, spec="te")
+    with pytest.raises(ValueError, match="layer_spec: te with a mixture-of-experts model"):
+        layer_spec(spec="te", num_experts=4)
+    with pytest.raises(ValueError, match="dispatcher must be one of"):
+        moe_config_kwargs(cfg, dispatcher="flex")
+    with pytest.raises(ValueError, match="aux_loss_coeff must be >= 0"):
+        moe_config_kwargs(cfg, aux_loss_coeff=-0.1)
+    from hapo_openrlhf.megatron.model import transformer_config
+
+    with pytest.raises(ValueError, match="mixture of experts at tensor_parallel 2 needs sequence parallelism"):
+        transformer_config(cfg, tp=2)
+    from transformers import Qwen3Config
+
+    with pytest.raises(ValueError, match="expert parallel size 2 needs a mixture-of-experts model"):
+        hf_to_megatron({}, Qwen3Config(num_hidden_layers=2), ep=2)
+
+
+def test_router_defaults_are_the_rl_safe_ones():
+    from hapo_openrlhf.megatron.moe import moe_config_kwargs
+
+    kw = moe_config_kwargs(tiny_moe_config(norm_topk_prob=True))
+    assert kw["moe_aux_loss_coeff"] == 0.0 and kw["moe_router_load_balancing_type"] == "none"
+    assert kw["moe_router_dtype"] == "fp32" and kw["moe_router_enable_expert_bias"] is False
+    assert kw["moe_token_dispatcher_type"] == "alltoall" and kw["moe_router_pre_softmax"] is False
+    assert moe_config_kwargs(tiny_moe_config(norm_topk_prob=False))["moe_router_pre_softmax"] is True
+    assert moe_config_kwargs(tiny_moe_config(), aux_loss_coeff=0.01)["moe_router_load_balancing_type"] == "aux_loss"
+
+
+def _batch(rows: int = 4):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 259, (rows, 12), generator=g)
+    am = torch.ones(rows, 12, dtype=torch.long)
+    am[1, :4] = 0  # left padding
+    am[2, -3:] = 0  # a shorter response
+    return ids, am, torch.randn(rows, 11, generator=g), torch.randn(rows, 11, generator=g)
+
+
+def _both_real(am):
+    return (am[:, :-1] * am[:, 1:]).bool()
+
+
+def _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out):
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.convert import megatron_to_hf
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.moe import to_checkpoint_names
+    from hapo_openrlhf.megatron.schedule import allreduce_tp_replicated_grads, logprobs_and_entropy
+
+    from ._dist import load_hf_into
+    from .test_convert import hf_logprobs_entropy
+
+    init_megatron(tp=tp, ep=ep)
+    tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    hf = tiny_moe(norm_topk_prob=norm_topk_prob)
+    model = build_gpt_model(hf.config, tp=tp, ep=ep, moe={"dispatcher": dispatcher}, perform_initialization=False)
+    load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, ep=ep, ep_rank=ep_rank)
+    ids, am, w_lp, w_en = _batch()
+    rows = slice(dp_rank * len(ids) // dp, (dp_rank + 1) * len(ids) // dp)  # each data-parallel rank its rows
+    # the all-gather dispatcher gathers equal token counts from every EP rank: fixed-shape padded rows
+    layout = "padded" if dispatcher == "allgather" else "thd"
+    lp, en = logprobs_and_entropy(model, ids[rows], am[rows], vocab_size=259, temperature=T, chunk_size=5,
+                                  layout=layout)
+    m = _both_real(am[rows]).float()
+    ((lp * w_lp[rows] * m).sum() + (en * w_en[rows] * m).sum()).backward()
+    allreduce_tp_replicated_grads(model)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (dp_rank, ep_rank, tp_rank, lp.detach(), en.detach(), grads))
+    if rank != 0:
+        return
+    ref_lp, ref_en = hf_logprobs_entropy(hf, ids, am, T)  # fp64, the whole batch
+    m = _both_real(am).double()
+    ((ref_lp * w_lp.double() * m).sum() + (ref_en * w_en.double() * m).sum()).backward()
+    ref_grads = to_checkpoint_names({n: p.grad for n, p in hf.named_parameters()}, hf.config)
+    valid = _both_real(am)
+    firsts = sorted((d, l, n) for d, e, r, l, n, _ in everyone if r == 0)  # one per data-parallel rank
+    got_lp, got_en = torch.cat([l for _, l, _ in firsts]), torch.cat([n for _, _, n in firsts])
+    torch.testing.assert_close(got_lp.double()[valid], ref_lp.detach()[valid], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_en.double()[valid], ref_en.detach()[valid], rtol=1e-4, atol=1e-4)
+    # a non-expert gradient: each rank holds its rows' share, summed over every rank of its TP slice; an
+    # expert's: summed over the ranks that hold that expert slice (one here: the tokens of every
+    # data-parallel rank reach it through the dispatcher)
+    shards = {}
+    for e in range(ep):
+        for r in range(tp):
+            mine = [g for _, e2, r2, _, _, g in everyone if r2 == r and e2 == e]
+            dense = [g for _, _, r2, _, _, g in everyone if r2 == r]
+            shards[(0, e, r) if ep > 1 else (0, r)] = {
+                k: sum(g[k] for g in (mine if ".local_experts." in k else dense)) for k in mine[0]}
+    merged = megatron_to_hf(shards, hf.config, tp=tp, pp=1, ep=ep)
+    assert set(merged) == set(ref_grads)
+    for n, g in merged.items():
+        # fp32 against fp64, relative to the tensor's largest gradient (every gradient at 1e-4)
+        err, scale = float((g.double() - ref_grads[n]).abs().max()), float(ref_grads[n].abs().max())
+        assert scale > 0 and err <= 1e-4 * scale, (n, err, scale)
+    torch.save({"ok": True, "n": len(merged)}, out)
+
+
+@pytest.mark.parametrize("world, tp, ep, dispatcher, norm_topk_prob", [
+    (1, 1, 1, "alltoall", True), (2, 1, 2, "alltoall", True), (2, 1, 2, "allgather", False),
+    (4, 1, 2, "alltoall", True)],
+    ids=["ep1", "ep2_alltoall", "ep2_allgather_pre_softmax", "ep2_dp4"])
+def test_moe_logprobs_entropy_and_grads_equal_hf(tmp_path, world, tp, ep, dispatcher, norm_topk_prob):
+    out = tmp_path / "ok.pt"
+    spawn(_worker, world, world, tp, ep, dispatcher, norm_topk_prob, str(out))
+    res = torch.load(out)
+    # embed, final norm, lm_head; per layer: q/k/v/o, q/k norm, 2 norms, the router, 4 experts x 3
+    assert res["ok"] and res["n"] == 3 + 2 * (4 + 2 + 2 + 1 + 4 * 3)
