@@ -127,7 +127,7 @@ def test_megatron_refuses_an_unsupported_model_family_by_name(tmp_path):
     assert check_model_type("qwen3").qk_norm
     # Qwen3-MoE: the model library builds it (tests/megatron/test_moe.py), the actor not yet -- by name
     failed = doctor({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2})
-    assert "does not train Qwen3-MoE models yet: the expert weight sync to vLLM" in failed["model"]
+    assert "does not train Qwen3-MoE models yet: the actor's expert-parallel layout" in failed["model"]
     small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  num_hidden_layers=2)
     with pytest.raises(ValueError, match="high_freq_factor.*only the factor is free"):

@@ -234,7 +234,9 @@ def layer_keys(hf_config) -> dict[str, int | None]:
     """:data:`LAYER_KEYS` for the config's family: no QKV bias outside Qwen2, QK-norm weights for Qwen3."""
     fam = family_of(hf_config)
     keys = {k: v for k, v in LAYER_KEYS.items() if (fam.qkv_bias or not k.endswith("linear_qkv.bias"))
-            and not (fam.moe and k.startswith("mlp."))}  # a MoE layer's MLP: moe.megatron_layer_to_hf
+            and not (fam.moe and k.startswith("mlp."))}  # a MoE layer's experts: moe.megatron_layer_to_hf
+    if fam.moe:
+        keys["mlp.router.weight"] = None  # replicated over TP and EP
     if fam.qk_norm:
         keys.update({"self_attention.q_layernorm.weight": None, "self_attention.k_layernorm.weight": None})
     return keys
@@ -261,7 +263,8 @@ def _layer_to_hf(i: int, parts: Mapping[str, list[torch.Tensor]], hf_config) -> 
     out[p + "self_attn.o_proj.weight"] = torch.cat(parts["self_attention.linear_proj.weight"], 1)
     out[p + "input_layernorm.weight"] = parts["input_layernorm.weight"][0].clone()
     out[p + "post_attention_layernorm.weight"] = parts["pre_mlp_layernorm.weight"][0].clone()
-    if "mlp.linear_fc1.weight" not in parts:  # a mixture of experts (moe.megatron_layer_to_hf)
+    if "mlp.router.weight" in parts:  # a mixture of experts: the router here, the experts in moe
+        out[p + "mlp.gate.weight"] = parts["mlp.router.weight"][0].clone()
         return out
     fc1 = [t.chunk(2, 0) for t in parts["mlp.linear_fc1.weight"]]
     out[p + "mlp.gate_proj.weight"] = torch.cat([a for a, _ in fc1])
@@ -310,17 +313,21 @@ def stream_hf_tensors(model, hf_config, fn, *, dst: int = 0) -> int:
     tensor goes to ``dst`` with a point-to-point send (``dst``'s own stage hands it
     over directly). Peak extra memory: one layer's weights. Only the data-parallel
     replica that holds ``dst`` (which must be its TP rank 0 on the first stage) takes
-    part; the other replicas wait at the closing barrier."""
+    part; the other replicas wait at the closing barrier. A mixture-of-experts model's
+    experts come from the expert-parallel ranks that hold them (``moe.ExpertStream``),
+    after each layer's other tensors."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    if family_of(hf_config).moe:
-        raise NotImplementedError("streaming a mixture-of-experts model's weights (the vLLM sync, the final save) "
-                                  "is not built yet: experts live on other expert-parallel ranks (issue 41)")
+    moe = family_of(hf_config).moe
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     rank = dist.get_rank()
     sent = 0
-    if dst in dist.get_process_group_ranks(ps.get_model_parallel_group()):
+    in_mp = dst in dist.get_process_group_ranks(ps.get_model_parallel_group())
+    experts = None
+    if moe:  # who holds which experts: every rank's (stage, EP rank, expert-TP rank, expert-DP rank)
+        experts = moes.ExpertStream(model, hf_config, dst)
+    if in_mp or (experts is not None and experts.takes_part):
         tp_rank, stage = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         if rank == dst and (tp_rank, stage) != (0, 0):
             raise ValueError(f"stream_hf_tensors: rank {dst} must be TP rank 0 of the first pipeline stage")
@@ -330,6 +337,8 @@ def stream_hf_tensors(model, hf_config, fn, *, dst: int = 0) -> int:
         sd = to_local_names({k: v for k, v in model.state_dict(keep_vars=True).items()
                              if not k.endswith("_extra_state")})
         shapes, keys = hf_shapes(hf_config), layer_keys(hf_config)
+        if not in_mp:  # an expert-parallel rank outside dst's replica: only its experts go out
+            tp_rank, owners = -1, None
         ref = next(model.parameters())
 
         def gather(t: torch.Tensor, dim) -> list[torch.Tensor]:
@@ -343,6 +352,8 @@ def stream_hf_tensors(model, hf_config, fn, *, dst: int = 0) -> int:
             """Stage ``s`` produces ``names``: ``make()`` (a collective over the stage's TP
             group) converts them; TP rank 0 sends each to dst."""
             nonlocal sent
+            if not in_mp:
+                return
             items = make() if stage == s else {}
             owner = stage == s and tp_rank == 0
             if rank == dst:
@@ -367,7 +378,9 @@ def stream_hf_tensors(model, hf_config, fn, *, dst: int = 0) -> int:
                     parts = {k: gather(sd[f"decoder.layers.{local}." + k], dim) for k, dim in keys.items()}
                     return _layer_to_hf(i, parts, hf_config) if tp_rank == 0 else {}
 
-                emit(s, [n for n in shapes if n.startswith(f"model.layers.{i}.")], layer)
+                emit(s, [n for n in shapes if n.startswith(f"model.layers.{i}.") and ".experts." not in n], layer)
+                if experts is not None:
+                    sent += experts.emit(s, i, local, fn)
 
         def head():
             out = {"model.norm.weight": sd["decoder.final_layernorm.weight"].detach()}

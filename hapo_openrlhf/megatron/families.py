@@ -141,11 +141,13 @@ def family_of(hf_config) -> Family:
 def check_actor_family(hf_config) -> Family:
     """:func:`family_of`, and what the Megatron policy actor can train end to end: a
     mixture-of-experts family is built, converted and checked against Hugging Face by the model
-    library (``model``, ``convert``, ``moe``), but the actor refuses it by name until the expert
-    weights stream to vLLM and to the final save and the actor lays out expert parallelism."""
+    library (``model``, ``convert``, ``moe``: build, conversion, the streamed weights and the final
+    save), but the actor refuses it by name until it lays out expert parallelism, evens out the
+    micro-batch counts across an expert-parallel group and resumes under a new EP."""
     fam = family_of(hf_config)
     if fam.moe:
-        raise ValueError(f"backend: megatron does not train {fam.label} models yet: the expert weight sync to vLLM, "
-                         f"the final save and the actor's expert-parallel layout are not built (the Megatron model "
-                         f"and converter support it); use backend: openrlhf (DeepSpeed) for it")
+        raise ValueError(f"backend: megatron does not train {fam.label} models yet: the actor's expert-parallel "
+                         f"layout (equal micro-batch counts per expert-parallel group, resume under a new EP) is not "
+                         f"built (the Megatron model library builds, converts, streams and saves it); use "
+                         f"backend: openrlhf (DeepSpeed) for it")
     return fam

@@ -22,6 +22,13 @@ def save_hf_state_dict(sd: dict[str, torch.Tensor], hf_config, dtype: torch.dtyp
     missing or unexpected key is an error naming it, before anything is written."""
     from transformers import AutoModelForCausalLM
 
+    from .families import FAMILIES
+
+    fam = FAMILIES.get(getattr(hf_config, "model_type", None))
+    if fam is not None and fam.moe:  # the stream's per-expert names -> transformers' fused parameters
+        from .moe import to_fused_names
+
+        sd = to_fused_names(sd, hf_config)  # stacks each layer's experts: their size once more at peak
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     missing, unexpected = hf.load_state_dict(sd, strict=False, assign=True)

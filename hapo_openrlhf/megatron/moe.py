@@ -159,26 +159,109 @@ def hf_layer_to_megatron(hf: Mapping[str, torch.Tensor], i: int, hf_config, *, t
     return out
 
 
+def _experts_to_hf(i: int, e: int, per: int, by_tp: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors of EP rank ``e``'s experts in global layer ``i``, from its
+    Megatron expert tensors per TP rank (prefix-free names)."""
+    p, out = _prefix(i), {}
+    for j in range(per):
+        m = f"mlp.experts.local_experts.{j}."
+        fc1 = [t[m + "linear_fc1.weight"].chunk(2, 0) for t in by_tp]
+        g = e * per + j
+        out[f"{p}experts.{g}.gate_proj.weight"] = torch.cat([a for a, _ in fc1])
+        out[f"{p}experts.{g}.up_proj.weight"] = torch.cat([b for _, b in fc1])
+        out[f"{p}experts.{g}.down_proj.weight"] = torch.cat([t[m + "linear_fc2.weight"] for t in by_tp], 1)
+    return out
+
+
 def megatron_layer_to_hf(parts: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], i: int,
                          hf_config) -> dict[str, torch.Tensor]:
-    """The checkpoint-named Hugging Face MoE tensors of global layer ``i`` from its Megatron
-    tensors per (EP rank, TP rank) (prefix-free names, as :func:`hf_layer_to_megatron` writes)."""
+    """The checkpoint-named Hugging Face experts of global layer ``i`` from its Megatron
+    tensors per (EP rank, TP rank) (prefix-free names, as :func:`hf_layer_to_megatron` writes);
+    the router is the dense part's (``convert._layer_to_hf``)."""
     moe = moe_of(hf_config)
     ep = 1 + max(e for e, _ in parts)
     tp = 1 + max(r for _, r in parts)
-    per = moe.num_experts // ep
-    p = _prefix(i)
-    out = {p + "gate.weight": parts[(0, 0)]["mlp.router.weight"].clone()}
+    out = {}
     for e in range(ep):
-        for j in range(per):
-            m = f"mlp.experts.local_experts.{j}."
-            fc1 = [parts[(e, r)][m + "linear_fc1.weight"].chunk(2, 0) for r in range(tp)]
-            g = e * per + j
-            out[f"{p}experts.{g}.gate_proj.weight"] = torch.cat([a for a, _ in fc1])
-            out[f"{p}experts.{g}.up_proj.weight"] = torch.cat([b for _, b in fc1])
-            out[f"{p}experts.{g}.down_proj.weight"] = torch.cat([parts[(e, r)][m + "linear_fc2.weight"]
-                                                                 for r in range(tp)], 1)
+        out.update(_experts_to_hf(i, e, moe.num_experts // ep, [parts[(e, r)] for r in range(tp)]))
     return out
+
+
+def _expert_names(i: int, e: int, per: int) -> list[str]:
+    p = _prefix(i) + "experts."
+    return [f"{p}{g}.{w}_proj.weight" for g in range(e * per, (e + 1) * per) for w in ("gate", "up", "down")]
+
+
+class ExpertStream:
+    """The experts' part of ``convert.stream_hf_tensors`` (the vLLM weight sync, the final save)
+    for a mixture-of-experts model: each layer's experts go to ``dst`` from the ranks that hold
+    them -- expert-tensor-parallel rank 0 of each (pipeline stage, expert-parallel rank) in
+    ``dst``'s expert-data-parallel replica, which all-gathers its expert-TP shards first -- one
+    tensor at a time by point-to-point sends, in the checkpoint's order (:func:`hf_layer_shapes`).
+    Built collectively (every rank's place in the layout is all-gathered once)."""
+
+    def __init__(self, model, hf_config, dst: int):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        self.cfg, self.dst, self.rank = hf_config, dst, dist.get_rank()
+        self.ep = ps.get_expert_model_parallel_world_size()
+        self.per = moe_of(hf_config).num_experts // self.ep
+        me = (ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+              ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())
+        table = [None] * dist.get_world_size()
+        dist.all_gather_object(table, me)
+        self.stage, self.ep_rank, self.etp_rank, edp = me
+        self.takes_part = edp == table[dst][3]
+        # (stage, EP rank) -> the global rank that sends those experts
+        self.owner = {(s, e): r for r, (s, e, t, d) in enumerate(table) if t == 0 and d == table[dst][3]}
+        self.etp, self.etp_group = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
+        self.sd = {k: v for k, v in model.state_dict(keep_vars=True).items()
+                   if ".local_experts." in k and not k.endswith("_extra_state")}
+        self.ref = next(model.parameters())
+
+    def _local(self, i: int, local: int) -> dict[str, torch.Tensor]:
+        """This rank's experts of global layer ``i`` (``local`` on this stage), on expert-TP rank 0
+        (a collective over the expert-TP group)."""
+        import torch.distributed as dist
+
+        m = f"decoder.layers.{local}."
+        by_tp = [dict() for _ in range(self.etp)]
+        for k, v in self.sd.items():
+            if not k.startswith(m):
+                continue
+            t = v.detach().contiguous()
+            parts = [t]
+            if self.etp > 1:
+                parts = [torch.empty_like(t) for _ in range(self.etp)]
+                dist.all_gather(parts, t, group=self.etp_group)
+            for r, x in enumerate(parts):
+                by_tp[r][k[len(m):]] = x
+        return _experts_to_hf(i, self.ep_rank, self.per, by_tp) if self.etp_rank == 0 else {}
+
+    def emit(self, s: int, i: int, local: int, fn) -> int:
+        """Layer ``i``'s experts (stage ``s``; ``local`` its index there) to ``dst``'s ``fn``;
+        how many tensors ``dst`` received (0 elsewhere)."""
+        import torch.distributed as dist
+
+        items = self._local(i, local) if self.takes_part and self.stage == s else {}
+        if self.rank == self.dst:
+            shapes, n_got = hf_layer_shapes(i, self.cfg), 0
+            for e in range(self.ep):
+                src = self.owner[(s, e)]
+                for n in _expert_names(i, e, self.per):
+                    if src == self.rank:
+                        t = items[n]
+                    else:
+                        t = torch.empty(shapes[n], dtype=self.ref.dtype, device=self.ref.device)
+                        dist.recv(t, src=src)
+                    fn(n, t)
+                    n_got += 1
+            return n_got
+        if items:
+            for n in _expert_names(i, self.ep_rank, self.per):
+                dist.send(items[n].contiguous(), dst=self.dst)
+        return 0
 
 
 def hf_layer_shapes(i: int, hf_config) -> dict[str, tuple[int, ...]]:

@@ -229,3 +229,50 @@ def test_moe_logprobs_entropy_and_grads_equal_hf(tmp_path, world, tp, ep, dispat
     res = torch.load(out)
     # embed, final norm, lm_head; per layer: q/k/v/o, q/k norm, 2 norms, the router, 4 experts x 3
     assert res["ok"] and res["n"] == 3 + 2 * (4 + 2 + 2 + 1 + 4 * 3)
+
+
+def _stream_worker(rank, world, pp, ep, out):
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.convert import gather_hf_state_dict, hf_shapes, stream_hf_tensors
+    from hapo_openrlhf.megatron.hf_save import save_hf_state_dict
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.moe import to_checkpoint_names
+
+    from ._dist import load_hf_into
+
+    init_megatron(pp=pp, ep=ep)
+    stage = ps.get_pipeline_model_parallel_rank()
+    hf = tiny_moe(layers=4)
+    model = build_gpt_model(hf.config, pp=pp, pp_rank=stage, ep=ep, perform_initialization=False)
+    load_hf_into(model, hf, pp=pp, pp_rank=stage, ep=ep, ep_rank=ps.get_expert_model_parallel_rank())
+    got = []
+    n = stream_hf_tensors(model, hf.config, lambda name, t: got.append((name, t.clone())))
+    sd = gather_hf_state_dict(model, hf.config)
+    if rank != 0:
+        assert n == 0 and got == [] and sd is None
+        return
+    shapes, ref = hf_shapes(hf.config), to_checkpoint_names(hf.state_dict(), hf.config)
+    assert [name for name, _ in got] == list(shapes) and n == len(shapes)
+    for name, t in got:
+        assert tuple(t.shape) == shapes[name] and torch.equal(t, ref[name]), name
+    assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in ref)
+    save_hf_state_dict(sd, hf.config, torch.float32, out + ".model")  # the final save, then transformers reads it
+    from transformers import Qwen3MoeForCausalLM
+
+    back = Qwen3MoeForCausalLM.from_pretrained(out + ".model", dtype=torch.float32).state_dict()
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+    torch.save({"ok": True, "n": n}, out)
+
+
+@pytest.mark.parametrize("world, pp, ep", [(2, 1, 2), (4, 2, 2)], ids=["ep2", "pp2_ep2"])
+def test_streamed_moe_weights_and_the_final_save_equal_the_loaded_model(tmp_path, world, pp, ep):
+    """The vLLM weight sync's and the final save's path (``convert.stream_hf_tensors``): global
+    rank 0 receives every tensor once, in ``hf_shapes`` order -- each layer's experts from the
+    expert-parallel rank (and pipeline stage) that holds them -- bitwise equal to the checkpoint
+    the model was loaded from; the saved directory loads back through transformers exactly."""
+    out = tmp_path / "ok.pt"
+    spawn(_stream_worker, world, world, pp, ep, str(out))
+    res = torch.load(out)
+    # embed, final norm, lm_head; per layer 9 dense (q, k, v, o, q/k norm, 2 norms, router) + 4 experts x 3
+    assert res["ok"] and res["n"] == 3 + 4 * (9 + 4 * 3)
