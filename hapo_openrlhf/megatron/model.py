@@ -97,7 +97,8 @@ def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = Fa
 
 def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, params_dtype=torch.float32,
                     vocab_multiple: int = 128, attention: str = "flash", spec: str = "local", head: str = "auto",
-                    ep: int = 1, moe: dict | None = None, freeze_router: bool = False, **overrides):
+                    ep: int = 1, moe: dict | None = None, freeze_router: bool = False, routing_replay: bool = False,
+                    **overrides):
     """A GPTModel stage for this rank, for any supported family (``hf_config.model_type``:
     ``families``; Llama 3's RoPE scaling through megatron-core's own); load weights with
     ``model.load_state_dict(hf_to_megatron(...), strict=False)`` (only ``_extra_state``
@@ -112,7 +113,8 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
     model falls back to torch's unfused norm); the optimizer keeps fp32 masters of them.
     Mixture of experts (``families``): ``ep`` expert-parallel ranks (Megatron's parallel state
     must have been set up with them), ``moe`` router / dispatcher settings
-    (``moe.moe_config_kwargs``), ``freeze_router`` keeps every router's weight fixed."""
+    (``moe.moe_config_kwargs``), ``freeze_router`` keeps every router's weight fixed,
+    ``routing_replay`` gives every router megatron-core's ``RouterReplay`` (``moe.RouteReplay``)."""
     from megatron.core.models.gpt import GPTModel
 
     from .compat import fill_known_gaps, quiet_known_notices
@@ -120,6 +122,10 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
     quiet_known_notices()  # megatron-core 0.19's GPTModel deprecation notice (compat.py)
     fill_known_gaps()  # 0.16's MoE router without Transformer Engine (compat.py)
     overrides.setdefault("variable_seq_lengths", pp > 1)
+    if routing_replay:
+        if not family_of(hf_config).moe:
+            raise ValueError("routing replay needs a mixture-of-experts model")
+        overrides["moe_enable_routing_replay"] = True
     if overrides["variable_seq_lengths"] and not family_of(hf_config).moe:  # megatron-core's config check asks
         overrides.setdefault("moe_token_dispatcher_type", "alltoall")  # for it even in a dense model
     cfg = transformer_config(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep, moe=moe, **overrides)

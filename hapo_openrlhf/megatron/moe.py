@@ -273,3 +273,69 @@ def hf_layer_shapes(i: int, hf_config) -> dict[str, tuple[int, ...]]:
         out.update({f"{p}experts.{j}.gate_proj.weight": (moe.ffn, H), f"{p}experts.{j}.up_proj.weight": (moe.ffn, H),
                     f"{p}experts.{j}.down_proj.weight": (H, moe.ffn)})
     return out
+
+
+# ------------------------------------------------------------------ rollout routing replay (R3)
+def stage_routers(model) -> list[tuple[int, object]]:
+    """(global layer index, megatron-core ``TopKRouter``) of every MoE layer of this stage, in
+    layer order."""
+    out = []
+    for layer in model.decoder.layers:
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        if router is not None:
+            out.append((int(layer.layer_number) - 1, router))
+    return out
+
+
+class RouteReplay:
+    """Replays recorded expert choices in this stage's routers (megatron-core's ``RouterReplay``,
+    built with ``moe_enable_routing_replay``): :meth:`set` before a micro-batch's forward hands each
+    router its tokens' recorded top-k (``[tokens, layers, k]`` in the model input's token order,
+    ``RowLayout.route_input``); the routing weights are then the router's own softmax over the
+    replayed experts (Hugging Face's routing with the indices given). It also counts how many tokens
+    the router would have routed otherwise (:attr:`tokens`, :attr:`differed`): the recorded top-k
+    set against the router's own top-k of the same logits."""
+
+    def __init__(self, model):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self.routers = stage_routers(model)
+        missing = [i for i, r in self.routers if getattr(r, "router_replay", None) is None]
+        if missing:
+            raise ValueError("routing replay needs the model built with routing_replay=True "
+                             f"(megatron-core's moe_enable_routing_replay); layers {missing[:4]} have no replay")
+        self._action = RouterReplayAction.REPLAY_FORWARD
+        self.tokens = self.differed = 0
+        self._recorded = None
+        self._hooks = [r.register_forward_pre_hook(self._count) for _, r in self.routers]
+
+    def set(self, routes: torch.Tensor, recorded: torch.Tensor | None = None) -> None:
+        """``routes`` [tokens, n_layers, k] for every layer of the model (this stage's are taken);
+        ``recorded`` [tokens]: which of them the rollout recorded (the rest are filled in, not counted)."""
+        self._recorded = recorded
+        for i, router in self.routers:
+            router.router_replay.clear_indices()
+            router.router_replay.set_target_indices(routes[:, i].long())
+            router.router_replay.set_router_replay_action(self._action)
+
+    @torch.no_grad()
+    def _count(self, router, args) -> None:
+        target = router.router_replay.target_topk_idx
+        if target is None:
+            return
+        logits = router.gating(args[0]).reshape(-1, router.config.num_moe_experts)
+        own = torch.topk(logits.float(), target.shape[1], dim=-1).indices
+        same = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, own, True).gather(1, target.to(own.device))
+        differs = ~same.all(-1)
+        if self._recorded is not None:
+            differs = differs[self._recorded.to(differs.device)]
+        self.tokens += int(differs.numel())
+        self.differed += int(differs.sum())
+
+    def close(self) -> None:
+        for _, router in self.routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

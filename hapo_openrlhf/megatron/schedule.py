@@ -144,6 +144,60 @@ class RowLayout:
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=Lm, max_seqlen_kv=Lm)
         return {"input_ids": flat[None], "position_ids": pos[None], "attention_mask": None, "packed_seq_params": packed}
 
+    def route_input(self, routes: torch.Tensor, tp_rank: int = 0, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recorded expert choices [B, S, layers, k] (-1: none recorded) -> [tokens, layers, k] in the
+        order the model's routers see this micro-batch's tokens (THD: the packed tokens; padded and
+        masked: sequence-major), this TP rank's share with sequence parallelism (``tp`` > 1). Only a
+        row's last real token may lack a record (no forward of the engine ever took it as input;
+        its output feeds no log-prob): it gets experts 0 ... k-1, as do padding tokens; a gap anywhere
+        else is refused. Returns (routes, recorded [tokens] bool)."""
+        B, S = self.shape
+        if routes.dim() != 4 or tuple(routes.shape[:2]) != (B, S):
+            raise ValueError(f"routed experts must be [B, S, layers, top_k] with [B, S] = {[B, S]}, got "
+                             f"{list(routes.shape)}")
+        dev = self.lengths.device
+        routes = routes.to(dev)
+        k = routes.shape[-1]
+        fill = torch.arange(k, device=dev, dtype=routes.dtype)
+        ar = torch.arange(S, device=dev)
+        real = (ar[None] >= self.starts[:, None]) & (ar[None] < (self.starts + self.lengths)[:, None])
+        last = ar[None] == (self.starts + self.lengths - 1)[:, None]
+        gap = ((routes < 0).any(-1).any(-1)) & real & ~last
+        if bool(gap.any()):
+            rows = gap.any(-1).nonzero().flatten().tolist()
+            raise ValueError(f"rows {rows[:8]} have real tokens without recorded routes (only a row's last token "
+                             f"may lack them): the rollout's routed experts do not cover its tokens")
+        known = ~(routes < 0).any(-1).any(-1) & real  # [B, S]
+        routes = torch.where(known[:, :, None, None], routes, fill)
+        routes = torch.cat([routes, known[:, :, None, None].to(routes.dtype).expand(B, S, 1, k)], 2)  # rides along
+        if self.layout == "masked":
+            flat = routes.transpose(0, 1).reshape(S * B, *routes.shape[2:])
+        else:
+            L = self.max_len
+            idx = (self.starts[:, None] + torch.arange(L, device=dev)[None]).clamp(max=S - 1)
+            per_row = routes.gather(1, idx[:, :, None, None].expand(B, L, *routes.shape[2:]))  # [B, L, layers, k]
+            if self.layout == "padded":
+                Lp = -(-L // self.pad_to) * self.pad_to
+                pad = fill.expand(B, Lp - L, *routes.shape[2:]).clone()
+                pad[:, :, -1] = 0  # not recorded
+                per_row = torch.cat([per_row, pad], 1)
+                flat = per_row.transpose(0, 1).reshape(Lp * B, *routes.shape[2:])
+            else:
+                row, off = _rows_and_offsets(self.lengths, self.total)
+                flat = per_row.reshape(B * L, *routes.shape[2:]).index_select(0, row * L + off)
+                extra = -self.total % self.pad_to
+                if extra:
+                    pad = fill.expand(extra, *routes.shape[2:]).clone()
+                    pad[:, -1] = 0
+                    flat = torch.cat([flat, pad])
+        if self.layout == "padded":
+            # positions past a row's end were gathered from its last real position: not recorded there
+            Lp = flat.shape[0] // B
+            beyond = (torch.arange(Lp, device=dev)[:, None] >= self.lengths[None, :]).reshape(-1)
+            flat[beyond, -1] = 0
+        flat = flat.chunk(tp, 0)[tp_rank] if tp > 1 else flat
+        return flat[:, :-1], flat[:, -1, 0].bool()
+
     def logprobs_entropy(self, out: torch.Tensor, model_ids: torch.Tensor, *, vocab_size: int,
                          temperature: float, chunk_size: int, tp_group, tp_rank: int, weight=None,
                          labels_checked: bool = False):
@@ -225,7 +279,7 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
 def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn | None, *,
                      vocab_size: int, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
                      forward_only: bool = False, layout: str | None = None, nucleus_top_p: float = 1.0,
-                     signals_top_p: float | None = None) -> list[Any]:
+                     signals_top_p: float | None = None, route_stats: dict | None = None) -> list[Any]:
     """Run ``micro_batches`` (dicts with ``input_ids`` and ``attention_mask`` [B, S], plus
     whatever ``loss_fn`` reads) through the schedule on every rank of the model-parallel
     group. Returns, on the last pipeline stage, one entry per micro-batch: the metrics
@@ -233,7 +287,10 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     old-log-prob pass; with ``nucleus_top_p`` < 1 a triple, log P(nucleus) [B, S-1] third);
     other stages get an empty list. With ``signals_top_p`` (a loss that takes them: PAEC)
     ``loss_fn``'s micro-batch also holds ``head_signals``: (nucleus entropy, top-two gap)
-    [B, S-1] of the same forward, detached. Gradients accumulate into the
+    [B, S-1] of the same forward, detached. Micro-batches with ``routed_experts`` [B, S, layers,
+    k] (a MoE model built with ``routing_replay``) replay those expert choices
+    (``moe.RouteReplay``); ``route_stats`` then accumulates ``tokens`` and ``differed``: the
+    recorded (token, layer) routings, and those the router would have chosen otherwise. Gradients accumulate into the
     parameters (with Megatron's DDP wrapper, ``ddp.wrap``: into its fp32 buffers) unless
     ``forward_only``.
 
@@ -268,10 +325,24 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     checked = [ids_within_vocabulary(mb, vocab_size) for mb in micro_batches]
     it = iter(zip(micro_batches, layouts, checked))
+    # rollout routing replay: micro-batches carrying the rollout's routed experts [B, S, layers, k]
+    replay = None
+    if any("routed_experts" in mb for mb in micro_batches):
+        from .moe import RouteReplay
+
+        if not all("routed_experts" in mb for mb in micro_batches):
+            raise ValueError("routing replay: every micro-batch needs routed_experts, or none")
+        if pp > 1 and config.recompute_granularity is not None:
+            raise ValueError("routing replay with activation recomputation under pipeline parallelism is not "
+                             "supported (a recomputed forward would replay a later micro-batch's routes)")
+        replay = RouteReplay(_unwrap(model))
+    sp_tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
 
     def forward_step(data_iterator: Iterable, model):
         mb, lay, ids_checked = next(data_iterator)
         inputs = lay.model_inputs(mb["input_ids"])
+        if replay is not None:
+            replay.set(*lay.route_input(mb["routed_experts"], tp_rank=tp_rank, tp=sp_tp))
         output = model(**inputs)
 
         def loss_func(logits: torch.Tensor, non_loss_data: bool = False):
@@ -305,8 +376,20 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     else:
         seq_length, mbs = micro_batches[0]["input_ids"].shape[1], micro_batches[0]["input_ids"].shape[0]
     fb = get_forward_backward_func()
-    return fb(forward_step_func=forward_step, data_iterator=it, model=model, num_microbatches=len(micro_batches),
-              seq_length=seq_length, micro_batch_size=mbs, forward_only=forward_only or loss_fn is None)
+    try:
+        return fb(forward_step_func=forward_step, data_iterator=it, model=model, num_microbatches=len(micro_batches),
+                  seq_length=seq_length, micro_batch_size=mbs, forward_only=forward_only or loss_fn is None)
+    finally:
+        if replay is not None:
+            replay.close()
+            if route_stats is not None:  # tokens routed by replay, and those the router would have sent elsewhere
+                route_stats["tokens"] = route_stats.get("tokens", 0) + replay.tokens
+                route_stats["differed"] = route_stats.get("differed", 0) + replay.differed
+
+
+def _unwrap(model):
+    """The GPTModel inside Megatron's DDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)
 
 
 def token_budget_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:

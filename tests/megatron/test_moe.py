@@ -276,3 +276,174 @@ def test_streamed_moe_weights_and_the_final_save_equal_the_loaded_model(tmp_path
     res = torch.load(out)
     # embed, final norm, lm_head; per layer 9 dense (q, k, v, o, q/k norm, 2 norms, router) + 4 experts x 3
     assert res["ok"] and res["n"] == 3 + 4 * (9 + 4 * 3)
+
+
+def _recorded_routes(recorder, ids, am):
+    """[B, S, layers, k] top-k experts the recording model chose for each token (-1 on padding and on
+    each row's last token, which an engine never takes as input)."""
+    with torch.no_grad():
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        out = recorder(input_ids=ids, attention_mask=am, position_ids=pos, output_router_logits=True)
+    k = recorder.config.num_experts_per_tok
+    B, S = ids.shape
+    routes = torch.stack([torch.topk(lg.float().view(B, S, -1), k, dim=-1).indices for lg in out.router_logits], 2)
+    last = torch.arange(S)[None] == (am.cumsum(-1).argmax(-1))[:, None]
+    return torch.where((am.bool() & ~last)[:, :, None, None], routes, -1)
+
+
+def _forced(model, routes_for_call):
+    """Hugging Face routing with the expert choices given (each router's own softmax, gathered at
+    the given experts, renormalised as ``norm_topk_prob`` says): the reference for a replay."""
+    import types
+
+    for i, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+
+        def forward(self, hidden_states, i=i):
+            h = hidden_states.reshape(-1, self.hidden_dim)
+            logits = torch.nn.functional.linear(h, self.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            idx = routes_for_call()[:, i].to(h.device)
+            top = probs.gather(1, idx)
+            if self.norm_topk_prob:
+                top = top / top.sum(-1, keepdim=True)
+            return logits, top.to(logits.dtype), idx
+
+        gate.forward = types.MethodType(forward, gate)
+
+
+def _replay_worker(rank, world, ep, out):
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.schedule import forward_backward
+
+    from ._dist import load_hf_into
+    from .test_convert import hf_logprobs_entropy
+
+    init_megatron(ep=ep)
+    trainer = tiny_moe()
+    recorder = tiny_moe()  # the "rollout engine": the same weights, its routers perturbed
+    with torch.no_grad():
+        for layer in recorder.model.layers:
+            layer.mlp.gate.weight.add_(0.8 * torch.randn(layer.mlp.gate.weight.shape,
+                                                         generator=torch.Generator().manual_seed(5)))
+    ids, am, _, _ = _batch()
+    routes = _recorded_routes(recorder, ids, am)
+    model = build_gpt_model(trainer.config, ep=ep, routing_replay=True, perform_initialization=False)
+    load_hf_into(model, trainer, ep=ep, ep_rank=ps.get_expert_model_parallel_rank())
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = list(range(dp_rank * len(ids) // dp, (dp_rank + 1) * len(ids) // dp))
+    # the routing the routers end up using, per layer: replay must make it the recorded one
+    used = {}
+
+    def capture(i):
+        def hook(router, args, output):
+            used.setdefault(i, []).append(output[1].detach().clone())  # routing_map [tokens, experts]
+        return hook
+
+    from hapo_openrlhf.megatron.moe import stage_routers
+
+    hooks = [r.register_forward_hook(capture(i)) for i, r in stage_routers(model)]
+    mbs = [{"input_ids": ids[[r]], "attention_mask": am[[r]], "routed_experts": routes[[r]]} for r in rows]
+    stats = {}
+    with torch.no_grad():
+        replayed = forward_backward(model, mbs, None, vocab_size=259, temperature=T, forward_only=True,
+                                    route_stats=stats)
+        used_replay = {i: list(v) for i, v in used.items()}
+        used.clear()
+        plain = forward_backward(model, [{k: v for k, v in mb.items() if k != "routed_experts"} for mb in mbs],
+                                 None, vocab_size=259, temperature=T, forward_only=True)
+    for h in hooks:
+        h.remove()
+    # the replayed routing is the recorded one, token by token, on every recorded token of every layer
+    exact = True
+    for j, r in enumerate(rows):
+        n = int(am[r].sum())
+        start = int((am[r] == 0).sum()) if am[r, 0] == 0 else 0
+        for i, maps in used_replay.items():
+            m = maps[j][: n - 1]  # packed THD: the row's tokens in order; its last one was not recorded
+            want = torch.zeros(n - 1, m.shape[1], dtype=torch.bool).scatter_(1, routes[r, start:start + n - 1, i], True)
+            exact &= bool(torch.equal(m, want))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (dp_rank, [x[0] for x in replayed], [x[0] for x in plain], exact, stats))
+    if rank != 0:
+        return
+    everyone = sorted({e[0]: e for e in everyone}.values(), key=lambda e: e[0])
+    lp_replay = torch.cat([torch.cat(e[1]) for e in everyone]).double()
+    lp_plain = torch.cat([torch.cat(e[2]) for e in everyone]).double()
+    current = {"routes": None}
+    ref_plain, _ = hf_logprobs_entropy(trainer, ids, am, T)
+    B, S = ids.shape
+    flat = torch.where(routes < 0, torch.arange(routes.shape[-1]), routes).reshape(B * S, *routes.shape[2:])
+    current["routes"] = flat
+    _forced(trainer, lambda: current["routes"])
+    ref_forced, _ = hf_logprobs_entropy(trainer, ids, am, T)
+    valid = _both_real(am)
+    tokens, differed = sum(e[4]["tokens"] for e in everyone), sum(e[4]["differed"] for e in everyone)
+    torch.save({"exact": all(e[3] for e in everyone),
+                "replay_vs_forced": float((lp_replay - ref_forced)[valid].abs().max()),
+                "plain_vs_hf": float((lp_plain - ref_plain.detach())[valid].abs().max()),
+                "plain_vs_forced": float((lp_plain - ref_forced.detach())[valid].abs().max()),
+                "tokens": tokens, "differed": differed,
+                "recorded": int((routes[..., 0] >= 0).sum())}, out)  # (token, layer) pairs
+
+
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 2)], ids=["ep1", "ep2"])
+def test_routing_replay_makes_the_trainer_route_as_the_rollout_did(tmp_path, world, ep):
+    """Rollout routing replay (R3), trainer side: routes recorded by a model whose routers were
+    perturbed (a rollout engine that routes differently) are replayed through megatron-core's
+    RouterReplay: the trainer's routing equals the recorded routes exactly, and its log-probs equal a
+    Hugging Face forward of the trainer's weights with those expert choices (routing weights from
+    its own router). Without replay they differ, and the replay counts the routings that would have."""
+    out = tmp_path / "res.pt"
+    spawn(_replay_worker, world, world, ep, str(out))
+    res = torch.load(out)
+    assert res["exact"], res
+    assert res["replay_vs_forced"] < 1e-4, res
+    assert res["plain_vs_hf"] < 1e-4, res  # no replay: the trainer's own routing, Hugging Face's
+    assert res["plain_vs_forced"] > 1e-2, res  # ... which is not the rollout's
+    # every recorded (token, layer) routing counted; the perturbed routers chose otherwise for some
+    assert res["tokens"] == res["recorded"] and 0 < res["differed"] < res["tokens"], res
+
+
+@pytest.mark.parametrize("layout, pad_to", [("thd", 1), ("thd", 4), ("padded", 1), ("padded", 4), ("masked", 1)])
+def test_routes_reach_the_routers_in_the_model_inputs_token_order(layout, pad_to):
+    """``RowLayout.route_input`` lays the rollout's [B, S, layers, k] routes out in the order the
+    routers see the micro-batch's tokens: a route that names its own token id lines up with the
+    model input's ids (THD packed, padded and masked sequence-major), and the tokens the model adds
+    (sequence-parallel padding, padded rows' tails) and each row's unrecorded last token are filled
+    and marked not recorded; a TP rank's share with sequence parallelism is its chunk."""
+    from hapo_openrlhf.megatron.schedule import RowLayout
+
+    ids, am, _, _ = _batch()
+    B, S = ids.shape
+    routes = ids[:, :, None, None].expand(B, S, 2, 3).clone()  # layer l, slot j: the token's own id
+    last = torch.arange(S)[None] == (am.cumsum(-1).argmax(-1))[:, None]
+    routes[~am.bool() | last] = -1
+    lay = RowLayout.of(am, layout, pad_to)
+    inputs = lay.model_inputs(ids)
+    model_ids = inputs["input_ids"].transpose(0, 1).reshape(-1) if layout != "thd" else inputs["input_ids"][0]
+    got, recorded = lay.route_input(routes)
+    assert got.shape == (model_ids.numel(), 2, 3) and recorded.shape == (model_ids.numel(),)
+    assert torch.equal(got[recorded, 0, 0], model_ids[recorded])
+    assert int(recorded.sum()) == int((routes[..., 0, 0] >= 0).sum())  # every recorded token, once
+    assert torch.equal(got[~recorded], torch.arange(3).expand(int((~recorded).sum()), 2, 3))
+    if pad_to > 1:
+        halves = [lay.route_input(routes, tp_rank=r, tp=2) for r in range(2)]
+        assert torch.equal(torch.cat([h[0] for h in halves]), got) and torch.equal(
+            torch.cat([h[1] for h in halves]), recorded)
+
+
+def test_routes_with_gaps_or_the_wrong_shape_are_refused_by_name():
+    from hapo_openrlhf.megatron.schedule import RowLayout
+
+    ids, am, _, _ = _batch()
+    routes = torch.zeros(*ids.shape, 2, 2, dtype=torch.long)
+    lay = RowLayout.of(am, "thd")
+    gap = routes.clone()
+    gap[3, 5] = -1  # a real token in the middle of row 3
+    with pytest.raises(ValueError, match=r"rows \[3\] have real tokens without recorded routes"):
+        lay.route_input(gap)
+    with pytest.raises(ValueError, match="routed experts must be \\[B, S, layers, top_k\\]"):
+        lay.route_input(routes[:, :-1])
