@@ -373,23 +373,49 @@ def _smoke_optimizer_resume(work: Path) -> dict:
 
     if importlib.util.find_spec("megatron") is None:
         return {"ok": True, "skipped": "needs megatron-core (the megatron extra)"}
-    log = work / "optimizer_resume.log"
     code = f"from hapo_openrlhf.gpu_smoke import _optimizer_resume_child; _optimizer_resume_child({str(work)!r})"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541", "RANK": "0", "WORLD_SIZE": "1",
+    rc, res = _one_rank_child(work / "optimizer_resume.log", code, port=29541)
+    if rc is None:
+        return res
+    return {"ok": rc == 0 and all(r["bitwise"] for r in res.values()), **res}
+
+
+def _one_rank_child(log: Path, code: str, port: int) -> tuple[int | None, dict]:
+    """Run ``code`` in a child Python as rank 0 of a one-rank job; it prints one JSON line last.
+    (exit code, that object), or (None, a failure naming the log) when no JSON came back."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}
     rc = _run([sys.executable, "-c", code], log, timeout=600, env=env)
     lines = log.read_text().strip().splitlines() if log.exists() else []
     try:
-        res = json.loads(lines[-1])
+        return rc, json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
-        return {"ok": False, "error": f"exit {rc}; see {log}"}
-    return {"ok": rc == 0 and all(r["bitwise"] for r in res.values()), **res}
+        return None, {"ok": False, "error": f"exit {rc}; see {log}"}
 
 
 def _optimizer_resume_child(work: str) -> None:
     res = {f"distributed_{d}": _optimizer_resume("cuda", Path(work) / f"resume_distributed_{d}", distributed=d)
            for d in (True, False)}
     print(json.dumps(res), flush=True)
+
+
+def _one_rank_job(device: str) -> bool:
+    """torch.distributed (from the environment, NCCL on CUDA else gloo) and Megatron's parallel
+    state at TP = PP = 1, unless they are up; whether ``device`` is CUDA."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return cuda
 
 
 def _optimizer_resume(device: str, ckpt_dir: Path, distributed: bool = True) -> dict:
@@ -399,8 +425,6 @@ def _optimizer_resume(device: str, ckpt_dir: Path, distributed: bool = True) -> 
     (torch.distributed from the environment unless it is up); ``device="cpu"``: gloo under the
     CPU shim (tests/megatron/test_te_fused_adam.py)."""
     import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from transformers import Qwen2Config
 
@@ -409,13 +433,7 @@ def _optimizer_resume(device: str, ckpt_dir: Path, distributed: bool = True) -> 
     from .megatron.model import build_qwen2_gpt_model
     from .megatron.schedule import forward_backward
 
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
+    cuda = _one_rank_job(device)
     cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     g = torch.Generator().manual_seed(3)
@@ -467,16 +485,10 @@ def _smoke_te_spec(work: Path) -> dict:
 
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("transformer_engine") is None:
         return {"ok": True, "skipped": "needs megatron-core and transformer-engine"}
-    log = work / "te_spec.log"
     code = "import json; from hapo_openrlhf.gpu_smoke import te_spec_check; print(json.dumps(te_spec_check('cuda')))"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29543", "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
-    rc = _run([sys.executable, "-c", code], log, timeout=600, env=env)
-    lines = log.read_text().strip().splitlines() if log.exists() else []
-    try:
-        res = json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"ok": False, "error": f"exit {rc}; see {log}"}
+    rc, res = _one_rank_child(work / "te_spec.log", code, port=29543)
+    if rc is None:
+        return res
     return {**res, "ok": rc == 0 and res["ok"]}
 
 
@@ -488,23 +500,13 @@ def te_spec_check(device: str = "cuda") -> dict:
     from the environment unless it is up); ``device="cpu"`` runs it under the TE stand-in
     (tests/megatron/test_te_spec.py)."""
     import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from .megatron.convert import gather_hf_state_dict, hf_to_megatron
     from .megatron.model import build_gpt_model
     from .megatron.schedule import logprobs_and_entropy
 
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    cuda = _one_rank_job(device)
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=48,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
