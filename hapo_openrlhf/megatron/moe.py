@@ -339,3 +339,76 @@ class RouteReplay:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class RouterMonitor:
+    """Router statistics of this stage's MoE layers over the micro-batches of a step, on the
+    tokens the caller marks real (:meth:`set` before each forward): the entropy of each token's
+    softmax over all experts, the tokens each expert received per layer (load) and the routings
+    dropped (a capacity factor's; 0 for the dropless router). :meth:`add_to` sums them into a
+    ``route_stats`` dict; :func:`router_metrics` turns that into the logged values."""
+
+    def __init__(self, model):
+        self.routers = stage_routers(model)
+        self.k = self.routers[0][1].config.moe_router_topk if self.routers else 0
+        self.entropy = 0.0
+        self.tokens = 0
+        self.dropped = 0
+        self.load: dict[int, torch.Tensor] = {}
+        self._real = None
+        self._hooks = [r.register_forward_hook(self._hook(i)) for i, r in self.routers]
+        self._pre = [r.register_forward_pre_hook(self._keep_input) for _, r in self.routers]
+        self._input = None
+
+    def set(self, real: torch.Tensor) -> None:
+        self._real = real
+
+    def _keep_input(self, router, args) -> None:
+        self._input = args[0]
+
+    def _hook(self, i: int):
+        @torch.no_grad()
+        def hook(router, args, output):
+            logits = router.gating(self._input).reshape(-1, router.config.num_moe_experts).float()
+            routing_map = output[1].reshape(logits.shape[0], -1)
+            real = self._real.to(logits.device) if self._real is not None else torch.ones(
+                logits.shape[0], dtype=torch.bool, device=logits.device)
+            logp = torch.log_softmax(logits[real], -1)
+            self.entropy += float(-(logp.exp() * logp).sum())
+            self.tokens += int(real.sum())
+            chosen = routing_map[real]
+            self.dropped += int(real.sum()) * self.k - int(chosen.sum())
+            load = chosen.sum(0).to(torch.float64).cpu()
+            self.load[i] = self.load[i] + load if i in self.load else load
+        return hook
+
+    def add_to(self, stats: dict) -> None:
+        stats["router_entropy_sum"] = stats.get("router_entropy_sum", 0.0) + self.entropy
+        stats["router_tokens"] = stats.get("router_tokens", 0) + self.tokens
+        stats["dropped"] = stats.get("dropped", 0) + self.dropped
+        load = stats.setdefault("expert_load", {})
+        for i, v in self.load.items():
+            load[i] = load[i] + v if i in load else v
+
+    def close(self) -> None:
+        for h in self._hooks + self._pre:
+            h.remove()
+        self._hooks, self._pre = [], []
+
+
+def router_metrics(stats: dict) -> dict[str, float]:
+    """The logged router values from ``forward_backward``'s ``route_stats`` (summed over ranks by
+    the caller where tokens were split): ``moe/router_entropy`` (mean over tokens and layers, nats),
+    ``moe/expert_load_max_over_mean`` (the busiest expert's tokens over the mean, the worst layer;
+    1 is balanced), ``moe/dropped_routings``, and with replay ``moe/replay_differed_fraction``
+    (the recorded routings the router would have chosen otherwise)."""
+    out = {}
+    if stats.get("router_tokens"):
+        out["moe/router_entropy"] = stats["router_entropy_sum"] / stats["router_tokens"]
+        ratios = [float(v.max() / v.mean()) for v in stats["expert_load"].values() if float(v.sum()) > 0]
+        if ratios:
+            out["moe/expert_load_max_over_mean"] = max(ratios)
+        out["moe/dropped_routings"] = float(stats["dropped"])
+    if stats.get("tokens"):
+        out["moe/replay_differed_fraction"] = stats["differed"] / stats["tokens"]
+    return out

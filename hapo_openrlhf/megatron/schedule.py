@@ -144,6 +144,24 @@ class RowLayout:
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=Lm, max_seqlen_kv=Lm)
         return {"input_ids": flat[None], "position_ids": pos[None], "attention_mask": None, "packed_seq_params": packed}
 
+    def real_tokens(self, tp_rank: int = 0, tp: int = 1) -> torch.Tensor:
+        """[tokens] bool in the model input's token order (THD packed; padded and masked
+        sequence-major): True on the rows' real tokens, False on what the layout adds; a TP
+        rank's chunk with sequence parallelism (``tp`` > 1)."""
+        B, S = self.shape
+        dev = self.lengths.device
+        if self.layout == "thd":
+            mask = torch.ones(self.total + (-self.total % self.pad_to), dtype=torch.bool, device=dev)
+            mask[self.total:] = False
+        elif self.layout == "padded":
+            Lp = -(-self.max_len // self.pad_to) * self.pad_to
+            mask = (torch.arange(Lp, device=dev)[:, None] < self.lengths[None, :]).reshape(-1)
+        else:
+            ar = torch.arange(S, device=dev)
+            mask = ((ar[:, None] >= self.starts[None, :]) & (ar[:, None] < (self.starts + self.lengths)[None, :]))
+            mask = mask.reshape(-1)
+        return mask.chunk(tp, 0)[tp_rank] if tp > 1 else mask
+
     def route_input(self, routes: torch.Tensor, tp_rank: int = 0, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Recorded expert choices [B, S, layers, k] (-1: none recorded) -> [tokens, layers, k] in the
         order the model's routers see this micro-batch's tokens (THD: the packed tokens; padded and
@@ -290,7 +308,9 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     [B, S-1] of the same forward, detached. Micro-batches with ``routed_experts`` [B, S, layers,
     k] (a MoE model built with ``routing_replay``) replay those expert choices
     (``moe.RouteReplay``); ``route_stats`` then accumulates ``tokens`` and ``differed``: the
-    recorded (token, layer) routings, and those the router would have chosen otherwise. Gradients accumulate into the
+    recorded (token, layer) routings, and those the router would have chosen otherwise. For a
+    MoE model ``route_stats`` also gathers the router statistics of the real tokens
+    (``moe.RouterMonitor``; ``moe.router_metrics`` turns them into logged values). Gradients accumulate into the
     parameters (with Megatron's DDP wrapper, ``ddp.wrap``: into its fp32 buffers) unless
     ``forward_only``.
 
@@ -337,12 +357,19 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
                              "supported (a recomputed forward would replay a later micro-batch's routes)")
         replay = RouteReplay(_unwrap(model))
     sp_tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    monitor = None
+    if route_stats is not None and getattr(config, "num_moe_experts", None):
+        from .moe import RouterMonitor
+
+        monitor = RouterMonitor(_unwrap(model))
 
     def forward_step(data_iterator: Iterable, model):
         mb, lay, ids_checked = next(data_iterator)
         inputs = lay.model_inputs(mb["input_ids"])
         if replay is not None:
             replay.set(*lay.route_input(mb["routed_experts"], tp_rank=tp_rank, tp=sp_tp))
+        if monitor is not None:
+            monitor.set(lay.real_tokens(tp_rank=tp_rank, tp=sp_tp))
         output = model(**inputs)
 
         def loss_func(logits: torch.Tensor, non_loss_data: bool = False):
@@ -380,6 +407,9 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
         return fb(forward_step_func=forward_step, data_iterator=it, model=model, num_microbatches=len(micro_batches),
                   seq_length=seq_length, micro_batch_size=mbs, forward_only=forward_only or loss_fn is None)
     finally:
+        if monitor is not None:
+            monitor.close()
+            monitor.add_to(route_stats)
         if replay is not None:
             replay.close()
             if route_stats is not None:  # tokens routed by replay, and those the router would have sent elsewhere

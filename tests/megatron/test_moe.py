@@ -447,3 +447,70 @@ def test_routes_with_gaps_or_the_wrong_shape_are_refused_by_name():
         lay.route_input(gap)
     with pytest.raises(ValueError, match="routed experts must be \\[B, S, layers, top_k\\]"):
         lay.route_input(routes[:, :-1])
+
+
+def _monitor_worker(rank, layout, out):
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.moe import router_metrics
+    from hapo_openrlhf.megatron.schedule import forward_backward
+
+    from ._dist import load_hf_into
+
+    init_megatron()
+    hf = tiny_moe()
+    model = build_gpt_model(hf.config, perform_initialization=False)
+    load_hf_into(model, hf)
+    ids, am, _, _ = _batch()
+    stats = {}
+    with torch.no_grad():
+        forward_backward(model, [{"input_ids": ids[:2], "attention_mask": am[:2]},
+                                 {"input_ids": ids[2:], "attention_mask": am[2:]}], None, vocab_size=259,
+                         forward_only=True, layout=layout, route_stats=stats)
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        logits = hf(input_ids=ids, attention_mask=am, position_ids=pos, output_router_logits=True).router_logits
+    real = am.bool().reshape(-1)
+    k = hf.config.num_experts_per_tok
+    ent, load = [], []
+    for lg in logits:
+        lp = torch.log_softmax(lg.float()[real], -1)
+        ent.append(-(lp.exp() * lp).sum(-1))
+        load.append(torch.zeros(lg.shape[-1]).index_add_(0, torch.topk(lg[real], k, -1).indices.reshape(-1),
+                                                          torch.ones(int(real.sum()) * k)))
+    want = {"moe/router_entropy": float(torch.cat(ent).mean()),
+            "moe/expert_load_max_over_mean": max(float(v.max() / v.mean()) for v in load),
+            "moe/dropped_routings": 0.0}
+    torch.save({"got": router_metrics(stats), "want": want, "load": [stats["expert_load"][i] for i in range(2)],
+                "want_load": load}, out)
+
+
+@pytest.mark.parametrize("layout", ["thd", "padded"])
+def test_router_metrics_are_those_of_the_hugging_face_router(tmp_path, layout):
+    """Router entropy (mean over real tokens and layers), each expert's tokens per layer, the worst
+    layer's busiest-over-mean load and the dropped routings (0: dropless) from the Megatron model's
+    routers over two micro-batches equal what Hugging Face's router logits give for the same
+    tokens; padding the layout adds is left out."""
+    out = tmp_path / "res.pt"
+    spawn(_monitor_worker, 1, layout, str(out))
+    res = torch.load(out)
+    assert set(res["got"]) == set(res["want"])
+    assert res["got"]["moe/router_entropy"] == pytest.approx(res["want"]["moe/router_entropy"], rel=1e-5)
+    assert res["got"]["moe/dropped_routings"] == 0.0
+    for got, want in zip(res["load"], res["want_load"]):
+        assert torch.equal(got.float(), want)
+    assert res["got"]["moe/expert_load_max_over_mean"] == pytest.approx(res["want"]["moe/expert_load_max_over_mean"])
+    assert res["got"]["moe/expert_load_max_over_mean"] > 1.0  # the tiny router is not balanced
+
+
+def test_real_tokens_mark_the_rows_tokens_in_the_model_order():
+    from hapo_openrlhf.megatron.schedule import RowLayout
+
+    ids, am, _, _ = _batch()
+    for layout, pad_to in (("thd", 1), ("thd", 4), ("padded", 4), ("masked", 1)):
+        lay = RowLayout.of(am, layout, pad_to)
+        inputs = lay.model_inputs(ids)
+        model_ids = inputs["input_ids"].transpose(0, 1).reshape(-1) if layout != "thd" else inputs["input_ids"][0]
+        real = lay.real_tokens()
+        assert real.shape == model_ids.shape and int(real.sum()) == int(am.sum()), layout
+        assert sorted(model_ids[real].tolist()) == sorted(ids[am.bool()].tolist()), layout
+        if pad_to > 1:
+            assert torch.equal(torch.cat([lay.real_tokens(r, 2) for r in range(2)]), real)
