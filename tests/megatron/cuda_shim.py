@@ -17,7 +17,7 @@ def install() -> None:
     torch.cuda.current_stream = lambda *a, **k: _NullStream()
     # megatron-core's all-to-all MoE token dispatcher copies its token counts to the host on a side
     # stream (token_dispatcher.py, cuda_dtoh_stream): on the CPU the copy is synchronous
-    torch.cuda.Stream = lambda *a, **k: _NullStream()
+    torch.cuda.Stream = _NullStream  # a class: modules imported later use it in annotations (Stream | None)
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     # tied embeddings with PP > 1: the last stage's copy is moved with weight.data.cuda()
     torch.Tensor.cuda = lambda self, *a, **k: self
@@ -66,6 +66,9 @@ def install() -> None:
 
 class _NullStream:
     """``torch.cuda.current_stream()`` on the CPU: work is synchronous, nothing to wait for."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
 
     def wait_event(self, event) -> None:
         pass
