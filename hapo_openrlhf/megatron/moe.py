@@ -43,8 +43,10 @@ from .families import moe_of
 # megatron-core router settings that are safe for RL, and where each default comes from
 # (docs/megatron.md, "Mixture of experts")
 ROUTER_DEFAULTS = {
-    "moe_aux_loss_coeff": 0.0,  # slime's default; NeMo-RL: the sequence aux loss makes log-prob errors diverge
-    "moe_router_dtype": "fp32",  # the router's softmax and top-k in fp32 (verl, NeMo-RL, slime)
+    # slime's Qwen3-30B-A3B recipe (--moe-aux-loss-coeff 0); NeMo-RL reports that the sequence aux loss makes
+    # log-prob errors diverge under GRPO (as issue 41 cites it)
+    "moe_aux_loss_coeff": 0.0,
+    "moe_router_dtype": "fp32",  # the router's softmax and top-k in fp32 (the same recipe: --moe-router-dtype fp32)
     "moe_router_enable_expert_bias": False,  # no aux-loss-free bias update: routing only moves with the weights
     "moe_token_dispatcher_type": "alltoall",
 }
@@ -346,7 +348,10 @@ class RouterMonitor:
     tokens the caller marks real (:meth:`set` before each forward): the entropy of each token's
     softmax over all experts, the tokens each expert received per layer (load) and the routings
     dropped (a capacity factor's; 0 for the dropless router). :meth:`add_to` sums them into a
-    ``route_stats`` dict; :func:`router_metrics` turns that into the logged values."""
+    ``route_stats`` dict; :func:`router_metrics` turns that into the logged values. Each router
+    call reads a few scalars back to the host (a GPU sync per layer: only when ``route_stats`` is
+    asked for); with activation recomputation a recomputed forward is counted again, which leaves
+    the means and ratios unchanged."""
 
     def __init__(self, model):
         self.routers = stage_routers(model)
