@@ -34,6 +34,7 @@ token count per micro-batch on each (fixed-shape padded rows; packed THD micro-b
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Mapping
 
 import torch
@@ -96,6 +97,35 @@ def moe_config_kwargs(hf_config, *, ep: int = 1, dispatcher: str = "alltoall", a
               moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
               moe_grouped_gemm=False, moe_permute_fusion=False, expert_model_parallel_size=ep)
     return kw
+
+
+@contextmanager
+def scaled_aux_loss(config, normaliser: float | None, *, training: bool):
+    """The load-balancing loss's weight during one training pass of ``schedule.forward_backward``.
+
+    megatron-core under ``calculate_per_token_loss`` (as hapo runs it) multiplies each
+    micro-batch's load-balancing loss by the micro-batch's real routed tokens and leaves the
+    division by the step's token count to ``finalize_model_grads``; hapo's losses arrive already
+    divided, and nothing divides again. So for the pass the coefficient is divided by
+    ``normaliser`` -- the step's real tokens over every data-parallel rank, over DP, as hapo's
+    losses divide -- and restored afterwards. The step's load-balancing term is then ``coeff`` x
+    the token-weighted mean over its micro-batches of megatron-core's own per-micro-batch loss,
+    summed over layers: what megatron-core's training adds when every token is in the loss.
+    Forward-only passes (old log-probs, the reference) add none."""
+    coeff = getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0
+    if not (training and getattr(config, "num_moe_experts", None) and coeff):
+        yield
+        return
+    if not isinstance(coeff, (int, float)):
+        raise ValueError(f"moe_aux_loss_coeff {coeff!r}: one load-balancing loss (a number) is supported")
+    if normaliser is None or not normaliser > 0:
+        raise ValueError(f"a load-balancing loss (moe_aux_loss_coeff {coeff}) needs forward_backward's "
+                         f"aux_loss_normaliser > 0 (the step's real tokens over DP), got {normaliser!r}")
+    config.moe_aux_loss_coeff = coeff / float(normaliser)
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff = coeff
 
 
 def _prefix(i: int) -> str:

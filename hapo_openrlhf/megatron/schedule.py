@@ -162,6 +162,16 @@ class RowLayout:
             mask = mask.reshape(-1)
         return mask.chunk(tp, 0)[tp_rank] if tp > 1 else mask
 
+    def padding_mask(self) -> torch.Tensor:
+        """GPTModel's ``padding_mask`` for a mixture-of-experts model: the model input's shape
+        ([1, T] packed, [B, S] padded and masked), True where the layout added a token. Its
+        routers then leave those tokens out of the load-balancing loss and its token counts
+        (megatron-core scatters it over TP itself with sequence parallelism)."""
+        real = self.real_tokens()
+        if self.layout == "thd":
+            return ~real[None]
+        return ~real.view(-1, self.shape[0]).T.contiguous()
+
     def route_input(self, routes: torch.Tensor, tp_rank: int = 0, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Recorded expert choices [B, S, layers, k] (-1: none recorded) -> [tokens, layers, k] in the
         order the model's routers see this micro-batch's tokens (THD: the packed tokens; padded and
@@ -297,7 +307,8 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
 def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn | None, *,
                      vocab_size: int, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
                      forward_only: bool = False, layout: str | None = None, nucleus_top_p: float = 1.0,
-                     signals_top_p: float | None = None, route_stats: dict | None = None) -> list[Any]:
+                     signals_top_p: float | None = None, route_stats: dict | None = None,
+                     aux_loss_normaliser: float | None = None) -> list[Any]:
     """Run ``micro_batches`` (dicts with ``input_ids`` and ``attention_mask`` [B, S], plus
     whatever ``loss_fn`` reads) through the schedule on every rank of the model-parallel
     group. Returns, on the last pipeline stage, one entry per micro-batch: the metrics
@@ -312,7 +323,9 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     MoE model ``route_stats`` also gathers the router statistics of the real tokens
     (``moe.RouterMonitor``; ``moe.router_metrics`` turns them into logged values). Gradients accumulate into the
     parameters (with Megatron's DDP wrapper, ``ddp.wrap``: into its fp32 buffers) unless
-    ``forward_only``.
+    ``forward_only``. A MoE model trained with a load-balancing loss (``moe_aux_loss_coeff`` > 0)
+    needs ``aux_loss_normaliser``: the step's real tokens over every data-parallel rank divided by
+    DP, as hapo's losses divide (``moe.scaled_aux_loss``).
 
     ``layout`` (module docstring; default :func:`~.model.default_layout`): ``thd`` and
     ``padded`` need the model built with ``attention="flash"``; ``masked`` with Megatron's
@@ -357,6 +370,7 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
                              "supported (a recomputed forward would replay a later micro-batch's routes)")
         replay = RouteReplay(_unwrap(model))
     sp_tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    moe = bool(getattr(config, "num_moe_experts", None))
     monitor = None
     if route_stats is not None and getattr(config, "num_moe_experts", None):
         from .moe import RouterMonitor
@@ -366,6 +380,8 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     def forward_step(data_iterator: Iterable, model):
         mb, lay, ids_checked = next(data_iterator)
         inputs = lay.model_inputs(mb["input_ids"])
+        if moe:  # the layout's own tokens stay out of the routers' load-balancing loss and counts
+            inputs["padding_mask"] = lay.padding_mask()
         if replay is not None:
             replay.set(*lay.route_input(mb["routed_experts"], tp_rank=tp_rank, tp=sp_tp))
         if monitor is not None:
@@ -403,9 +419,13 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     else:
         seq_length, mbs = micro_batches[0]["input_ids"].shape[1], micro_batches[0]["input_ids"].shape[0]
     fb = get_forward_backward_func()
+    from .moe import scaled_aux_loss
+
     try:
-        return fb(forward_step_func=forward_step, data_iterator=it, model=model, num_microbatches=len(micro_batches),
-                  seq_length=seq_length, micro_batch_size=mbs, forward_only=forward_only or loss_fn is None)
+        with scaled_aux_loss(_unwrap(model).config, aux_loss_normaliser, training=not (forward_only or loss_fn is None)):
+            return fb(forward_step_func=forward_step, data_iterator=it, model=model,
+                      num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=mbs,
+                      forward_only=forward_only or loss_fn is None)
     finally:
         if monitor is not None:
             monitor.close()

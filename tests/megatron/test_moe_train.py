@@ -1,0 +1,159 @@
+"""Training a Qwen3-MoE model on the Megatron back end (issue 41): two AdamW steps with
+clipping at EP=2 under Megatron's DDP and distributed optimizer (each expert's gradient reduced
+over its expert-data-parallel group, the rest over DP; the norm over both) equal transformers'
+``Qwen3MoeForCausalLM`` stepped by torch's AdamW -- weights to 2e-6, norms and losses to 1e-5.
+
+The load-balancing loss: at coefficient 0 it adds nothing (the run equals Hugging Face, which
+has none); at 0.1 the run equals the Hugging Face reference plus ``0.1`` x the token-weighted
+mean over micro-batches of megatron-core's own ``switch_load_balancing_loss_func`` on the
+Hugging Face router's scores, summed over layers (``moe.scaled_aux_loss``) -- and differs from
+the coefficient-0 run far beyond the tolerance. Padding tokens stay out of it (``padded`` rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ._dist import init_megatron, spawn
+from .test_moe import tiny_moe
+
+ROWS, S, STEPS, LR, CLIP, EPS, COEFF = 4, 10, 2, 1e-3, 1.0, 1e-4, 0.1
+
+
+def _data(step: int):
+    g = torch.Generator().manual_seed(300 + step)
+    ids = torch.randint(0, 259, (ROWS, S), generator=g)
+    am = torch.ones(ROWS, S, dtype=torch.long)
+    am[1, :3] = 0  # left padding, as rollouts are
+    am[3, -2:] = 0  # a short response
+    return ids, am, torch.randn(ROWS, S - 1, generator=g)
+
+
+def _valid(am):
+    return (am[:, :-1] * am[:, 1:]).bool()
+
+
+def _reference(coeff: float, dp: int):
+    """(checkpoint-named HF state after STEPS, norms, losses): fp32 Qwen3-MoE, torch AdamW; with
+    ``coeff`` megatron-core's load-balancing loss per micro-batch (one per data-parallel rank)."""
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    from hapo_openrlhf.megatron.moe import to_checkpoint_names
+
+    hf = tiny_moe()
+    k, E = hf.config.num_experts_per_tok, hf.config.num_experts
+    opt = torch.optim.AdamW(hf.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+    logits = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: logits.append(out[0])) for layer in hf.model.layers]
+    norms, losses = [], []
+    for step in range(STEPS):
+        ids, am, w = _data(step)
+        logits.clear()
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        out = hf(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, :-1].float()
+        lp = torch.log_softmax(out, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        m = _valid(am)
+        loss = -(lp * w)[m].sum() / m.sum()
+        total = loss
+        if coeff:
+            real = am.bool().reshape(-1)
+            n_all = int(real.sum())
+            for rows in torch.arange(ROWS).chunk(dp):  # each data-parallel rank's micro-batch
+                mine = torch.zeros(ROWS, S, dtype=torch.bool)
+                mine[rows] = True
+                sel = mine.reshape(-1) & real
+                n = int(sel.sum())
+                for lg in logits:  # [B*S, E] per layer: megatron-core's aux-loss scores and routing
+                    scores = torch.softmax(lg[sel].float(), -1)
+                    tpe = torch.zeros_like(scores).scatter(1, torch.topk(scores, k, -1).indices, 1).sum(0)
+                    aux = switch_load_balancing_loss_func(scores, tpe, n, k, E, coeff)
+                    total = total + aux * n / n_all
+        opt.zero_grad()
+        total.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)))
+        losses.append(float(loss))
+        opt.step()
+    for h in hooks:
+        h.remove()
+    return to_checkpoint_names({n: v.detach().clone() for n, v in hf.state_dict().items()}, hf.config), norms, losses
+
+
+def _train(coeff: float, layout: str, dispatcher: str):
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.schedule import forward_backward
+
+    from ._dist import load_hf_into
+
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    hf = tiny_moe()
+    model = build_gpt_model(hf.config, ep=ep, moe={"dispatcher": dispatcher, "aux_loss_coeff": coeff},
+                            perform_initialization=False)
+    load_hf_into(model, hf, ep=ep, ep_rank=ep_rank)
+    ddp = wrap(model, distributed_optimizer=True)
+    opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP)
+    norms, losses = [], []
+    for step in range(STEPS):
+        ids, am, w = _data(step)
+        n_global = int(_valid(am).sum())
+        rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
+        mbs = [{"input_ids": ids[rows], "attention_mask": am[rows], "w": w[rows]}]
+
+        def loss_fn(lp, en, mb):  # this replica's share of the global mean, times DP (hapo's convention)
+            return -(lp * mb["w"] * _valid(mb["attention_mask"])).sum() / n_global * dp, {}
+
+        res = forward_backward(ddp, mbs, loss_fn, vocab_size=259, layout=layout,
+                               aux_loss_normaliser=float(am.sum()) / dp)
+        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp, dtype=torch.float64)
+        dist.all_reduce(loss)
+        losses.append(float(loss))
+        norms.append(opt.step())
+    return model, hf.config, norms, losses
+
+
+def _worker(rank, world, layout, dispatcher, out):
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.convert import megatron_to_hf
+
+    init_megatron(ep=2)
+    got = {}
+    for coeff in (0.0, COEFF):
+        model, cfg, norms, losses = _train(coeff, layout, dispatcher)
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (ps.get_expert_model_parallel_rank(), sd))
+        shards = {(0, e, 0): s for e, s in everyone}
+        got[coeff] = (megatron_to_hf(shards, cfg, tp=1, pp=1, ep=2), norms, losses)
+    if rank == 0:
+        torch.save({"got": got, "ref": {c: _reference(c, world) for c in (0.0, COEFF)}}, out)
+
+
+@pytest.mark.parametrize("layout, dispatcher", [("thd", "alltoall"), ("padded", "allgather")])
+def test_two_steps_at_ep2_with_the_distributed_optimizer_equal_hf_adamw(tmp_path, layout, dispatcher):
+    out = tmp_path / "res.pt"
+    spawn(_worker, 2, 2, layout, dispatcher, str(out))
+    res = torch.load(out)
+    start = {}
+    from hapo_openrlhf.megatron.moe import to_checkpoint_names
+
+    base = tiny_moe()
+    start = to_checkpoint_names(base.state_dict(), base.config)
+    for coeff in (0.0, COEFF):
+        (sd, norms, losses), (ref_sd, ref_norms, ref_losses) = res["got"][coeff], res["ref"][coeff]
+        assert set(sd) == set(ref_sd)
+        moved = max(float((ref_sd[n] - start[n]).abs().max()) for n in ref_sd)
+        assert moved > 500 * 2e-6  # two steps of lr 1e-3 moved the weights far beyond the tolerance
+        for n, v in ref_sd.items():
+            torch.testing.assert_close(sd[n], v, rtol=0, atol=2e-6, msg=lambda m, n=n: f"coeff {coeff} {n}: {m}")
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+    # the load-balancing loss moved the routers (and through them the rest) beyond the tolerance
+    a, b = res["got"][0.0][0], res["got"][COEFF][0]
+    router = [n for n in a if n.endswith("mlp.gate.weight")]
+    assert max(float((a[n] - b[n]).abs().max()) for n in router) > 1e-4
