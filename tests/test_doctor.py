@@ -110,24 +110,36 @@ def test_megatron_refuses_an_unsupported_model_family_by_name(tmp_path):
     from hapo_openrlhf.megatron.convert import check_model_type
     from hapo_openrlhf.megatron.model import transformer_config
 
-    def doctor(meta):
+    def doctor(meta, *sets):
         model = tmp_path / "model"
         model.mkdir(exist_ok=True)
         (model / "config.json").write_text(json.dumps(meta))
         p = run_cli(["doctor", "--config", "configs/qwen25_math_7b_hapo_megatron.yaml", "--json", "--static",
-                     "--output-dir", str(tmp_path / "o"), "--set", f"model.path={model}"])
+                     "--output-dir", str(tmp_path / "o"), "--set", f"model.path={model}",
+                     *[x for kv in sets for x in ("--set", kv)]])
         return {c["name"]: c["message"] for c in json.loads(p.stdout)["checks"] if c["status"] == FAIL}
 
     failed = doctor({"model_type": "mistral"})
     assert "supports Hugging Face model_type qwen2 (Qwen2 / Qwen2.5), qwen3" in failed["model"]
-    assert "llama (Llama 2 / 3.x), qwen3_moe (Qwen3-MoE; not trained by the actor yet); got 'mistral'" in failed["model"]
+    assert "llama (Llama 2 / 3.x), qwen3_moe (Qwen3-MoE); got 'mistral'" in failed["model"]
     failed = doctor({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     assert "RoPE scaling 'yarn'" in failed["model"]
     assert "model" not in doctor({"model_type": "qwen3"})
     assert check_model_type("qwen3").qk_norm
-    # Qwen3-MoE: the model library builds it (tests/megatron/test_moe.py), the actor not yet -- by name
-    failed = doctor({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2})
-    assert "does not train Qwen3-MoE models yet: the actor's expert-parallel layout" in failed["model"]
+    # Qwen3-MoE: the layout the actor cannot serve, each by name from config.json
+    moe = {"model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "norm_topk_prob": True}
+    failed = doctor(moe)  # this config's TP=2
+    assert "a mixture of experts at tensor_parallel 2 needs sequence parallelism" in failed["model"]
+    ep4 = ["megatron.tensor_parallel=1", "megatron.pipeline_parallel=1", "megatron.expert_parallel=4"]
+    failed = doctor(moe, *ep4)
+    assert "cannot lay out this Qwen3-MoE model: num_experts 6 is not divisible by expert parallel size 4" \
+        in failed["model"]
+    assert "model" not in doctor({**moe, "num_experts": 8}, *ep4)
+    failed = doctor({**moe, "num_experts_per_tok": 7}, *ep4)
+    assert "num_experts_per_tok 7 must be between 1 and num_experts 6" in failed["model"]
+    failed = doctor({"model_type": "qwen3"}, *ep4)
+    assert "expert parallel size 4 needs a mixture-of-experts model" in failed["model"]
     small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  num_hidden_layers=2)
     with pytest.raises(ValueError, match="high_freq_factor.*only the factor is free"):

@@ -33,6 +33,7 @@ three are constants in ``RotaryEmbedding._apply_scaling``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,7 @@ MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 def check_model_type(model_type) -> Family:
     """The family of a Hugging Face ``model_type``, or a named refusal listing the supported ones."""
     if model_type not in FAMILIES:
-        names = ", ".join(f"{k} ({f.label}{'; not trained by the actor yet' if f.moe else ''})"
-                          for k, f in FAMILIES.items())
+        names = ", ".join(f"{k} ({f.label})" for k, f in FAMILIES.items())
         raise ValueError(f"backend: megatron supports Hugging Face model_type {names}; got {model_type!r}. "
                          f"Use backend: openrlhf (DeepSpeed, any Hugging Face causal LM) for other families")
     return FAMILIES[model_type]
@@ -138,16 +138,25 @@ def family_of(hf_config) -> Family:
     return fam
 
 
-def check_actor_family(hf_config) -> Family:
-    """:func:`family_of`, and what the Megatron policy actor can train end to end: a
-    mixture-of-experts family is built, converted and checked against Hugging Face by the model
-    library (``model``, ``convert``, ``moe``: build, conversion, the streamed weights and the final
-    save), but the actor refuses it by name until it lays out expert parallelism, evens out the
-    micro-batch counts across an expert-parallel group and resumes under a new EP."""
+def check_actor_family(hf_config, megatron: Mapping[str, Any] | None = None) -> Family:
+    """:func:`family_of`, and whether the Megatron policy actor can lay the model out under
+    ``megatron`` (the run config's ``megatron`` section as a dict; the defaults when None): a
+    mixture of experts must split its experts ``expert_parallel`` ways and each expert's FFN
+    ``tensor_parallel`` ways; at TP > 1 it needs sequence parallelism, which needs Transformer
+    Engine's spec, not wired for MoE layers (each named); a dense model takes no
+    ``expert_parallel``. One line per problem, before any weight is read."""
+    from .moe import check_moe_layout
+
     fam = family_of(hf_config)
-    if fam.moe:
-        raise ValueError(f"backend: megatron does not train {fam.label} models yet: the actor's expert-parallel "
-                         f"layout (equal micro-batch counts per expert-parallel group, resume under a new EP) is not "
-                         f"built (the Megatron model library builds, converts, streams and saves it); use "
-                         f"backend: openrlhf (DeepSpeed) for it")
+    m = dict(megatron or {})
+    tp, ep = int(m.get("tensor_parallel", 1)), int(m.get("expert_parallel", 1))
+    problems = check_moe_layout(hf_config, tp, ep)
+    if fam.moe and m.get("layer_spec", "local") == "te":
+        problems.append("layer_spec: te with a mixture-of-experts model is not wired (TE's MoE layers); use "
+                        "layer_spec: local")
+    elif fam.moe and tp > 1:
+        problems.append(f"a mixture of experts at tensor_parallel {tp} needs sequence parallelism, which needs "
+                        f"layer_spec: te, not wired for MoE layers: use expert_parallel with tensor_parallel 1")
+    if problems:
+        raise ValueError(f"backend: megatron cannot lay out this {fam.label} model: " + "; ".join(problems))
     return fam

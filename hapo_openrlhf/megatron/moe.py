@@ -359,10 +359,12 @@ class RouteReplay:
         own = torch.topk(logits.float(), target.shape[1], dim=-1).indices
         same = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, own, True).gather(1, target.to(own.device))
         differs = ~same.all(-1)
-        if self._recorded is not None:
-            differs = differs[self._recorded.to(differs.device)]
-        self.tokens += int(differs.numel())
-        self.differed += int(differs.sum())
+        if self._recorded is not None:  # a weighted sum, not a boolean index: no host sync
+            w = self._recorded.to(differs.device).to(torch.float64)
+        else:
+            w = torch.ones(differs.shape, dtype=torch.float64, device=differs.device)
+        self.tokens = self.tokens + w.sum()
+        self.differed = self.differed + (differs.to(torch.float64) * w).sum()
 
     def close(self) -> None:
         for _, router in self.routers:
@@ -381,7 +383,8 @@ class RouterMonitor:
     ``route_stats`` dict; :func:`router_metrics` turns that into the logged values. Each router
     call reads a few scalars back to the host (a GPU sync per layer: only when ``route_stats`` is
     asked for); with activation recomputation a recomputed forward is counted again, which leaves
-    the means and ratios unchanged."""
+    the means and ratios unchanged. The sums stay on the device (no host read per layer);
+    :func:`reduce_route_stats` reads them once per step."""
 
     def __init__(self, model):
         self.routers = stage_routers(model)
@@ -408,12 +411,12 @@ class RouterMonitor:
             routing_map = output[1].reshape(logits.shape[0], -1)
             real = self._real.to(logits.device) if self._real is not None else torch.ones(
                 logits.shape[0], dtype=torch.bool, device=logits.device)
-            logp = torch.log_softmax(logits[real], -1)
-            self.entropy += float(-(logp.exp() * logp).sum())
-            self.tokens += int(real.sum())
-            chosen = routing_map[real]
-            self.dropped += int(real.sum()) * self.k - int(chosen.sum())
-            load = chosen.sum(0).to(torch.float64).cpu()
+            w = real.to(torch.float64)
+            logp = torch.log_softmax(logits, -1)
+            self.entropy = self.entropy + (-(logp.exp() * logp).sum(-1).double() * w).sum()
+            self.tokens = self.tokens + w.sum()
+            load = (routing_map.to(torch.float64) * w[:, None]).sum(0)
+            self.dropped = self.dropped + w.sum() * self.k - load.sum()
             self.load[i] = self.load[i] + load if i in self.load else load
         return hook
 
@@ -431,6 +434,30 @@ class RouterMonitor:
         self._hooks, self._pre = [], []
 
 
+def reduce_route_stats(stats: dict | None, hf_config, group=None) -> dict[str, float]:
+    """:func:`router_metrics` of ``forward_backward``'s ``route_stats`` summed over ``group``
+    (default: every rank -- data-parallel ranks route different tokens, pipeline stages
+    different layers): one all-reduce and one host read. Collective; ``stats`` may be empty
+    on a rank that routed nothing. The same keys on every rank."""
+    import torch.distributed as dist
+
+    moe = moe_of(hf_config)
+    L, E = int(hf_config.num_hidden_layers), moe.num_experts
+    stats = stats or {}
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    vec = torch.zeros(5 + L * E, dtype=torch.float64, device=dev)
+    for j, k in enumerate(("router_entropy_sum", "router_tokens", "dropped", "tokens", "differed")):
+        vec[j] = torch.as_tensor(stats.get(k, 0.0), dtype=torch.float64).to(dev)
+    for i, v in stats.get("expert_load", {}).items():
+        vec[5 + i * E:5 + (i + 1) * E] = v.to(dev, torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(vec, group=group)
+    vec = vec.cpu()
+    total = dict(zip(("router_entropy_sum", "router_tokens", "dropped", "tokens", "differed"), vec[:5].tolist()))
+    total["expert_load"] = {i: vec[5 + i * E:5 + (i + 1) * E] for i in range(L)}
+    return router_metrics(total)
+
+
 def router_metrics(stats: dict) -> dict[str, float]:
     """The logged router values from ``forward_backward``'s ``route_stats`` (summed over ranks by
     the caller where tokens were split): ``moe/router_entropy`` (mean over tokens and layers, nats),
@@ -438,12 +465,12 @@ def router_metrics(stats: dict) -> dict[str, float]:
     1 is balanced), ``moe/dropped_routings``, and with replay ``moe/replay_differed_fraction``
     (the recorded routings the router would have chosen otherwise)."""
     out = {}
-    if stats.get("router_tokens"):
-        out["moe/router_entropy"] = stats["router_entropy_sum"] / stats["router_tokens"]
+    if float(stats.get("router_tokens", 0)):
+        out["moe/router_entropy"] = float(stats["router_entropy_sum"]) / float(stats["router_tokens"])
         ratios = [float(v.max() / v.mean()) for v in stats["expert_load"].values() if float(v.sum()) > 0]
         if ratios:
             out["moe/expert_load_max_over_mean"] = max(ratios)
         out["moe/dropped_routings"] = float(stats["dropped"])
-    if stats.get("tokens"):
-        out["moe/replay_differed_fraction"] = stats["differed"] / stats["tokens"]
+    if float(stats.get("tokens", 0)):
+        out["moe/replay_differed_fraction"] = float(stats["differed"]) / float(stats["tokens"])
     return out

@@ -465,6 +465,34 @@ def token_budget_batches(lengths: list[int], max_tokens: int) -> list[list[int]]
     return [sorted(b) for b in bins]
 
 
+def even_out(groups: list[list[int]], lengths: list[int], n: int) -> list[list[int]]:
+    """``groups`` (row indices per micro-batch) split into exactly ``n`` micro-batches: while
+    there are fewer, the micro-batch with the most tokens (of those with two rows or more) is
+    cut in two, its rows in order, where the token counts are closest to halves. Only smaller
+    micro-batches result (a token budget still holds) and every row stays exactly once: what
+    lets every rank of an expert-parallel group run the same number of micro-batches through
+    the dispatcher's collectives. Refused by name when the rows cannot make ``n``."""
+    out = [list(g) for g in groups]
+    if len(out) > n:
+        raise ValueError(f"even_out: {len(out)} micro-batches are more than the {n} asked for")
+    while len(out) < n:
+        cands = [i for i, g in enumerate(out) if len(g) > 1]
+        if not cands:
+            raise ValueError(f"{sum(map(len, out))} rows cannot make the {n} micro-batches another data-parallel rank "
+                             f"runs (a mixture of experts needs equal micro-batch counts over each expert-parallel "
+                             f"group): the ranks hold different numbers of rows")
+        i = max(cands, key=lambda j: (sum(lengths[r] for r in out[j]), -j))
+        g = out[i]
+        sizes = [lengths[r] for r in g]
+        total, acc, cut, best = sum(sizes), 0, 1, None
+        for c in range(1, len(g)):
+            acc += sizes[c - 1]
+            if best is None or abs(2 * acc - total) < best:
+                best, cut = abs(2 * acc - total), c
+        out[i:i + 1] = [g[:cut], g[cut:]]
+    return out
+
+
 def allreduce_tied_embedding_grads(model) -> None:
     """With tied embeddings and PP > 1 the first stage's embedding and the last stage's
     head are two copies of one weight: sum their gradients over Megatron's embedding group

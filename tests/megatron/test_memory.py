@@ -65,3 +65,22 @@ def test_the_per_rank_split_covers_every_parameter_once():
         sharded["optimizer_gb"] / 2)
     with pytest.raises(ValueError, match="expert parallel size 8 must divide data parallel size 12"):
         estimate(cfg, ep=8, dp=12, tokens=1024)
+
+
+def test_the_qwen3_30b_a3b_config_is_a_layout_the_arithmetic_fits():
+    """configs/qwen3_30b_a3b_hapo_megatron.yaml (an extra): its TP x PP x EP x DP on its GPUs, at
+    its token budget, fits 80 GB with the 3 GB reserve; the same model on one 8-GPU node does not."""
+    from pathlib import Path
+
+    from hapo_openrlhf.config import load_config
+    from hapo_openrlhf.megatron.families import check_actor_family
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs/qwen3_30b_a3b_hapo_megatron.yaml")
+    m, o = cfg.megatron, cfg.openrlhf
+    world = o.actor_num_nodes * o.actor_gpus_per_node
+    dp = world // m.model_parallel_size
+    assert check_actor_family(qwen3_30b_a3b(), cfg.to_dict()["megatron"]).moe
+    e = estimate(qwen3_30b_a3b(), tp=m.tensor_parallel, pp=m.pipeline_parallel, ep=m.expert_parallel, dp=dp,
+                 tokens=o.max_tokens_per_gpu)
+    assert (world, m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, dp) == (16, 1, 2, 8, 8)
+    assert e["total_gb"] + 3 <= 80 < estimate(qwen3_30b_a3b(), ep=8, dp=8, tokens=o.max_tokens_per_gpu)["total_gb"] + 3

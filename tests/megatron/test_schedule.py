@@ -102,3 +102,23 @@ def test_microbatched_loss_through_the_schedule_equals_one_big_batch(tmp_path, t
     out = tmp_path / "ok.pt"
     spawn(_worker, tp * pp, tp, pp, tied, str(out), family)
     assert torch.load(out)["ok"]
+
+
+def test_token_budget_batches_and_even_out_keep_every_row_once_within_the_budget():
+    from hapo_openrlhf.megatron.schedule import even_out, token_budget_batches
+
+    lengths = [9, 3, 7, 5, 2, 8]
+    groups = token_budget_batches(lengths, 12)
+    # first fit, longest first: [9], [8], [7, 5]; 3 joins 9, 2 joins 8; rows keep their order in a micro-batch
+    assert groups == [[0, 1], [4, 5], [2, 3]]
+    for n in range(3, 7):  # another rank's count: cut the fullest micro-batch in two, nearest halves
+        out = even_out(groups, lengths, n)
+        assert len(out) == n and sorted(r for g in out for r in g) == list(range(6))
+        assert all(sum(lengths[r] for r in g) <= 12 for g in out)
+        assert all(g == sorted(g) for g in out)
+    assert even_out([[0, 1, 2]], [1, 1, 4], 2) == [[0, 1], [2]]  # 2 | 4 is closer to halves than 1 | 5
+    assert even_out(groups, lengths, 3) == groups  # already even: unchanged
+    with pytest.raises(ValueError, match="6 rows cannot make the 7 micro-batches another data-parallel rank runs"):
+        even_out(groups, lengths, 7)
+    with pytest.raises(ValueError, match="3 micro-batches are more than the 2 asked for"):
+        even_out(groups, lengths, 2)

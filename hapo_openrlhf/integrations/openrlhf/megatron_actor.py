@@ -234,6 +234,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         hcfg = args.hapo
         m = hcfg["megatron"]
         self.tp, self.pp = int(m["tensor_parallel"]), int(m["pipeline_parallel"])
+        self.ep = int(m.get("expert_parallel", 1))
         dup = args.ds.ring_attn_size * args.ds.tensor_parallel_size
         if dup != self.tp * self.pp:
             raise ValueError(f"OpenRLHF's controller groups {dup} actors per data-parallel replica "
@@ -248,12 +249,14 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=timedelta(minutes=int(m["timeout_minutes"])))
         # tp-pp-dp: a data-parallel replica is TP x PP consecutive ranks (OpenRLHF's duplicate actors)
+        # expert parallelism is carved out of data parallelism (an expert lives on DP / EP replicas)
         ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                                     order="tp-cp-ep-pp-dp")
+                                     expert_model_parallel_size=self.ep, order="tp-cp-ep-pp-dp")
         seed = int(args.train.seed)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         check_tp_peers_share_a_node(ps.get_tensor_model_parallel_group())
 
@@ -261,7 +264,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         self.hf_config = AutoConfig.from_pretrained(path)
         from ...megatron.families import check_actor_family
 
-        check_actor_family(self.hf_config)  # before any weight is read (a MoE model: not yet)
+        self.moe = check_actor_family(self.hf_config, m).moe  # before any weight is read
         self.params_dtype = DTYPES[m["params_dtype"]]
         self.vocab_size = int(self.hf_config.vocab_size)
         cuda = torch.cuda.is_available()
@@ -274,7 +277,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         model = build_gpt_model(self.hf_config, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank,
                                 params_dtype=self.params_dtype, vocab_multiple=int(m["vocab_multiple"]),
                                 attention=m.get("attention", "flash"), spec=m.get("layer_spec", "local"),
-                                head=m.get("head", "auto"), **overrides)
+                                head=m.get("head", "auto"), ep=self.ep, moe=self._moe_settings(m),
+                                freeze_router=bool(m.get("moe", {}).get("freeze_router", False)), **overrides)
         # micro-batch layout (megatron.schedule): packed THD with openrlhf.packing_samples, else
         # right-aligned padded rows (FlashCoreAttention) or Megatron's masked local attention
         self.layout = ("thd" if args.ds.packing_samples else
@@ -282,7 +286,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         self.token_budget = int(args.train.max_tokens_per_gpu) if args.train.dynamic_batch_enable else None
         weights = hf_to_megatron(SafetensorsDir(path), self.hf_config, tp=self.tp, tp_rank=self.tp_rank, pp=self.pp,
                                  pp_rank=self.pp_rank, vocab_multiple=int(m["vocab_multiple"]),
-                                 spec=m.get("layer_spec", "local"))
+                                 spec=m.get("layer_spec", "local"), ep=self.ep, ep_rank=self.ep_rank)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         del weights
         bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
@@ -295,16 +299,33 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         self.nucleus_every = int(hcfg["rollout"]["nucleus_metric_every"])  # on steps 1, 1 + N, ...
         self.entropy_chunk = int(hcfg["algorithm"]["entropy_chunk_size"])
 
+    def _moe_settings(self, m: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``megatron.moe`` as ``build_gpt_model``'s router / dispatcher settings (None: dense)."""
+        if not self.moe:
+            return None
+        s = m.get("moe", {})
+        return {"dispatcher": s.get("dispatcher", "alltoall"), "aux_loss_coeff": float(s.get("aux_loss_coeff", 0.0))}
+
     # ------------------------------------------------------ old log-probs
     def _row_groups(self, lengths: list[int], rows_per_mb: int) -> list[list[int]]:
         """Row indices per micro-batch: by the token budget (``train.dynamic_batch_enable``,
         ``train.max_tokens_per_gpu`` tokens per micro-batch of this model replica), else
-        ``rows_per_mb`` consecutive rows."""
-        from ...megatron.schedule import token_budget_batches
+        ``rows_per_mb`` consecutive rows. A mixture of experts dispatches tokens over its
+        expert-parallel group in every MoE layer, so every data-parallel rank runs the same
+        number of micro-batches (``schedule.even_out``: the most any rank needs; collective)."""
+        from ...megatron.schedule import even_out, token_budget_batches
 
         if self.token_budget is not None and self.layout != "masked":
-            return token_budget_batches(lengths, self.token_budget)
-        return [list(range(i, min(i + rows_per_mb, len(lengths)))) for i in range(0, len(lengths), rows_per_mb)]
+            groups = token_budget_batches(lengths, self.token_budget)
+        else:
+            groups = [list(range(i, min(i + rows_per_mb, len(lengths)))) for i in range(0, len(lengths), rows_per_mb)]
+        if self.moe and self.ep > 1:
+            from megatron.core import parallel_state as ps
+
+            n = torch.tensor([len(groups)], device=_device())
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            groups = even_out(groups, lengths, int(n))
+        return groups
 
     def _logprobs_entropy(self, sequences: torch.Tensor, attention_mask: torch.Tensor):
         """[B, S-1] log-probs and entropy (no grad) on every rank of the model-parallel group.
@@ -372,16 +393,18 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         micro-batch losses, ``calculate_per_token_loss=True``)."""
         from megatron.core import parallel_state as ps
 
-        counts = torch.zeros(2, dtype=torch.float64)  # from the CPU masks: nothing waits for the GPU
+        counts = torch.zeros(3, dtype=torch.float64)  # from the CPU masks: nothing waits for the GPU
         for e in window:
             m = e.action_mask.float()
             counts[0] += m.sum()
             counts[1] += (m.sum(-1) > 0).sum()
+            counts[2] += e.attention_mask.sum()  # every real token passes the routers of a MoE model
         if self.dp_size > 1:  # one all-reduce and one read per optimizer step, not per micro-batch
             counts = counts.to(_device())
             dist.all_reduce(counts, group=ps.get_data_parallel_group())
-        tokens, rows = counts.tolist()
-        return {"dp_size": self.dp_size, "batch_num_tokens": tokens, "global_batch_size": rows}
+        tokens, rows, real = counts.tolist()
+        return {"dp_size": self.dp_size, "batch_num_tokens": tokens, "global_batch_size": rows,
+                "real_tokens": real}
 
     def _micro_batches(self, window: list[Experience]) -> list[dict[str, Any]]:
         """The step's micro-batches as model inputs. With Megatron's masked attention they
@@ -407,10 +430,11 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
             out.append(mb)
         return out
 
-    def _optimizer_step(self, window: list[Experience]) -> dict[str, float]:
+    def _optimizer_step(self, window: list[Experience], route_stats: dict | None = None) -> dict[str, float]:
         from ...megatron.schedule import forward_backward
 
         info = self._loss_norm(window)
+        aux_norm = info.pop("real_tokens") / self.dp_size  # the load-balancing loss's (moe.scaled_aux_loss)
         kl_cfg = self.args.algo.kl
 
         def loss_fn(lp, en, mb):
@@ -459,7 +483,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                                     "rows": [int(e.attention_mask.shape[0]) for e in window]}) + "\n")
         out = forward_backward(self.ddp, self._micro_batches(window), loss_fn, vocab_size=self.vocab_size,
                                temperature=self.temperature, chunk_size=self.entropy_chunk, layout=self.layout,
-                               signals_top_p=self.loss_fn.signals_top_p)
+                               signals_top_p=self.loss_fn.signals_top_p, route_stats=route_stats,
+                               aux_loss_normaliser=aux_norm)
         lr = self.schedulers[0].get_last_lr()[0]
         norm = self.optimizer.step()  # reduce over DP, clip at actor.max_norm, AdamW, gather parameters
         # a non-finite gradient: the optimizer skipped the update (every rank alike), the schedule
@@ -523,9 +548,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         sums: dict[str, list[float]] = {}
         loss_sum = 0.0
         last: dict[str, float] = {}
+        route_stats = {} if self.moe else None  # the routers over every training forward of this fit
         for _ in range(int(args.train.max_epochs)):
             for window in steps:
-                st = self._optimizer_step(window)
+                st = self._optimizer_step(window, route_stats)
                 last = {"actor_grad_norm": st["actor_grad_norm"], "actor_lr": st["actor_lr"]}
                 loss_sum += st.get("_loss_sum", 0.0)
                 keys = ("ppo_clip_ratio", "ppo_kl") + (
@@ -556,6 +582,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         status = {k: float(v[0] / v[1]) if float(v[1]) > 0 else 0.0 for k, v in zip(keys, vec)}
         status.update(last)
         status["actor_skipped_steps"] = float(self.grad_guard.skipped)  # the same on every rank
+        if self.moe:  # router entropy, expert load, dropped routings over every rank (moe.reduce_route_stats)
+            from ...megatron.moe import reduce_route_stats
+
+            status.update(reduce_route_stats(route_stats, self.hf_config))
         return status
 
     # --------------------------------------------------------- weight sync

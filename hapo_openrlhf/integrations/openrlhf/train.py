@@ -188,11 +188,30 @@ def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None
         cli.train(args)
 
 
+def check_megatron_model(cfg: RunConfig) -> None:
+    """``backend: megatron`` with a local model directory: its family and the layout
+    (``families.check_actor_family``: experts over ``expert_parallel``, ...) before Ray or any
+    process starts. A hub id is checked by the actor after the download."""
+    if cfg.backend != "megatron" or not cfg.model.path:
+        return
+    path = Path(cfg.model.path).expanduser()
+    if not (path / "config.json").is_file():
+        return
+    from types import SimpleNamespace
+
+    from ...jsonfile import read_json_object
+    from ...megatron.families import check_actor_family
+
+    check_actor_family(SimpleNamespace(**read_json_object(path / "config.json", "the model's config")),
+                       cfg.to_dict()["megatron"])
+
+
 def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
     """Write the prompt files and run OpenRLHF with hapo installed; returns the output dir."""
     from ... import runlock
     from .data import write_prompt_files
 
+    check_megatron_model(cfg)
     paths = RunPaths(Path(out or cfg.output_dir))
     argv = build_argv(cfg, paths.out)
     runlock.acquire(paths.out)  # one driver per run directory (the Slurm job may hold it for us)

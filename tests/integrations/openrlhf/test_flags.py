@@ -123,7 +123,16 @@ def test_megatron_configs_are_shipped_and_checked():
                           ("megatron.head=vocab", "auto, fused or logits"),
                           ("megatron.distributed_optimizer=1", "expected true/false"),
                           ("megatron.optimizer_sharding=fully_sharded_model_space",
-                           "dp_reshardable or fully_reshardable")]:
+                           "dp_reshardable or fully_reshardable"),
+                          # mixture of experts: EP is carved out of DP (TP 2 x PP 2 on 4 GPUs leaves DP 1)
+                          ("megatron.expert_parallel=2", "expert_parallel 2 must divide the data-parallel size 1"),
+                          ("megatron.expert_parallel=0", "expert_parallel must be >= 1"),
+                          ("megatron.tensor_parallel=1,megatron.pipeline_parallel=1,megatron.expert_parallel=2,"
+                           "megatron.moe.dispatcher=allgather", "allgather gathers equal token counts"),
+                          ("megatron.moe.dispatcher=flex", "alltoall or allgather"),
+                          ("megatron.moe.aux_loss_coeff=-0.01", "aux_loss_coeff must be >= 0"),
+                          ("megatron.moe.routing_replay=r4", "off or r3"),
+                          ("megatron.moe.routing_replay=r3", "vLLM 0.29's CPU MoE kernel cannot return them")]:
         with pytest.raises(ValueError, match=msg):
             load_config(base, override.split(","))
     # what the Megatron back end now runs: packed THD micro-batches by a token budget; SP with TE's spec

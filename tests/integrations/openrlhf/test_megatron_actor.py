@@ -48,8 +48,9 @@ def _free_port() -> int:
 def _tiny_model_dir(path: Path, tied: bool, family: str = "qwen2") -> Path:
     from hapo_openrlhf.local.model import build_tokenizer
     from tests.megatron.test_convert import tiny_model
+    from tests.megatron.test_moe import tiny_moe
 
-    model = tiny_model(family, tied)
+    model = tiny_moe(tied=tied) if family == "qwen3_moe" else tiny_model(family, tied)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
@@ -164,6 +165,20 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas):
     T_temp = cfg.rollout.temperature
     n_mb = len(per_rank[0])
     norms, losses, kls = [], [], []
+    # a mixture of experts: each training forward's router entropy and tokens per expert, per layer
+    routers = {"entropy": 0.0, "n": 0, "load": {}}
+
+    def router_hook(i):
+        def hook(module, inputs, out):
+            logp = torch.log_softmax(out[0].detach().double(), -1)
+            routers["entropy"] += float(-(logp.exp() * logp).sum())
+            routers["n"] += logp.shape[0]
+            load = torch.zeros(logp.shape[1]).index_add_(0, out[2].flatten(), torch.ones(out[2].numel()))
+            routers["load"][i] = routers["load"].get(i, 0) + load
+        return hook
+
+    hooks = [layer.mlp.gate.register_forward_hook(router_hook(i)) for i, layer in enumerate(model.model.layers)
+             if hasattr(layer.mlp, "gate")]
     for k in range(0, n_mb, gas):
         window = [per_rank[r][j] for j in range(k, k + gas) for r in range(dp)]
         rows = [(ids, r, e, i) for e in window for i, (ids, r) in enumerate(_rows(e))]
@@ -196,6 +211,11 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas):
         losses.append(total)
         kls += [(kl_mb[id(e)], float(e.action_mask.sum())) for e in window if id(e) in kl_mb]
         opt.step()
+    for h in hooks:
+        h.remove()
+    if hooks:
+        kls = (kls, {"moe/router_entropy": routers["entropy"] / routers["n"],
+                     "moe/expert_load_max_over_mean": max(float(v.max() / v.mean()) for v in routers["load"].values())})
     return model, norms, losses, kls
 
 
@@ -226,6 +246,10 @@ BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=2
     # multiple of TP, norm gradients summed over TP, TE's FusedAdam, the saved model by the HF names
     ("tp2_te_spec_sequence_parallel", ["megatron.tensor_parallel=2", "megatron.layer_spec=te",
                                        "megatron.sequence_parallel=true", *BUDGET], False, "qwen3"),
+    # Qwen3-MoE (4 experts, top-2) at EP=2: each rank holds two experts, tokens cross the all-to-all
+    # dispatcher; a 16-token budget gives the two ranks 2 and 4 micro-batches in a step: evened out to 4
+    ("ep2_qwen3_moe_packed_budget", ["megatron.expert_parallel=2", *PACKED, "openrlhf.dynamic_batch=true",
+                                     "openrlhf.max_tokens_per_gpu=16"], False, "qwen3_moe"),
 ])
 def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family):
     from transformers import AutoModelForCausalLM
@@ -277,6 +301,9 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
                 e.base_action_log_probs = _base_log_probs(lp, e)
     gas = cfg.openrlhf.train_batch_size // (cfg.openrlhf.micro_train_batch_size * dp)
     ref, norms, losses, kls = _reference(cfg, args, model_dir, [per_rank[r] for r in range(0, 2, mp_size)], dp, gas)
+    routers = None
+    if family == "qwen3_moe":
+        kls, routers = kls
     assert len(norms) == 2 and norms[-1] > cfg.optim.grad_clip  # clipping was exercised
     trained = AutoModelForCausalLM.from_pretrained(args.ckpt.output_dir, dtype=torch.float32)
     want = ref.state_dict()
@@ -298,6 +325,12 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
         assert st["logprobs_diff"] > 0  # the reference sits below the policy on every token here
     else:
         assert "kl" not in st
+    if routers is not None:  # the routers' statistics over both training forwards, every rank's tokens
+        assert st["moe/router_entropy"] == pytest.approx(routers["moe/router_entropy"], rel=1e-5)
+        assert st["moe/expert_load_max_over_mean"] == pytest.approx(routers["moe/expert_load_max_over_mean"], rel=1e-6)
+        assert st["moe/dropped_routings"] == 0.0  # dropless
+    else:
+        assert not any(k.startswith("moe/") for k in st)
 
 
 def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
