@@ -116,6 +116,7 @@ def _layout(optimizer) -> dict[str, Any]:
     return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
             "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
             "data_parallel": ps.get_data_parallel_world_size(),
+            "expert_parallel": ps.get_expert_model_parallel_world_size(),
             "optimizer": optimizer.checkpoint_format if optimizer is not None else None,
             "megatron_core": installed()}
 
@@ -137,6 +138,7 @@ def check_resumable(path: Path, optimizer) -> None:
         saved = json.loads(f.read_text())
         fmt = saved["optimizer"]
         shape = {k: int(saved[k]) for k in ("tensor_parallel", "pipeline_parallel", "data_parallel")}
+        shape["expert_parallel"] = int(saved.get("expert_parallel", 1))  # absent: written before MoE (EP 1)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ValueError(f"checkpoint {str(path)!r}: {LAYOUT} is unreadable ({str(e)[:100]})") from None
     check_checkpoint_version(path, saved.get("megatron_core"))  # a dict: saved["optimizer"] was read
@@ -153,13 +155,16 @@ def check_resumable(path: Path, optimizer) -> None:
             f"megatron.optimizer_sharding as the run that saved it (distributed_optimizer: null picks the "
             f"distributed optimizer only at DP > 1; set it to true in both runs to move between DP 1 and DP > 1)")
     if fmt == "distributed/dp_reshardable":
-        moved = [k for k in ("tensor_parallel", "pipeline_parallel") if shape[k] != here[k]]
+        # each rank's flat buffer shards: which parameters (and which experts) a buffer holds is fixed by
+        # TP, PP and EP, so only the data-parallel size may change
+        moved = [k for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel") if shape[k] != here[k]]
         if moved:
             raise ValueError(
                 f"checkpoint {str(path)!r} was saved with megatron.optimizer_sharding: dp_reshardable at TP "
-                f"{shape['tensor_parallel']} x PP {shape['pipeline_parallel']}, which can resume at another "
-                f"data-parallel size only, not at TP {here['tensor_parallel']} x PP {here['pipeline_parallel']} "
-                f"(save with optimizer_sharding: fully_reshardable to change {' and '.join(moved)})")
+                f"{shape['tensor_parallel']} x PP {shape['pipeline_parallel']} x EP {shape['expert_parallel']}, "
+                f"which can resume at another data-parallel size only, not at TP {here['tensor_parallel']} x PP "
+                f"{here['pipeline_parallel']} x EP {here['expert_parallel']} (save with optimizer_sharding: "
+                f"fully_reshardable to change {' and '.join(moved)})")
 
 
 def _sharded(model, optimizer, trainer_state: dict[str, Any] | None, *, is_loading: bool) -> dict[str, Any]:

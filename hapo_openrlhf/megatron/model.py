@@ -148,6 +148,15 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
         for name, p in model.named_parameters():
             if name.endswith("mlp.router.weight"):
                 p.requires_grad_(False)
+    if cfg.num_moe_experts:
+        # megatron-core tags expert weights for its expert-parallel gradient buffers and optimizer
+        # (``allreduce=False``) only at EP > 1; at EP 1 they join the dense ones, and the optimizer's
+        # state -- a checkpoint's structure -- then depends on EP. Tagged at every EP, the experts
+        # always have their own buffers and chained optimizer (reduced over the expert-data-parallel
+        # group, which at EP 1 is the data-parallel group), so a checkpoint resumes under another EP
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name:
+                p.allreduce = False
     if heads.resolve(head, attention) == "fused":
         heads.install(model)
     return model

@@ -104,12 +104,21 @@ def test_a_dp_reshardable_checkpoint_refuses_a_new_tp_naming_both_layouts(tmp_pa
     d.mkdir()
     (d / ck.LAYOUT).write_text('{"tensor_parallel": 1, "pipeline_parallel": 2, "data_parallel": 2, '
                                '"optimizer": "distributed/dp_reshardable"}')
-    here = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 2, "optimizer": "distributed/dp_reshardable"}
+    here = {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 2, "expert_parallel": 1,
+            "optimizer": "distributed/dp_reshardable"}
     monkeypatch.setattr(ck, "_layout", lambda optimizer: here)
-    with pytest.raises(ValueError, match=r"at TP 1 x PP 2, which can resume at another data-parallel size only, "
-                                         r"not at TP 2 x PP 1 .*fully_reshardable to change tensor_parallel and "
-                                         r"pipeline_parallel"):
+    with pytest.raises(ValueError, match=r"at TP 1 x PP 2 x EP 1, which can resume at another data-parallel size "
+                                         r"only, not at TP 2 x PP 1 x EP 1 .*fully_reshardable to change "
+                                         r"tensor_parallel and pipeline_parallel"):
         ck.check_resumable(d, object())
+    # a mixture of experts: which experts each flat buffer holds is fixed by EP (a layout written before
+    # MoE has no expert_parallel: EP 1)
+    here.update(tensor_parallel=1, pipeline_parallel=2, expert_parallel=2)
+    with pytest.raises(ValueError, match=r"x EP 1, which can resume .* not at TP 1 x PP 2 x EP 2 .*to change "
+                                         r"expert_parallel\)"):
+        ck.check_resumable(d, object())
+    here.update(expert_parallel=1, data_parallel=4)
+    ck.check_resumable(d, object())  # another DP: what dp_reshardable serves
     # DP 2 -> 1 with distributed_optimizer: null changes the optimizer's format: both layouts named, and the fix
     here.update(tensor_parallel=1, pipeline_parallel=2, data_parallel=1, optimizer="replicated")
     with pytest.raises(ValueError, match=r"\(TP 1 x PP 2 x DP 2\) holds .* \(TP 1 x PP 2 x DP 1\) is 'replicated'.*"

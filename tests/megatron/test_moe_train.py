@@ -1,5 +1,5 @@
 """Training a Qwen3-MoE model on the Megatron back end (issue 41): two AdamW steps with
-clipping at EP=2 under Megatron's DDP and distributed optimizer (each expert's gradient reduced
+clipping at EP=2 (and EP=1 at DP=2) under Megatron's DDP and distributed optimizer (each expert's gradient reduced
 over its expert-data-parallel group, the rest over DP; the norm over both) equal transformers'
 ``Qwen3MoeForCausalLM`` stepped by torch's AdamW -- weights to 2e-6, norms and losses to 1e-5.
 
@@ -116,28 +116,34 @@ def _train(coeff: float, layout: str, dispatcher: str):
     return model, hf.config, norms, losses
 
 
-def _worker(rank, world, layout, dispatcher, out):
+def _worker(rank, world, ep, layout, dispatcher, out):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
 
-    init_megatron(ep=2)
+    init_megatron(ep=ep)
     got = {}
     for coeff in (0.0, COEFF):
         model, cfg, norms, losses = _train(coeff, layout, dispatcher)
         sd = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         everyone = [None] * world
         dist.all_gather_object(everyone, (ps.get_expert_model_parallel_rank(), sd))
-        shards = {(0, e, 0): s for e, s in everyone}
-        got[coeff] = (megatron_to_hf(shards, cfg, tp=1, pp=1, ep=2), norms, losses)
+        shards = {(0, e, 0): s for e, s in everyone} if ep > 1 else {(0, 0): everyone[0][1]}
+        got[coeff] = (megatron_to_hf(shards, cfg, tp=1, pp=1, ep=ep), norms, losses)
+        # the experts are in megatron-core's expert-parallel buffers at every EP (model.build_gpt_model)
+        assert {n for n, p in model.named_parameters() if not getattr(p, "allreduce", True)} == \
+            {n for n, _ in model.named_parameters() if ".mlp.experts." in n}
     if rank == 0:
         torch.save({"got": got, "ref": {c: _reference(c, world) for c in (0.0, COEFF)}}, out)
 
 
-@pytest.mark.parametrize("layout, dispatcher", [("thd", "alltoall"), ("padded", "allgather")])
-def test_two_steps_at_ep2_with_the_distributed_optimizer_equal_hf_adamw(tmp_path, layout, dispatcher):
+@pytest.mark.parametrize("ep, layout, dispatcher", [(2, "thd", "alltoall"), (2, "padded", "allgather"),
+                                                    (1, "thd", "alltoall")])
+def test_two_steps_with_the_distributed_optimizer_equal_hf_adamw(tmp_path, ep, layout, dispatcher):
+    """EP=2 (each rank two experts, both dispatchers) and EP=1 at DP=2 (every expert on both ranks,
+    reduced over the expert-data-parallel group)."""
     out = tmp_path / "res.pt"
-    spawn(_worker, 2, 2, layout, dispatcher, str(out))
+    spawn(_worker, 2, 2, ep, layout, dispatcher, str(out))
     res = torch.load(out)
     start = {}
     from hapo_openrlhf.megatron.moe import to_checkpoint_names

@@ -383,3 +383,22 @@ def test_a_loss_that_reads_the_current_entropy_gets_it_from_openrlhf(tmp_path):
                             "algorithm.loss_params={lower: 0.5, upper: null}"])
     args = parse_with_upstream(build_argv(cfg, tmp_path))
     assert args.actor.entropy_coef == 0.0
+
+
+def test_a_moe_layout_the_actor_cannot_serve_is_refused_before_anything_starts(tmp_path):
+    """`hapo train` with backend megatron and a local Qwen3-MoE directory: the layout is checked
+    against its config.json (families.check_actor_family) before Ray, the run lock or any file of
+    the run: one named line, exit 2."""
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True}))
+    out = tmp_path / "run"
+    ep4 = ["megatron.tensor_parallel=1", "megatron.pipeline_parallel=1", "megatron.expert_parallel=4",
+           f"model.path={model}"]
+    p = run_cli(["train", "--config", "configs/qwen25_math_7b_hapo_megatron.yaml", "--output-dir", str(out),
+                 *[x for kv in ep4 for x in ("--set", kv)]], timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "cannot lay out this Qwen3-MoE model: num_experts 6 is not divisible by expert parallel size 4" in p.stderr
+    assert not out.exists() or not any(out.iterdir())

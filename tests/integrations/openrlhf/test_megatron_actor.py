@@ -333,7 +333,7 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
         assert not any(k.startswith("moe/") for k in st)
 
 
-def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
+def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase, snapshots=False):
     from tests.megatron.cuda_shim import install
 
     install()
@@ -361,8 +361,12 @@ def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase):
     if phase == "first":
         train(batches[0])
         actor.save_checkpoint("global_step1", {"global_step": 1, "data_loader_state_dict": {"consumed": 8}})
+        if snapshots:  # the weights the checkpoint holds, in Hugging Face layout
+            actor._save_hf(Path(out_dir) / "hf_at_save")
     else:
         states = actor.get_checkpoint_states()
+        if snapshots:  # the weights as loaded, before any step
+            actor._save_hf(Path(out_dir) / "hf_at_load")
     status = train(batches[1])
     inner = actor.optimizer.torch_optimizers[0]
     torch.save({"status": status, "states": states, "nucleus_logged": logged,
@@ -432,6 +436,66 @@ def test_actor_resumes_under_another_layout(tmp_path):
     assert set(got) == set(want) and any("q_norm" in k for k in got)
     for k, v in want.items():
         assert float((got[k] - v).abs().max()) <= 2e-6, k
+
+
+@pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)], ids=["ep2_to_ep1", "ep1_to_ep2"])
+def test_moe_actor_resumes_under_another_expert_parallel_size(tmp_path, saved, resumed):
+    """A Qwen3-MoE actor saved at one EP resumes at another (fresh processes; DP 2 both, the
+    distributed optimizer's state fully_reshardable): the weights load bitwise, the controller's
+    client states come back, and the next optimizer step equals the uninterrupted run's (loss,
+    grad norm, router metrics, the weights it writes). dp_reshardable refuses the new EP by name."""
+    from safetensors.torch import load_file
+
+    from tests.megatron._dist import start
+
+    common = ["megatron.distributed_optimizer=true", "megatron.optimizer_sharding=fully_reshardable"]
+    _, args_a = _args(tmp_path, [f"megatron.expert_parallel={saved}", *common])
+    _, args_b = _args(tmp_path, [f"megatron.expert_parallel={resumed}", *common])
+    model_dir = _tiny_model_dir(tmp_path / "model", False, "qwen3_moe")
+    data = _experiences(4, seed=5)
+    batches = [data[:2], data[2:]]
+    out = tmp_path / "out"
+    out.mkdir()
+    start(_resume_worker, 2, (2, _free_port(), args_a, model_dir, batches, str(out), "first", True))
+    start(_resume_worker, 2, (2, _free_port(), args_b, model_dir, batches, str(out), "resume", True))
+    at_save = load_file(str(out / "hf_at_save" / "model.safetensors"))
+    at_load = load_file(str(out / "hf_at_load" / "model.safetensors"))
+    assert set(at_save) == set(at_load) and any(".experts.3.down_proj" in k for k in at_save)
+    for k, v in at_save.items():
+        assert torch.equal(at_load[k], v), k
+    first, again = torch.load(out / "first0.pt"), torch.load(out / "resume0.pt")
+    assert again["states"] == {"global_step": 1, "data_loader_state_dict": {"consumed": 8}}
+    for k in ("policy_loss", "actor_grad_norm", "actor_lr", "moe/router_entropy", "moe/expert_load_max_over_mean"):
+        assert again["status"][k] == pytest.approx(first["status"][k], rel=1e-5), k
+    want = load_file(str(out / "hf_first" / "model.safetensors"))
+    got = load_file(str(out / "hf_resume" / "model.safetensors"))
+    moved = max(float((want[k] - at_save[k]).abs().max()) for k in want)
+    assert moved > 100 * 2e-6  # the resumed step moved the weights far beyond the tolerance
+    for k, v in want.items():
+        assert float((got[k] - v).abs().max()) <= 2e-6, k
+    # the same checkpoint under dp_reshardable cannot move its experts: refused before any tensor is read
+    import json
+
+    from hapo_openrlhf.megatron.checkpoint import LAYOUT, check_resumable
+
+    step = Path(args_a.ckpt.path) / "_actor" / "step_1"
+    layout = json.loads((step / LAYOUT).read_text())
+    assert layout["expert_parallel"] == saved and layout["optimizer"] == "distributed/fully_reshardable"
+    (step / LAYOUT).write_text(json.dumps({**layout, "optimizer": "distributed/dp_reshardable"}))
+
+    class Here:  # a dp_reshardable optimizer at the resumed EP
+        checkpoint_format = "distributed/dp_reshardable"
+
+    import hapo_openrlhf.megatron.checkpoint as ck
+
+    real = ck._layout
+    try:
+        ck._layout = lambda optimizer: {**layout, "expert_parallel": resumed, "optimizer": optimizer.checkpoint_format}
+        with pytest.raises(ValueError, match=f"x EP {saved}, which can resume at another data-parallel size only, "
+                                             f"not at .* x EP {resumed}"):
+            check_resumable(step, Here())
+    finally:
+        ck._layout = real
 
 
 def _reference_worker(rank, world, port, args, model_dir, exps, out_dir):
