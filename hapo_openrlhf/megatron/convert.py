@@ -109,10 +109,19 @@ def _rename_layer_key(key: str, names: Mapping[str, str]) -> str:
     return key
 
 
-def to_spec(sd: Mapping[str, torch.Tensor], spec: str) -> dict[str, torch.Tensor]:
-    """A Megatron state dict in the local spec's names, renamed for ``spec``."""
+def te_norm_names(moe: bool = False) -> dict[str, str]:
+    """The layer norms Transformer Engine's spec fuses into the next linear: a mixture of experts'
+    ``pre_mlp_layernorm`` stays a norm of its own (the router and every expert read its output;
+    megatron-core's TE spec builds a ``TENorm`` there), so only the input norm is renamed."""
+    return {k: v for k, v in TE_NORM_NAMES.items() if not (moe and k.startswith("pre_mlp_layernorm"))}
+
+
+def to_spec(sd: Mapping[str, torch.Tensor], spec: str, moe: bool = False) -> dict[str, torch.Tensor]:
+    """A Megatron state dict in the local spec's names, renamed for ``spec`` (``moe``: a mixture
+    of experts' layers, :func:`te_norm_names`)."""
     _check_spec(spec)
-    return dict(sd) if spec == "local" else {_rename_layer_key(k, TE_NORM_NAMES): v for k, v in sd.items()}
+    names = te_norm_names(moe)
+    return dict(sd) if spec == "local" else {_rename_layer_key(k, names): v for k, v in sd.items()}
 
 
 def to_local_names(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -135,9 +144,6 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp
     _check_spec(spec)
     fam = family_of(hf_config)
     check_parallel_layout(hf_config, tp, pp, ep)
-    if fam.moe and spec == "te":
-        raise ValueError("megatron.layer_spec: te with a mixture-of-experts model is not supported yet "
-                         "(TE's grouped experts); use layer_spec: local")
     H, nq, nkv, d = _dims(hf_config)
     g = nq // nkv
     tied = bool(hf_config.tie_word_embeddings)
@@ -181,7 +187,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [split(hf[p + "mlp.gate_proj.weight"], 0), split(hf[p + "mlp.up_proj.weight"], 0)])
         out[m + "mlp.linear_fc2.weight"] = split(hf[p + "mlp.down_proj.weight"], 1)
-    return to_spec(out, spec)
+    return to_spec(out, spec, moe=fam.moe)
 
 
 def megatron_to_hf(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], hf_config, *, tp: int,

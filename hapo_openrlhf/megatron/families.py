@@ -61,11 +61,22 @@ class MoE:
     norm_topk_prob: bool
 
 
+def num_experts(hf_config) -> int:
+    """The expert count of a MoE config: ``num_experts`` (Qwen's releases write it in config.json)
+    or ``num_local_experts`` (what transformers 5.15 writes for it: Qwen3MoeConfig's attribute_map),
+    from a config object or a raw config.json namespace alike; 0 when neither is there."""
+    for key in ("num_experts", "num_local_experts"):
+        v = getattr(hf_config, key, None)
+        if v:
+            return int(v)
+    return 0
+
+
 def moe_of(hf_config) -> MoE | None:
     """The mixture-of-experts dimensions of a MoE family's config (None for a dense family)."""
     if not check_model_type(getattr(hf_config, "model_type", None)).moe:
         return None
-    return MoE(int(hf_config.num_experts), int(hf_config.num_experts_per_tok), int(hf_config.moe_intermediate_size),
+    return MoE(num_experts(hf_config), int(hf_config.num_experts_per_tok), int(hf_config.moe_intermediate_size),
                bool(hf_config.norm_topk_prob))
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -116,7 +127,7 @@ def family_of(hf_config) -> Family:
     if getattr(hf_config, "use_sliding_window", False) or layer_types - {"full_attention"}:
         problems.append("sliding-window attention layers")
     if fam.moe:
-        e, k = int(getattr(hf_config, "num_experts", 0) or 0), int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
+        e, k = num_experts(hf_config), int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
         if e < 1 or not 1 <= k <= e:
             problems.append(f"num_experts_per_tok {k} must be between 1 and num_experts {e}")
         if getattr(hf_config, "mlp_only_layers", None) or int(getattr(hf_config, "decoder_sparse_step", 1)) != 1:
@@ -142,21 +153,19 @@ def check_actor_family(hf_config, megatron: Mapping[str, Any] | None = None) -> 
     """:func:`family_of`, and whether the Megatron policy actor can lay the model out under
     ``megatron`` (the run config's ``megatron`` section as a dict; the defaults when None): a
     mixture of experts must split its experts ``expert_parallel`` ways and each expert's FFN
-    ``tensor_parallel`` ways; at TP > 1 it needs sequence parallelism, which needs Transformer
-    Engine's spec, not wired for MoE layers (each named); a dense model takes no
-    ``expert_parallel``. One line per problem, before any weight is read."""
+    ``tensor_parallel`` ways, and at TP > 1 it needs ``sequence_parallel`` (which needs Transformer
+    Engine's spec; the config loader checks that); a dense model takes no ``expert_parallel``.
+    One line per problem, before any weight is read."""
     from .moe import check_moe_layout
 
     fam = family_of(hf_config)
     m = dict(megatron or {})
     tp, ep = int(m.get("tensor_parallel", 1)), int(m.get("expert_parallel", 1))
     problems = check_moe_layout(hf_config, tp, ep)
-    if fam.moe and m.get("layer_spec", "local") == "te":
-        problems.append("layer_spec: te with a mixture-of-experts model is not wired (TE's MoE layers); use "
-                        "layer_spec: local")
-    elif fam.moe and tp > 1:
-        problems.append(f"a mixture of experts at tensor_parallel {tp} needs sequence parallelism, which needs "
-                        f"layer_spec: te, not wired for MoE layers: use expert_parallel with tensor_parallel 1")
+    if fam.moe and tp > 1 and not m.get("sequence_parallel", False):
+        problems.append(f"a mixture of experts at tensor_parallel {tp} needs sequence parallelism "
+                        f"(megatron.sequence_parallel: true, with layer_spec: te), or expert_parallel with "
+                        f"tensor_parallel 1")
     if problems:
         raise ValueError(f"backend: megatron cannot lay out this {fam.label} model: " + "; ".join(problems))
     return fam

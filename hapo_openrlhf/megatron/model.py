@@ -69,19 +69,18 @@ def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = Fa
     (``"local"``: [S, S] scores, explicit mask; for comparison); or the Transformer Engine
     spec (``spec="te"``; needs transformer-engine on CUDA). ``qk_norm``: RMSNorm over
     head_dim on queries and keys (Qwen3). ``num_experts``: every layer's MLP a megatron-core
-    ``MoELayer`` with ``SequentialMLP`` experts (local spec)."""
+    ``MoELayer`` with ``SequentialMLP`` experts (the local spec's linears, or TE's with
+    ``spec="te"``: a ``TENorm`` before the router, no grouped GEMM)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"megatron.attention must be one of {ATTENTIONS}, got {attention!r}")
     if spec not in LAYER_SPECS:
         raise ValueError(f"megatron.layer_spec must be one of {LAYER_SPECS}, got {spec!r}")
-    if spec == "te" and num_experts:
-        raise ValueError("megatron.layer_spec: te with a mixture-of-experts model is not supported yet "
-                         "(TE's grouped experts); use layer_spec: local")
     if spec == "te":
         try:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, num_experts=num_experts,
+                                                              moe_grouped_gemm=False)
         except (ImportError, AssertionError) as e:
             raise RuntimeError(f"megatron.layer_spec: te needs transformer-engine ({e}); use layer_spec: local") from e
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

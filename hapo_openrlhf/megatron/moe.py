@@ -74,15 +74,15 @@ def moe_config_kwargs(hf_config, *, ep: int = 1, dispatcher: str = "alltoall", a
     MoE at ``tp`` > 1 needs ``sequence_parallel``: without it every TP rank holds every token,
     the dispatcher gathers them from each TP rank, and each expert's gradient counts every token
     TP times (megatron-core refuses it in training, ``MoELayer.forward``); sequence parallelism
-    needs Transformer Engine's spec, not wired for MoE yet."""
+    needs Transformer Engine's spec."""
     moe = moe_of(hf_config)
     if moe is None:
         return {}
     if tp > 1 and not sequence_parallel:
         raise ValueError(f"a mixture of experts at tensor_parallel {tp} needs sequence parallelism (every TP rank "
                          f"would hold every token and each expert's gradient count it {tp} times; megatron-core "
-                         f"refuses it in training), which needs layer_spec: te -- not wired for MoE yet: use "
-                         f"expert parallelism with tensor_parallel 1")
+                         f"refuses it in training): set sequence_parallel with layer_spec: te, or use expert "
+                         f"parallelism with tensor_parallel 1")
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"MoE token dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
     if aux_loss_coeff < 0:

@@ -57,6 +57,13 @@ def install() -> None:
         return real(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    # MoE at TP > 1 (expert tensor parallelism): the all-to-all dispatcher all-gathers and
+    # reduce-scatters each expert-TP rank's tokens with uneven split sizes (mappings.py
+    # _gather_along_first_dim / _reduce_scatter_along_first_dim with split sizes), which NCCL does
+    # and gloo refuses ("invalid tensor size"): the same collectives over padded equal-size buffers
+    from megatron.core.tensor_parallel import mappings
+
+    mappings.torch = _TorchWithUnevenGloo("torch")
     # ... and accepts a parameter only if its type() is 'torch.cuda.{Float,Half,BFloat16}Tensor'
     # (distrib_optimizer.py _build_model_and_main_param_groups, optimizer.py, clip_grads.py)
     _type = torch.Tensor.type
@@ -108,3 +115,42 @@ class _TorchWithCpuForCuda(types.ModuleType):
     @staticmethod
     def empty(*args, device=None, **kwargs):
         return torch.empty(*args, device=_cpu(device), **kwargs)
+
+
+class _UnevenGloo(types.ModuleType):
+    """``torch.distributed`` for megatron-core's ``mappings`` module, with ``all_gather`` and
+    ``reduce_scatter`` over first-dimension splits of different sizes (NCCL's behaviour) done on
+    gloo: the gather pads every piece to the largest and cuts it back; the reduce-scatter
+    all-reduces the whole input and keeps this rank's piece. Equal sizes take gloo's own call."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        n = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((n, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        bufs = [torch.empty_like(padded) for _ in tensor_list]
+        torch.distributed.all_gather(bufs, padded, group=group)
+        for t, b in zip(tensor_list, bufs):
+            t.copy_(b[: t.shape[0]])
+
+    @staticmethod
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        torch.distributed.all_reduce(flat, op=op, group=group)
+        rank = torch.distributed.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        output.copy_(flat[start:start + output.numel()].view_as(output))
+
+
+class _TorchWithUnevenGloo(types.ModuleType):
+    """``torch`` for megatron-core's ``mappings`` module, its ``distributed`` the :class:`_UnevenGloo`."""
+
+    distributed = _UnevenGloo("torch.distributed")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)

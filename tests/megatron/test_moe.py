@@ -12,7 +12,7 @@ transformers 5.15's ``Qwen3MoeForCausalLM``.
   of every data-parallel rank in its expert-parallel group) and the rest.
 * MoE with TP > 1 needs sequence parallelism (megatron-core double-counts expert gradients
   without it, where every TP rank holds every token; it refuses that in training), which needs
-  the TE spec: refused by name until TE's MoE layers are wired.
+  the TE spec: on the TE stand-in, TP=2 x EP=2 (four ranks) and TP=2 x EP=1 equal Hugging Face.
 * Hostile layouts and settings are refused by name.
 """
 
@@ -103,7 +103,6 @@ def test_round_trip_is_exact(tp, ep, pp):
 def test_hostile_moe_layouts_and_settings_are_refused_by_name():
     from hapo_openrlhf.megatron.convert import hf_to_megatron
     from hapo_openrlhf.megatron.families import family_of
-    from hapo_openrlhf.megatron.model import layer_spec
     from hapo_openrlhf.megatron.moe import moe_config_kwargs
 
     model = tiny_moe(experts=4)
@@ -118,10 +117,10 @@ def test_hostile_moe_layouts_and_settings_are_refused_by_name():
     dense_between.mlp_only_layers = [1]
     with pytest.raises(ValueError, match="dense MLP layers between the sparse ones"):
         family_of(dense_between)
-    with pytest.raises(ValueError, match="layer_spec: te with a mixture-of-experts model"):
-        hf_to_megatron(sd, cfg, spec="te")
-    with pytest.raises(ValueError, match="layer_spec: te with a mixture-of-experts model"):
-        layer_spec(spec="te", num_experts=4)
+    # Transformer Engine's spec: the MoE layer's pre-MLP norm is a TENorm of its own, not fused into fc1
+    te = hf_to_megatron(sd, cfg, spec="te")
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in te and not any("linear_fc1.layer_norm" in k for k in te)
     with pytest.raises(ValueError, match="dispatcher must be one of"):
         moe_config_kwargs(cfg, dispatcher="flex")
     with pytest.raises(ValueError, match="aux_loss_coeff must be >= 0"):
@@ -160,7 +159,7 @@ def _both_real(am):
     return (am[:, :-1] * am[:, 1:]).bool()
 
 
-def _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out):
+def _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out, spec="local"):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
@@ -175,8 +174,9 @@ def _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out):
     tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     hf = tiny_moe(norm_topk_prob=norm_topk_prob)
-    model = build_gpt_model(hf.config, tp=tp, ep=ep, moe={"dispatcher": dispatcher}, perform_initialization=False)
-    load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, ep=ep, ep_rank=ep_rank)
+    model = build_gpt_model(hf.config, tp=tp, ep=ep, moe={"dispatcher": dispatcher}, perform_initialization=False,
+                            spec=spec, sequence_parallel=tp > 1)
+    load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, ep=ep, ep_rank=ep_rank, spec=spec)
     ids, am, w_lp, w_en = _batch()
     rows = slice(dp_rank * len(ids) // dp, (dp_rank + 1) * len(ids) // dp)  # each data-parallel rank its rows
     # the all-gather dispatcher gathers equal token counts from every EP rank: fixed-shape padded rows
@@ -217,6 +217,27 @@ def _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out):
         err, scale = float((g.double() - ref_grads[n]).abs().max()), float(ref_grads[n].abs().max())
         assert scale > 0 and err <= 1e-4 * scale, (n, err, scale)
     torch.save({"ok": True, "n": len(merged)}, out)
+
+
+def _te_worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out):
+    """:func:`_worker` on Transformer Engine's spec (the stand-in; fresh interpreters) with
+    sequence parallelism at TP > 1."""
+    _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out, spec="te")
+
+
+@pytest.mark.parametrize("world, tp, ep, dispatcher", [(4, 2, 2, "alltoall"), (2, 2, 1, "allgather")],
+                         ids=["tp2_ep2_alltoall", "tp2_ep1_allgather"])
+def test_te_spec_moe_with_sequence_parallelism_equals_hf(tmp_path, world, tp, ep, dispatcher):
+    """Transformer Engine's spec for the MoE layers (TE's fused input norm + QKV, a ``TENorm`` before
+    the router, TE linears for every expert; the TE 2.20.2 stand-in) at TP=2 with sequence parallelism:
+    TP=2 x EP=2 on four ranks (expert tensor parallelism = TP) and TP=2 x EP=1 with the all-gather
+    dispatcher -- log-probs, entropy and every gradient == Hugging Face through the fused head."""
+    from ._dist import spawn_te
+
+    out = tmp_path / "ok.pt"
+    spawn_te("tests.megatron.test_moe:_te_worker", world, world, tp, ep, dispatcher, True, str(out))
+    res = torch.load(out)
+    assert res["ok"] and res["n"] == 3 + 2 * (4 + 2 + 2 + 1 + 4 * 3)
 
 
 @pytest.mark.parametrize("world, tp, ep, dispatcher, norm_topk_prob", [
@@ -405,6 +426,70 @@ def test_routing_replay_makes_the_trainer_route_as_the_rollout_did(tmp_path, wor
     assert res["plain_vs_forced"] > 1e-2, res  # ... which is not the rollout's
     # every recorded (token, layer) routing counted; the perturbed routers chose otherwise for some
     assert res["tokens"] == res["recorded"] and 0 < res["differed"] < res["tokens"], res
+
+
+def _bf16_engine_worker(rank, world, out):
+    """A rollout engine that computes in bf16 (as vLLM's engines do) with the trainer's weights:
+    its routers pick other experts for near-tie tokens; replaying its routes removes that part of
+    the engine/trainer mismatch. ``actor/vllm_kl`` as OpenRLHF computes it (the mean over response
+    tokens of the engine's log-prob minus the trainer's), with replay off and on."""
+    import copy
+
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.schedule import forward_backward
+
+    from ._dist import load_hf_into
+
+    init_megatron(ep=2)
+    trainer = tiny_moe(layers=2)
+    with torch.no_grad():  # a trained router's margins are small: near ties between the k-th and the next
+        for layer in trainer.model.layers:
+            layer.mlp.gate.weight.mul_(0.005)
+    engine = copy.deepcopy(trainer).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 259, (8, 24), generator=g)
+    am = torch.ones_like(ids)
+    routes = _recorded_routes(engine, ids, am)
+    with torch.no_grad():
+        z = engine(input_ids=ids, attention_mask=am).logits[:, :-1].float() / T
+        lp_engine = torch.log_softmax(z, -1).gather(-1, ids[:, 1:, None]).squeeze(-1).double()
+    model = build_gpt_model(trainer.config, ep=2, routing_replay=True, perform_initialization=False)
+    load_hf_into(model, trainer, ep=2, ep_rank=ps.get_expert_model_parallel_rank())
+    dp_rank = ps.get_data_parallel_rank()
+    rows = list(range(dp_rank * 4, dp_rank * 4 + 4))
+    mbs = [{"input_ids": ids[rows], "attention_mask": am[rows]}]
+    stats = {}
+    with torch.no_grad():
+        off = forward_backward(model, mbs, None, vocab_size=259, temperature=T, forward_only=True)[0][0]
+        on = forward_backward(model, [{**mbs[0], "routed_experts": routes[rows]}], None, vocab_size=259,
+                              temperature=T, forward_only=True, route_stats=stats)[0][0]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (dp_rank, off.double(), on.double(), stats["tokens"], stats["differed"]))
+    if rank != 0:
+        return
+    everyone.sort(key=lambda e: e[0])
+    lp_off, lp_on = torch.cat([e[1] for e in everyone]), torch.cat([e[2] for e in everyone])
+    m = torch.ones_like(lp_engine, dtype=torch.bool)  # every row is all real tokens: every next-token log-prob
+    torch.save({"vllm_kl_off": float((lp_engine - lp_off)[m].mean()), "vllm_kl_on": float((lp_engine - lp_on)[m].mean()),
+                "abs_off": float((lp_engine - lp_off)[m].abs().mean()), "abs_on": float((lp_engine - lp_on)[m].abs().mean()),
+                "max_off": float((lp_engine - lp_off)[m].abs().max()), "max_on": float((lp_engine - lp_on)[m].abs().max()),
+                "differed": float(sum(e[4] for e in everyone)), "tokens": float(sum(e[3] for e in everyone))}, out)
+
+
+def test_routing_replay_shrinks_the_bf16_engines_mismatch(tmp_path):
+    """``actor/vllm_kl`` with R3 off vs on against a bf16 engine (a CPU-visible proxy for vLLM:
+    same weights, bf16 arithmetic, its own routing) at EP=2: replaying the engine's routes makes the
+    trainer route as the engine did wherever bf16 flipped a near tie, and the log-prob mismatch
+    shrinks -- on average and at its worst token (docs/megatron.md has the figures)."""
+    out = tmp_path / "res.pt"
+    spawn(_bf16_engine_worker, 2, 2, str(out))
+    r = torch.load(out)
+    print(f"R3 vs a bf16 engine: {r}")
+    assert 0 < r["differed"] < r["tokens"], r  # bf16 flipped some routings, not most
+    assert r["abs_on"] < r["abs_off"] and r["max_on"] < r["max_off"], r
+    assert abs(r["vllm_kl_on"]) < abs(r["vllm_kl_off"]), r
 
 
 @pytest.mark.parametrize("layout, pad_to", [("thd", 1), ("thd", 4), ("padded", 1), ("padded", 4), ("masked", 1)])

@@ -69,3 +69,59 @@ def warm_model(tmp_path_factory):
 def warm_model_qwen3(tmp_path_factory):
     """The warm tiny Qwen3 (QK-norm, no QKV bias) of the Megatron end-to-end test."""
     return _warm(tmp_path_factory, "warm_qwen3", "qwen3")
+
+
+def upcycle_to_moe(dense_dir: Path, out: Path, experts: int = 4, top_k: int = 2, seed: int = 0) -> Path:
+    """Sparse upcycling of a dense Qwen3 into a Qwen3-MoE that computes nearly the same function:
+    every expert a copy of the layer's MLP times (1 + 1% noise), so experts differ and the router
+    (random, small) gets a gradient; with renormalised top-k weights the layer's output is the
+    dense MLP's up to the noise. Attention, norms, embeddings and head are the dense model's."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+    d = dense.config
+    assert d.model_type == "qwen3", d.model_type
+    cfg = Qwen3MoeConfig(
+        vocab_size=d.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
+        moe_intermediate_size=d.intermediate_size, num_hidden_layers=d.num_hidden_layers,
+        num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=d.max_position_embeddings, rms_norm_eps=d.rms_norm_eps,
+        rope_parameters=getattr(d, "rope_parameters", None), tie_word_embeddings=d.tie_word_embeddings,
+        pad_token_id=d.pad_token_id, eos_token_id=d.eos_token_id, bos_token_id=d.bos_token_id)
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
+    for i, layer in enumerate(dense.model.layers):
+        p = f"model.layers.{i}.mlp."
+        gate, up, down = (getattr(layer.mlp, n).weight.detach() for n in ("gate_proj", "up_proj", "down_proj"))
+        noisy = lambda w: w * (1 + 0.01 * torch.randn(w.shape, generator=g))  # noqa: E731
+        sd[p + "gate.weight"] = 0.02 * torch.randn(experts, d.hidden_size, generator=g)
+        for j in range(experts):
+            sd[f"{p}experts.{j}.gate_proj.weight"] = noisy(gate)
+            sd[f"{p}experts.{j}.up_proj.weight"] = noisy(up)
+            sd[f"{p}experts.{j}.down_proj.weight"] = noisy(down)
+    from hapo_openrlhf.megatron.moe import to_fused_names
+
+    moe = Qwen3MoeForCausalLM(cfg)
+    missing, unexpected = moe.load_state_dict(to_fused_names(sd, cfg), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    out.mkdir(parents=True, exist_ok=True)
+    moe.save_pretrained(out)
+    for f in Path(dense_dir).iterdir():  # the tokenizer and hapo's own files, not the dense weights or config
+        if f.is_file() and f.name not in {"config.json", "model.safetensors", "generation_config.json"}:
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def warm_model_qwen3_moe(tmp_path_factory, warm_model_qwen3):
+    """The warm tiny Qwen3 upcycled into a Qwen3-MoE (4 experts, top-2): the Megatron MoE end to end."""
+    from tests.conftest import shared_once
+
+    with shared_once(tmp_path_factory, "warm_qwen3_moe") as (out, done):
+        if not done:
+            upcycle_to_moe(warm_model_qwen3, out / "model")
+    return out / "model"

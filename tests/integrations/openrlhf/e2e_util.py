@@ -94,9 +94,23 @@ def check_registry_advantages_reached_loss(dump, step, loss_rows, rows_per_step=
     return d, exp_rows
 
 
+def fused_expert_name(name: str) -> str:
+    """A synced per-expert checkpoint name -> the name transformers keeps it under in memory
+    (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``); any other name unchanged."""
+    import re
+
+    m = re.fullmatch(r"(.*\.mlp\.experts\.)\d+\.(gate|up|down)_proj\.weight", name)
+    if m is None:
+        return name
+    return m.group(1) + ("down_proj" if m.group(2) == "down" else "gate_up_proj")
+
+
 def vllm_to_hf(weights, config):
-    """vLLM's Qwen2 layout -> Hugging Face names: split the fused ``qkv_proj`` and
-    ``gate_up_proj``, cut the vocabulary padding, drop the attention scales."""
+    """vLLM's Qwen2 / Qwen3 (-MoE) layout -> Hugging Face's in-memory names: split the fused
+    ``qkv_proj`` and ``gate_up_proj``, cut the vocabulary padding, drop the attention scales;
+    a mixture of experts' ``w13_weight`` [E, 2I, H] (gate rows, then up) and ``w2_weight``
+    [E, H, I] are transformers' ``gate_up_proj`` and ``down_proj`` as they are (vLLM 0.29 keeps
+    them under ``mlp.experts.routed_experts.``, and the router a second time as ``mlp.experts.gate``)."""
     hd = config.hidden_size // config.num_attention_heads
     sizes = {"qkv_proj": ([config.num_attention_heads * hd] + [config.num_key_value_heads * hd] * 2,
                           ("q_proj", "k_proj", "v_proj")),
@@ -104,6 +118,15 @@ def vllm_to_hf(weights, config):
     out = {}
     for k, v in weights.items():
         if ".attn._" in k:
+            continue
+        if ".mlp.experts." in k:  # vLLM 0.29: mlp.experts.routed_experts.w13_weight / w2_weight, and the
+            head = k[:k.index(".mlp.experts.") + len(".mlp.experts.")]  # router again as mlp.experts.gate
+            if k.endswith(".w13_weight"):
+                out[head + "gate_up_proj"] = v
+            elif k.endswith(".w2_weight"):
+                out[head + "down_proj"] = v
+            elif not k.endswith(".gate.weight"):
+                raise KeyError(f"unexpected vLLM expert tensor {k}")
             continue
         fused = next((f for f in sizes if f".{f}." in k), None)
         if fused is None:
@@ -132,7 +155,9 @@ def check_engine_holds_final(dump, final_dir, n_syncs, engine="cpu", seed=7):
         first["weights"], last["weights"] = (vllm_to_hf(r["weights"], cfg) for r in (first, last))
     hf_names = {k for k in final if k != "lm_head.weight"} | ({"lm_head.weight"} if "lm_head.weight" in
                                                                  first["updated"] else set())
-    assert set(first["updated"]) == set(last["updated"]) == hf_names
+    # a mixture of experts is synced per expert (the checkpoint's names) into fused tensors
+    assert {fused_expert_name(n) for n in first["updated"]} == {fused_expert_name(n) for n in last["updated"]} \
+        == hf_names
     for k, v in final.items():
         if engine == "vllm":
             assert last["weights"][k].dtype == torch.bfloat16, k

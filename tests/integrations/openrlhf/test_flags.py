@@ -391,8 +391,9 @@ def test_a_moe_layout_the_actor_cannot_serve_is_refused_before_anything_starts(t
     the run: one named line, exit 2."""
     model = tmp_path / "moe"
     model.mkdir()
+    # transformers 5.15 writes the expert count as num_local_experts (Qwen's releases: num_experts)
     (model / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "model_type": "qwen3_moe", "num_local_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "norm_topk_prob": True}))
     out = tmp_path / "run"
     ep4 = ["megatron.tensor_parallel=1", "megatron.pipeline_parallel=1", "megatron.expert_parallel=4",

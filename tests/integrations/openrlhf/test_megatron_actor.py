@@ -250,6 +250,10 @@ BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=2
     # dispatcher; a 16-token budget gives the two ranks 2 and 4 micro-batches in a step: evened out to 4
     ("ep2_qwen3_moe_packed_budget", ["megatron.expert_parallel=2", *PACKED, "openrlhf.dynamic_batch=true",
                                      "openrlhf.max_tokens_per_gpu=16"], False, "qwen3_moe"),
+    # ... and at TP=2 with Transformer Engine's spec (the stand-in) and sequence parallelism: each expert split
+    # over the two TP ranks (expert tensor parallelism), each rank routing its half of the tokens
+    ("tp2_te_sequence_parallel_qwen3_moe", ["megatron.tensor_parallel=2", "megatron.layer_spec=te",
+                                            "megatron.sequence_parallel=true", *BUDGET], False, "qwen3_moe"),
 ])
 def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family):
     from transformers import AutoModelForCausalLM

@@ -243,7 +243,7 @@ class CpuRolloutActorImpl(_rollout_base()):
         w = torch.empty(shape, dtype=dtype)
         self._group.broadcast(w, src=0)
         with torch.no_grad():
-            self.params[name].copy_(w)
+            _param_view(self.params, name).copy_(w)
         record_sync(self, name, empty_cache, self.model, f"engine{self.seed}")
 
     async def reset_prefix_cache(self):
@@ -254,6 +254,25 @@ class CpuRolloutActorImpl(_rollout_base()):
 
     async def wake_up(self, tags=None):
         return None
+
+
+def _param_view(params, name: str):
+    """The engine model's tensor for a synced name: the parameter itself, or -- for a mixture of
+    experts, which the sync sends per expert under the checkpoint's names while transformers keeps
+    them fused (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) -- expert j's slice."""
+    import re
+
+    if name in params:
+        return params[name]
+    m = re.fullmatch(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight", name)
+    if m is None:
+        raise KeyError(f"the CPU engine's model has no parameter {name!r}")
+    prefix, j, which = m.group(1), int(m.group(2)), m.group(3)
+    if which == "down":
+        return params[prefix + "down_proj"][j]
+    gate_up = params[prefix + "gate_up_proj"][j]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if which == "gate" else gate_up[half:]
 
 
 def create_cpu_engines(num_engines, tensor_parallel_size, pretrain, seed, full_determinism, enable_prefix_caching,
