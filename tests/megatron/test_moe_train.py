@@ -1,5 +1,5 @@
 """Training a Qwen3-MoE model on the Megatron back end (issue 41): two AdamW steps with
-clipping at EP=2 (and EP=1 at DP=2) under Megatron's DDP and distributed optimizer (each expert's gradient reduced
+clipping at EP=2 (and EP=1 at DP=2, and PP=2) under Megatron's DDP and distributed optimizer (each expert's gradient reduced
 over its expert-data-parallel group, the rest over DP; the norm over both) equal transformers'
 ``Qwen3MoeForCausalLM`` stepped by torch's AdamW -- weights to 2e-6, norms and losses to 1e-5.
 
@@ -80,7 +80,7 @@ def _reference(coeff: float, dp: int):
     return to_checkpoint_names({n: v.detach().clone() for n, v in hf.state_dict().items()}, hf.config), norms, losses
 
 
-def _train(coeff: float, layout: str, dispatcher: str):
+def _train(coeff: float, layout: str, dispatcher: str, pp: int = 1):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
@@ -91,10 +91,11 @@ def _train(coeff: float, layout: str, dispatcher: str):
 
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
     hf = tiny_moe()
     model = build_gpt_model(hf.config, ep=ep, moe={"dispatcher": dispatcher, "aux_loss_coeff": coeff},
-                            perform_initialization=False)
-    load_hf_into(model, hf, ep=ep, ep_rank=ep_rank)
+                            perform_initialization=False, pp=pp, pp_rank=pp_rank)
+    load_hf_into(model, hf, ep=ep, ep_rank=ep_rank, pp=pp, pp_rank=pp_rank)
     ddp = wrap(model, distributed_optimizer=True)
     opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP)
     norms, losses = [], []
@@ -102,7 +103,11 @@ def _train(coeff: float, layout: str, dispatcher: str):
         ids, am, w = _data(step)
         n_global = int(_valid(am).sum())
         rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
-        mbs = [{"input_ids": ids[rows], "attention_mask": am[rows], "w": w[rows]}]
+        # one micro-batch per data-parallel rank; with pipelining two (each stage works on one while the
+        # other stage has the other)
+        step_rows = list(range(rows.start, rows.stop))
+        parts = [step_rows] if pp == 1 else [step_rows[: len(step_rows) // 2], step_rows[len(step_rows) // 2:]]
+        mbs = [{"input_ids": ids[r], "attention_mask": am[r], "w": w[r]} for r in parts]
 
         def loss_fn(lp, en, mb):  # this replica's share of the global mean, times DP (hapo's convention)
             return -(lp * mb["w"] * _valid(mb["attention_mask"])).sum() / n_global * dp, {}
@@ -110,26 +115,27 @@ def _train(coeff: float, layout: str, dispatcher: str):
         res = forward_backward(ddp, mbs, loss_fn, vocab_size=259, layout=layout,
                                aux_loss_normaliser=float(am.sum()) / dp)
         loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp, dtype=torch.float64)
-        dist.all_reduce(loss)
+        dist.all_reduce(loss)  # the last stage of each replica holds its share
         losses.append(float(loss))
         norms.append(opt.step())
     return model, hf.config, norms, losses
 
 
-def _worker(rank, world, ep, layout, dispatcher, out):
+def _worker(rank, world, ep, layout, dispatcher, out, pp=1):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
 
-    init_megatron(ep=ep)
+    init_megatron(ep=ep, pp=pp)
     got = {}
     for coeff in (0.0, COEFF):
-        model, cfg, norms, losses = _train(coeff, layout, dispatcher)
+        model, cfg, norms, losses = _train(coeff, layout, dispatcher, pp)
         sd = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         everyone = [None] * world
-        dist.all_gather_object(everyone, (ps.get_expert_model_parallel_rank(), sd))
-        shards = {(0, e, 0): s for e, s in everyone} if ep > 1 else {(0, 0): everyone[0][1]}
-        got[coeff] = (megatron_to_hf(shards, cfg, tp=1, pp=1, ep=ep), norms, losses)
+        dist.all_gather_object(everyone, (ps.get_pipeline_model_parallel_rank(),
+                                          ps.get_expert_model_parallel_rank(), sd))
+        shards = {(s, e, 0): d for s, e, d in everyone} if ep > 1 else {(s, 0): d for s, _, d in everyone}
+        got[coeff] = (megatron_to_hf(shards, cfg, tp=1, pp=pp, ep=ep), norms, losses)
         # the experts are in megatron-core's expert-parallel buffers at every EP (model.build_gpt_model)
         assert {n for n, p in model.named_parameters() if not getattr(p, "allreduce", True)} == \
             {n for n, _ in model.named_parameters() if ".mlp.experts." in n}
@@ -137,13 +143,15 @@ def _worker(rank, world, ep, layout, dispatcher, out):
         torch.save({"got": got, "ref": {c: _reference(c, world) for c in (0.0, COEFF)}}, out)
 
 
-@pytest.mark.parametrize("ep, layout, dispatcher", [(2, "thd", "alltoall"), (2, "padded", "allgather"),
-                                                    (1, "thd", "alltoall")])
-def test_two_steps_with_the_distributed_optimizer_equal_hf_adamw(tmp_path, ep, layout, dispatcher):
-    """EP=2 (each rank two experts, both dispatchers) and EP=1 at DP=2 (every expert on both ranks,
-    reduced over the expert-data-parallel group)."""
+@pytest.mark.parametrize("ep, pp, layout, dispatcher", [(2, 1, "thd", "alltoall"), (2, 1, "padded", "allgather"),
+                                                        (1, 1, "thd", "alltoall"), (1, 2, "thd", "alltoall")],
+                         ids=["ep2_thd_alltoall", "ep2_padded_allgather", "ep1_dp2", "pp2"])
+def test_two_steps_with_the_distributed_optimizer_equal_hf_adamw(tmp_path, ep, pp, layout, dispatcher):
+    """EP=2 (each rank two experts, both dispatchers), EP=1 at DP=2 (every expert on both ranks,
+    reduced over the expert-data-parallel group) and PP=2 (one MoE layer per stage, two micro-batches
+    through the 1F1B schedule; the replicated optimizer at DP=1)."""
     out = tmp_path / "res.pt"
-    spawn(_worker, 2, 2, ep, layout, dispatcher, str(out))
+    spawn(_worker, 2, 2, ep, layout, dispatcher, str(out), pp)
     res = torch.load(out)
     start = {}
     from hapo_openrlhf.megatron.moe import to_checkpoint_names
