@@ -76,6 +76,10 @@ def moe_of(hf_config) -> MoE | None:
     """The mixture-of-experts dimensions of a MoE family's config (None for a dense family)."""
     if not check_model_type(getattr(hf_config, "model_type", None)).moe:
         return None
+    missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+               if getattr(hf_config, k, None) is None] + ([] if num_experts(hf_config) else ["num_experts"])
+    if missing:
+        raise ValueError(f"the {getattr(hf_config, 'model_type', None)} config lacks {', '.join(missing)}")
     return MoE(num_experts(hf_config), int(hf_config.num_experts_per_tok), int(hf_config.moe_intermediate_size),
                bool(hf_config.norm_topk_prob))
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

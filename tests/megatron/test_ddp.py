@@ -295,7 +295,7 @@ def test_distributed_optimizer_checkpoint_resumes_bitwise_and_at_another_dp(tmp_
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_2"]
     layout = __import__("json").loads((ckpt / "step_2" / checkpoint.LAYOUT).read_text())
     assert layout.pop("megatron_core") == __import__("importlib.metadata").metadata.version("megatron-core")
-    assert layout == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2,
+    assert layout == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "expert_parallel": 1,
                       "optimizer": "distributed/dp_reshardable"}
     spawn(_resume_worker, 2, 1, "dp_reshardable", str(ckpt), "resume", str(tmp_path / "resumed"))
     for r in range(2):
