@@ -136,6 +136,7 @@ def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
                      ("megatron_distributed_optimizer_step", lambda: _smoke_distributed_optimizer(work)),
                      ("megatron_optimizer_resume_bitwise", lambda: _smoke_optimizer_resume(work)),
                      ("megatron_te_spec_vs_hf", lambda: _smoke_te_spec(work)),
+                     ("megatron_moe_vs_hf", lambda: _smoke_moe(work)),
                      ("openrlhf_loop_vllm_sleep_stop_resume", lambda: _smoke_openrlhf_loop(work)),
                      ("megatron_tp1_loop", lambda: _smoke_openrlhf_loop(work, "megatron"))):
         t0 = time.perf_counter()
@@ -538,6 +539,85 @@ def te_spec_check(device: str = "cuda") -> dict:
     exact = sd is None or all(torch.equal(t, ref_sd[n].cpu()) for n, t in sd.items())
     return {"ok": loaded and exact and lp_err < 2e-3 and en_err < 2e-3, "loaded_strict": loaded,
             "stream_exact": exact, "logprob_max_abs_err": lp_err, "entropy_max_abs_err": en_err}
+
+
+def _smoke_moe(work: Path) -> dict:
+    """A mixture of experts on megatron-core's CUDA path (docs/megatron.md, "Mixture of experts"):
+    :func:`moe_check` in a child process on one GPU."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        return {"ok": True, "skipped": "needs megatron-core"}
+    code = "import json; from hapo_openrlhf.gpu_smoke import moe_check; print(json.dumps(moe_check('cuda')))"
+    rc, res = _one_rank_child(work / "moe.log", code, port=29544)
+    if rc is None:
+        return res
+    return {**res, "ok": rc == 0 and res["ok"]}
+
+
+def moe_check(device: str = "cuda") -> dict:
+    """A tiny fp32 Qwen3-MoE (4 experts, top-2) GPTModel -- local spec, FlashCoreAttention on packed
+    THD rows, megatron-core's all-to-all dispatcher and fp32 router -- against transformers'
+    ``Qwen3MoeForCausalLM``: log-probs and entropy, the router statistics of the same forward
+    (entropy against the Hugging Face router's), and the streamed Hugging Face weights, experts
+    included, against the ones it was loaded from. One rank of an initialised job; ``device="cpu"``
+    runs it on gloo (tests/megatron/test_moe.py)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from .megatron.convert import gather_hf_state_dict, hf_to_megatron
+    from .megatron.model import build_gpt_model
+    from .megatron.moe import reduce_route_stats, to_checkpoint_names
+    from .megatron.schedule import forward_backward
+
+    cuda = _one_rank_job(device)
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    hf = Qwen3MoeForCausalLM(cfg).to(device)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0, 0.2)
+            elif n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)  # decisive routing: no near tie between the k-th and the next expert
+    model = build_gpt_model(cfg, perform_initialization=False, use_cpu_initialization=not cuda).to(device)
+    missing, unexpected = model.load_state_dict(hf_to_megatron(hf.state_dict(), cfg), strict=False)
+    loaded = not unexpected and all(k.endswith("_extra_state") for k in missing)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (3, 40), generator=g).to(device)
+    am = torch.ones_like(ids)
+    am[1, :9] = 0  # left padding
+    am[2, -7:] = 0  # a shorter response
+    stats: dict = {}
+    router_logits = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: router_logits.append(out[0].detach()))
+             for layer in hf.model.layers]
+    with torch.no_grad():
+        (lp, en), = forward_backward(model, [{"input_ids": ids, "attention_mask": am}], None, vocab_size=512,
+                                     forward_only=True, layout="thd", route_stats=stats)
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        z = hf(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, :-1].float()
+    for h in hooks:
+        h.remove()
+    ref = torch.log_softmax(z, -1)
+    ref_lp, ref_en = ref.gather(-1, ids[:, 1:, None]).squeeze(-1), -(ref.exp() * ref).sum(-1)
+    valid = (am[:, :-1] * am[:, 1:]).bool()
+    lp_err = float((lp[valid] - ref_lp[valid]).abs().max())
+    en_err = float((en[valid] - ref_en[valid]).abs().max())
+    real = am.bool().reshape(-1)
+    logp = [torch.log_softmax(x.float()[real], -1) for x in router_logits]
+    want_router = float(sum(-(q.exp() * q).sum() for q in logp) / sum(q.shape[0] for q in logp))
+    got_router = reduce_route_stats(stats, cfg)["moe/router_entropy"]
+    sd = gather_hf_state_dict(model, cfg)
+    ref_sd = to_checkpoint_names(hf.state_dict(), cfg)
+    exact = sd is None or (set(sd) == set(ref_sd) and all(torch.equal(t, ref_sd[n].cpu()) for n, t in sd.items()))
+    router_err = abs(got_router - want_router)
+    return {"ok": loaded and exact and lp_err < 2e-3 and en_err < 2e-3 and router_err < 1e-4,
+            "loaded_strict": loaded, "stream_exact": exact, "logprob_max_abs_err": lp_err,
+            "entropy_max_abs_err": en_err, "router_entropy_abs_err": router_err}
 
 
 def _ddp_step_child(overlap: bool = True) -> None:

@@ -599,3 +599,20 @@ def test_real_tokens_mark_the_rows_tokens_in_the_model_order():
         assert sorted(model_ids[real].tolist()) == sorted(ids[am.bool()].tolist()), layout
         if pad_to > 1:
             assert torch.equal(torch.cat([lay.real_tokens(r, 2) for r in range(2)]), real)
+
+
+def _gpu_smoke_worker(rank, out):
+    from hapo_openrlhf.gpu_smoke import moe_check
+
+    init_megatron()
+    torch.save(moe_check("cpu"), out)
+
+
+def test_the_gpu_smokes_moe_check_runs_on_cpu(tmp_path):
+    """``hapo doctor --gpu-smoke``'s ``megatron_moe_vs_hf`` (real CUDA kernels there) runs its check
+    here on gloo: log-probs, entropy and the router entropy == Hugging Face's; the streamed weights exact."""
+    out = tmp_path / "res.pt"
+    spawn(_gpu_smoke_worker, 1, str(out))
+    res = torch.load(out)
+    assert res["ok"] and res["loaded_strict"] and res["stream_exact"], res
+    assert res["logprob_max_abs_err"] < 1e-4 and res["router_entropy_abs_err"] < 1e-5, res
