@@ -443,7 +443,7 @@ def test_actor_resumes_under_another_layout(tmp_path):
 
 
 @pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)], ids=["ep2_to_ep1", "ep1_to_ep2"])
-def test_moe_actor_resumes_under_another_expert_parallel_size(tmp_path, saved, resumed):
+def test_moe_actor_resumes_under_another_expert_parallel_size(tmp_path, monkeypatch, saved, resumed):
     """A Qwen3-MoE actor saved at one EP resumes at another (fresh processes; DP 2 both, the
     distributed optimizer's state fully_reshardable): the weights load bitwise, the controller's
     client states come back, and the next optimizer step equals the uninterrupted run's (loss,
@@ -492,14 +492,11 @@ def test_moe_actor_resumes_under_another_expert_parallel_size(tmp_path, saved, r
 
     import hapo_openrlhf.megatron.checkpoint as ck
 
-    real = ck._layout
-    try:
-        ck._layout = lambda optimizer: {**layout, "expert_parallel": resumed, "optimizer": optimizer.checkpoint_format}
-        with pytest.raises(ValueError, match=f"x EP {saved}, which can resume at another data-parallel size only, "
-                                             f"not at .* x EP {resumed}"):
-            check_resumable(step, Here())
-    finally:
-        ck._layout = real
+    monkeypatch.setattr(ck, "_layout", lambda optimizer: {**layout, "expert_parallel": resumed,
+                                                          "optimizer": optimizer.checkpoint_format})
+    with pytest.raises(ValueError, match=f"x EP {saved}, which can resume at another data-parallel size only, "
+                                         f"not at .* x EP {resumed}"):
+        check_resumable(step, Here())
 
 
 def _reference_worker(rank, world, port, args, model_dir, exps, out_dir):
