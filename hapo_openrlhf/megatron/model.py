@@ -87,6 +87,12 @@ def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = Fa
 
     s = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts,
                                  moe_grouped_gemm=False)
+    if num_experts:
+        # megatron-core's local spec names the pre-MLP norm in checkpoints as TE's fused
+        # ``mlp.linear_fc1.layer_norm_weight`` even for MoE layers, where its TE spec keeps a separate
+        # ``pre_mlp_layernorm`` (a TENorm before the router): keep the norm's own name, so a MoE
+        # checkpoint moves between the two specs as a dense one does
+        s.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
     if attention == "flash":
         from .attention import FlashCoreAttention
 

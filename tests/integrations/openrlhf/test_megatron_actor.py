@@ -337,7 +337,9 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
         assert not any(k.startswith("moe/") for k in st)
 
 
-def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase, snapshots=False):
+def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase, snapshots=False, split=False):
+    """``split``: the second batch is dealt out over the ranks (a data-parallel resume of a run that
+    had one replica: each rank its share, as OpenRLHF's controller dispatches)."""
     from tests.megatron.cuda_shim import install
 
     install()
@@ -371,7 +373,7 @@ def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase, 
         states = actor.get_checkpoint_states()
         if snapshots:  # the weights as loaded, before any step
             actor._save_hf(Path(out_dir) / "hf_at_load")
-    status = train(batches[1])
+    status = train(batches[1][rank::world] if split else batches[1])
     inner = actor.optimizer.torch_optimizers[0]
     torch.save({"status": status, "states": states, "nucleus_logged": logged,
                 "masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
@@ -442,26 +444,37 @@ def test_actor_resumes_under_another_layout(tmp_path):
         assert float((got[k] - v).abs().max()) <= 2e-6, k
 
 
-@pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)], ids=["ep2_to_ep1", "ep1_to_ep2"])
-def test_moe_actor_resumes_under_another_expert_parallel_size(tmp_path, monkeypatch, saved, resumed):
-    """A Qwen3-MoE actor saved at one EP resumes at another (fresh processes; DP 2 both, the
-    distributed optimizer's state fully_reshardable): the weights load bitwise, the controller's
-    client states come back, and the next optimizer step equals the uninterrupted run's (loss,
-    grad norm, router metrics, the weights it writes). dp_reshardable refuses the new EP by name."""
+TE_TP2 = ["megatron.tensor_parallel=2", "megatron.layer_spec=te", "megatron.sequence_parallel=true"]
+
+
+@pytest.mark.parametrize("saved, resumed, first_sets", [(2, 1, []), (1, 2, TE_TP2)],
+                         ids=["ep2_to_ep1", "tp2_te_sp_ep1_to_ep2"])
+def test_moe_actor_resumes_under_another_expert_parallel_size(tmp_path, monkeypatch, saved, resumed, first_sets):
+    """A Qwen3-MoE actor saved at one layout resumes at another (fresh processes; the distributed
+    optimizer's state fully_reshardable): EP=2 x DP=2 -> EP=1 x DP=2, and TP=2 x EP=1 (Transformer
+    Engine's spec with sequence parallelism, the stand-in) -> EP=2 x DP=2 (the local spec). The
+    weights load bitwise, the controller's client states come back, and the next optimizer step
+    equals the uninterrupted run's (loss, grad norm, router metrics, the weights it writes).
+    dp_reshardable refuses the new EP by name."""
     from safetensors.torch import load_file
 
-    from tests.megatron._dist import start
+    from tests.megatron._dist import spawn_te, start
 
     common = ["megatron.distributed_optimizer=true", "megatron.optimizer_sharding=fully_reshardable"]
-    _, args_a = _args(tmp_path, [f"megatron.expert_parallel={saved}", *common])
+    _, args_a = _args(tmp_path, [f"megatron.expert_parallel={saved}", *common, *first_sets])
     _, args_b = _args(tmp_path, [f"megatron.expert_parallel={resumed}", *common])
     model_dir = _tiny_model_dir(tmp_path / "model", False, "qwen3_moe")
     data = _experiences(4, seed=5)
     batches = [data[:2], data[2:]]
     out = tmp_path / "out"
     out.mkdir()
-    start(_resume_worker, 2, (2, _free_port(), args_a, model_dir, batches, str(out), "first", True))
-    start(_resume_worker, 2, (2, _free_port(), args_b, model_dir, batches, str(out), "resume", True))
+    first = (2, _free_port(), args_a, model_dir, batches, str(out), "first", True)
+    if first_sets:
+        spawn_te("tests.integrations.openrlhf.test_megatron_actor:_resume_worker", 2, *first, process_group=False)
+    else:
+        start(_resume_worker, 2, first)
+    # TP=2 (one replica) -> DP=2: each rank its half of the second batch, the same rows per optimizer step
+    start(_resume_worker, 2, (2, _free_port(), args_b, model_dir, batches, str(out), "resume", True, bool(first_sets)))
     at_save = load_file(str(out / "hf_at_save" / "model.safetensors"))
     at_load = load_file(str(out / "hf_at_load" / "model.safetensors"))
     assert set(at_save) == set(at_load) and any(".experts.3.down_proj" in k for k in at_save)
