@@ -13,8 +13,11 @@ from tests.conftest import REPO, run_cli
 pytestmark = pytest.mark.slow
 
 # the embedded default, shrunk: ~30 s of warm-up + a few RL steps
+# the reward's grading timeout raised from 5 s: under the suite's load one grading once took longer, and
+# reward/timeout_count then told a resumed run from its reference (a fresh clone of c5583d9)
 SMALL = ["warmup.steps=60", "data.synthetic.eval_size=16", "rollout.prompts_per_step=4", "trainer.steps=8",
-         "trainer.save_every=4", "trainer.eval_every=0", "trainer.sample_every=0", "eval.n_samples=2"]
+         "trainer.save_every=4", "trainer.eval_every=0", "trainer.sample_every=0", "eval.n_samples=2",
+         "algorithm.reward_timeout_s=120"]
 
 
 def _sets(extra=()):
@@ -108,7 +111,9 @@ def test_ray_bringup_timeout_names_missing_nodes(tmp_path):
 
     c = RayCluster([socket.gethostname(), "ghost-node-7"], port=6393, timeout_s=8, log_dir=tmp_path,
                    start_workers=False)
-    with pytest.raises(TimeoutError, match=r"1/2 nodes registered.*ghost-node-7"):
+    # the head is normally counted (1/2); under the suite's load its own registration can take longer than
+    # the 8 s (0/2, and it is named missing too): either way the timeout names the missing node
+    with pytest.raises(TimeoutError, match=r"[01]/2 nodes registered.*missing: .*ghost-node-7"):
         c.start()
     assert all(p.poll() is not None for p in c.procs) or not c.procs  # the head was stopped
 
