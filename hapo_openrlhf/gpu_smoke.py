@@ -479,18 +479,24 @@ def _optimizer_resume(device: str, ckpt_dir: Path, distributed: bool = True) -> 
                                           for a, b in zip(full, resumed))}
 
 
-def _smoke_te_spec(work: Path) -> dict:
-    """Transformer Engine's layer spec on the real TE (docs/megatron.md, "Transformer Engine";
-    on CPU only a stand-in of TE is tested): :func:`te_spec_check` in a child process on one GPU."""
+def _check_in_child(work: Path, check: str, port: int, needs: tuple[str, ...]) -> dict:
+    """``gpu_smoke.<check>('cuda')`` in a child Python as a one-rank job on one GPU (its log
+    ``work/<check>.log``); skipped, saying so, without the packages in ``needs``."""
     import importlib.util
 
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("transformer_engine") is None:
-        return {"ok": True, "skipped": "needs megatron-core and transformer-engine"}
-    code = "import json; from hapo_openrlhf.gpu_smoke import te_spec_check; print(json.dumps(te_spec_check('cuda')))"
-    rc, res = _one_rank_child(work / "te_spec.log", code, port=29543)
+    if any(importlib.util.find_spec(m) is None for m in needs):
+        return {"ok": True, "skipped": f"needs {' and '.join(needs)}"}
+    code = f"import json; from hapo_openrlhf.gpu_smoke import {check}; print(json.dumps({check}('cuda')))"
+    rc, res = _one_rank_child(work / f"{check}.log", code, port=port)
     if rc is None:
         return res
     return {**res, "ok": rc == 0 and res["ok"]}
+
+
+def _smoke_te_spec(work: Path) -> dict:
+    """Transformer Engine's layer spec on the real TE (docs/megatron.md, "Transformer Engine";
+    on CPU only a stand-in of TE is tested): :func:`te_spec_check` in a child process on one GPU."""
+    return _check_in_child(work, "te_spec_check", 29543, ("megatron", "transformer_engine"))
 
 
 def te_spec_check(device: str = "cuda") -> dict:
@@ -544,15 +550,7 @@ def te_spec_check(device: str = "cuda") -> dict:
 def _smoke_moe(work: Path) -> dict:
     """A mixture of experts on megatron-core's CUDA path (docs/megatron.md, "Mixture of experts"):
     :func:`moe_check` in a child process on one GPU."""
-    import importlib.util
-
-    if importlib.util.find_spec("megatron") is None:
-        return {"ok": True, "skipped": "needs megatron-core"}
-    code = "import json; from hapo_openrlhf.gpu_smoke import moe_check; print(json.dumps(moe_check('cuda')))"
-    rc, res = _one_rank_child(work / "moe.log", code, port=29544)
-    if rc is None:
-        return res
-    return {**res, "ok": rc == 0 and res["ok"]}
+    return _check_in_child(work, "moe_check", 29544, ("megatron",))
 
 
 def moe_check(device: str = "cuda") -> dict:
