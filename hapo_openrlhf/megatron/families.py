@@ -166,6 +166,9 @@ def check_actor_family(hf_config, megatron: Mapping[str, Any] | None = None) -> 
     m = dict(megatron or {})
     tp, ep = int(m.get("tensor_parallel", 1)), int(m.get("expert_parallel", 1))
     problems = check_moe_layout(hf_config, tp, ep)
+    if not fam.moe and dict(m.get("moe") or {}).get("routing_replay", "off") != "off":
+        problems.append("megatron.moe.routing_replay replays a mixture of experts' routes, and this model is dense "
+                        "(set routing_replay: off)")
     if fam.moe and tp > 1 and not m.get("sequence_parallel", False):
         problems.append(f"a mixture of experts at tensor_parallel {tp} needs sequence parallelism "
                         f"(megatron.sequence_parallel: true, with layer_spec: te), or expert_parallel with "

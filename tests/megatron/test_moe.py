@@ -312,9 +312,11 @@ def _recorded_routes(recorder, ids, am):
     return torch.where((am.bool() & ~last)[:, :, None, None], routes, -1)
 
 
-def _forced(model, routes_for_call):
+def _forced(model, routes_for_call, counts=None):
     """Hugging Face routing with the expert choices given (each router's own softmax, gathered at
-    the given experts, renormalised as ``norm_topk_prob`` says): the reference for a replay."""
+    the given experts, renormalised as ``norm_topk_prob`` says): the reference for a replay.
+    ``counts``: a dict whose ``tokens`` / ``differed`` count, over every token of a call but its last
+    (an engine never records that one), the routings whose given experts are not the router's own top-k."""
     import types
 
     for i, layer in enumerate(model.model.layers):
@@ -325,6 +327,11 @@ def _forced(model, routes_for_call):
             logits = torch.nn.functional.linear(h, self.weight)
             probs = torch.softmax(logits, dtype=torch.float, dim=-1)
             idx = routes_for_call()[:, i].to(h.device)
+            if counts is not None:
+                own = torch.topk(logits.float(), idx.shape[1], -1).indices.sort(-1).values
+                differs = (own != idx.sort(-1).values).any(-1)[:-1]
+                counts["tokens"] = counts.get("tokens", 0) + len(differs)
+                counts["differed"] = counts.get("differed", 0) + int(differs.sum())
             top = probs.gather(1, idx)
             if self.norm_topk_prob:
                 top = top / top.sum(-1, keepdim=True)

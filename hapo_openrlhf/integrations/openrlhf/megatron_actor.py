@@ -165,8 +165,17 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         from ...megatron.checkpoint import latest, load
         from ...megatron.ddp import MegatronOptimizer, use_distributed_optimizer, wrap
 
-        self._build_model(strategy, pretrain)
-        args, hcfg, m = self.args, self.args.hapo, self.args.hapo["megatron"]
+        m = strategy.args.hapo["megatron"]
+        self.r3 = m.get("moe", {}).get("routing_replay", "off") == "r3"
+        self._build_model(strategy, pretrain, routing_replay=self.r3)
+        args, hcfg = self.args, self.args.hapo
+        if self.r3:  # this step's rollout routes (routes.RouteStore; the controller sends them, set_routes)
+            from ...megatron.moe import moe_of
+            from .routes import RouteStore
+
+            spec = moe_of(self.hf_config)
+            self.routes = RouteStore(int(self.hf_config.num_hidden_layers), spec.top_k, spec.num_experts)
+        self._rollout_route_stats: dict | None = {} if self.r3 else None
         self.vllm_engines = vllm_engines
 
         # Megatron's DDP (fp32 grad buffers) and optimizer: fp32 masters for a bf16 model, and with
@@ -219,9 +228,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
             ActorPPOTrainer._init_vllm_sync_group(self, args.vllm.sync_backend)
         dist.barrier()
 
-    def _build_model(self, strategy, pretrain) -> None:
+    def _build_model(self, strategy, pretrain, routing_replay: bool = False) -> None:
         """The process groups and this rank's GPTModel stage, loaded from the Hugging Face
-        checkpoint ``pretrain`` (collective): what the policy and the KL reference share."""
+        checkpoint ``pretrain`` (collective): what the policy and the KL reference share
+        (``routing_replay``: the policy's routers replay the rollout's routes under R3)."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from transformers import AutoConfig, AutoTokenizer
@@ -278,7 +288,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                                 params_dtype=self.params_dtype, vocab_multiple=int(m["vocab_multiple"]),
                                 attention=m.get("attention", "flash"), spec=m.get("layer_spec", "local"),
                                 head=m.get("head", "auto"), ep=self.ep, moe=self._moe_settings(m),
-                                freeze_router=bool(m.get("moe", {}).get("freeze_router", False)), **overrides)
+                                freeze_router=bool(m.get("moe", {}).get("freeze_router", False)),
+                                routing_replay=routing_replay, **overrides)
         # micro-batch layout (megatron.schedule): packed THD with openrlhf.packing_samples, else
         # right-aligned padded rows (FlashCoreAttention) or Megatron's masked local attention
         self.layout = ("thd" if args.ds.packing_samples else
@@ -345,11 +356,14 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         groups = self._row_groups(lengths, per)
         mbs = [{"input_ids": sequences[g].to(dev), "attention_mask": attention_mask[g].to(dev),
                 "input_ids_cpu": sequences[g].cpu(), "attention_mask_cpu": attention_mask[g].cpu()} for g in groups]
+        if self.r3:  # the rollout's routes, replayed; how many the router would have chosen otherwise is counted
+            for mb in mbs:
+                mb["routed_experts"] = self.routes.tensor(mb["input_ids_cpu"], mb["attention_mask_cpu"]).to(dev)
         self.model.eval()
         with torch.no_grad():
             out = forward_backward(self.model, mbs, None, vocab_size=self.vocab_size, temperature=self.temperature,
                                    chunk_size=self.entropy_chunk, forward_only=True, layout=self.layout,
-                                   nucleus_top_p=top_p)
+                                   nucleus_top_p=top_p, route_stats=self._rollout_route_stats)
         self.model.train()
         # log-probs, entropy and (under top-p) log P(nucleus), each [B, S-1]
         vals = [torch.zeros(B, S - 1, dtype=torch.float32, device=dev) for _ in range(3 if top_p < 1 else 2)]
@@ -382,6 +396,13 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         self._keep_behaviour_entropy(sequences, attention_mask, (en[:, -A:] * am).cpu(),
                                      None if lm is None else (lm[:, -A:] * am).cpu())
         return (lp[:, -A:] * am).cpu()
+
+    def set_routes(self, routes: dict[str, list]) -> None:
+        """This step's rollout routes (R3): ``row fingerprint -> [routes]`` (Ray references from the
+        engines, or arrays), from the controller before the step's first forward (routes.py)."""
+        if not self.r3:
+            raise RuntimeError("set_routes: the actor was built without megatron.moe.routing_replay: r3")
+        self.routes.set(routes)
 
     # ------------------------------------------------------------ training
     def append(self, experience: Experience) -> None:
@@ -425,6 +446,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                 mb["rollout_log_probs"] = e.rollout_log_probs.to(dev)
             if e.base_action_log_probs is not None:  # the KL reference's (algo.kl.use_loss)
                 mb["base_log_probs"] = e.base_action_log_probs.to(dev)
+            if self.r3:  # the rollout's routes, replayed in the training forward too
+                mb["routed_experts"] = self.routes.tensor(mb["input_ids_cpu"], mb["attention_mask_cpu"]).to(dev)
             if os.environ.get(DUMP_ENV):
                 mb["rows"] = [row[m.bool()].tolist() for row, m in zip(e.sequences, e.attention_mask)]
             out.append(mb)
@@ -586,6 +609,10 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
             from ...megatron.moe import reduce_route_stats
 
             status.update(reduce_route_stats(route_stats, self.hf_config))
+        if self.r3:  # the old-log-prob forwards: the weights the engines rolled out with
+            got = reduce_route_stats(self._rollout_route_stats, self.hf_config)
+            status["moe/rollout_routes_differed_fraction"] = got.get("moe/replay_differed_fraction", 0.0)
+            self._rollout_route_stats = {}
         return status
 
     # --------------------------------------------------------- weight sync

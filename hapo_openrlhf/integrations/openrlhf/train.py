@@ -148,19 +148,22 @@ def with_logprobs_mode(create: Callable, mode: str | None) -> Callable:
 
 
 @contextlib.contextmanager
-def installed(backend: str = "openrlhf", logprobs_mode: str | None = None):
+def installed(backend: str = "openrlhf", logprobs_mode: str | None = None, routed_experts: bool = False):
     """Point OpenRLHF's driver-side names at the hapo subclasses (restored on exit):
-    the policy actor (DeepSpeed or Megatron), the controller, and -- where the correction
-    asks the engines for log-probs -- the engines' ``logprobs_mode`` (:func:`with_logprobs_mode`)."""
+    the policy actor (DeepSpeed or Megatron), the controller, where the correction asks
+    the engines for log-probs the engines' ``logprobs_mode`` (:func:`with_logprobs_mode`),
+    and under rollout routing replay the rollout actor ``create_vllm_engines`` builds
+    (``routes.routed_rollout_actor``: engines that return their routed experts)."""
     import openrlhf.cli.train_ppo_ray as cli
     import openrlhf.trainer.ppo_trainer as pt
     import openrlhf.trainer.ppo_trainer_async as pta
+    import openrlhf.trainer.ray.vllm_engine as ve
 
     from .trainer import HapoPPOTrainer
     from .trainer_async import HapoPPOTrainerAsync
 
     saved = (cli.PolicyModelActor, cli.ReferenceModelActor, pt.PPOTrainer, pta.PPOTrainerAsync,
-             cli.create_vllm_engines)
+             cli.create_vllm_engines, ve.RolloutRayActor)
     cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync = (policy_actor_class(backend), HapoPPOTrainer,
                                                                 HapoPPOTrainerAsync)
     if backend == "megatron":  # the KL reference (kl_coef > 0): a frozen GPTModel under the policy's layout
@@ -169,11 +172,15 @@ def installed(backend: str = "openrlhf", logprobs_mode: str | None = None):
         cli.ReferenceModelActor = MegatronReferenceActor
     if logprobs_mode is not None:
         cli.create_vllm_engines = with_logprobs_mode(cli.create_vllm_engines, logprobs_mode)
+    if routed_experts:
+        from .routes import routed_rollout_actor
+
+        ve.RolloutRayActor = routed_rollout_actor(ve.RolloutRayActor)
     try:
         yield
     finally:
         (cli.PolicyModelActor, cli.ReferenceModelActor, pt.PPOTrainer, pta.PPOTrainerAsync,
-         cli.create_vllm_engines) = saved
+         cli.create_vllm_engines, ve.RolloutRayActor) = saved
 
 
 def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None:
@@ -183,8 +190,10 @@ def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None
         raise ValueError("hapo estimators are critic-free; OpenRLHF was asked for a critic")
     from .flags import engine_logprobs_mode
 
+    from .routes import enabled
+
     args.hapo = {**cfg.to_dict(), "output_dir": str(out or cfg.output_dir)}
-    with installed(cfg.backend, engine_logprobs_mode(cfg)):
+    with installed(cfg.backend, engine_logprobs_mode(cfg), routed_experts=enabled(args.hapo)):
         cli.train(args)
 
 

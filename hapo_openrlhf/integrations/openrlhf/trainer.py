@@ -19,6 +19,7 @@ from openrlhf.trainer.ppo_trainer import PPOTrainer
 from ...algos.losses import loss_observe
 from ...local.logger import read_jsonl_records, record_line
 from ...preemption import Preempted, request_flag
+from . import routes
 from .experience import HapoExperienceMaker
 
 
@@ -67,6 +68,14 @@ class HapoControllerMixin:
         self.step_limit = StepLimit(int(self.args.hapo["trainer"]["steps"]))
         self._last_client_states: dict | None = None  # what the last step passed to save_logs_and_checkpoints
         self._last_saved_step = 0
+
+    def _send_routes(self, rollout_samples) -> None:
+        """Rollout routing replay (routes.py): every policy actor gets this step's table of row
+        fingerprint -> routes reference before the step's first forward."""
+        if not routes.enabled(self.args.hapo):
+            return
+        table = routes.route_table(rollout_samples)
+        ray.get(self.actor_model_group.async_run_method(method_name="set_routes", routes=table))
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
@@ -150,6 +159,8 @@ class HapoPPOTrainerImpl(HapoControllerMixin, PPOTrainer.__ray_actor_class__):
         super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                          reference_model_group, vllm_engines, **generate_kwargs)
         self._hapo_setup()
+        if routes.enabled(self.args.hapo):
+            routes.carry_routes(self.samples_generator)
         self.samples_generator.generate_samples = self._stop_after_generation(
             self.step_limit.wrap(self.samples_generator.generate_samples))
 
@@ -169,6 +180,7 @@ class HapoPPOTrainerImpl(HapoControllerMixin, PPOTrainer.__ray_actor_class__):
         return generate_then_check
 
     def train_step(self, rollout_samples, global_step: int):
+        self._send_routes(rollout_samples)
         status, step = super().train_step(rollout_samples, global_step)
         self.step_limit.step = step
         self._log_metrics(step, status)

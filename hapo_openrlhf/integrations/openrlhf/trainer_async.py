@@ -41,6 +41,7 @@ import ray
 from openrlhf.trainer import ppo_trainer_async as pta
 from ray.util.queue import Empty, Queue
 
+from . import routes
 from .trainer import HapoControllerMixin
 
 
@@ -85,6 +86,8 @@ class HapoGenerateSamplesActorImpl(pta.GenerateSamplesActor.__ray_actor_class__)
         super().__init__(pretrain, strategy, vllm_engines, vllm_lock=vllm_lock, rollout_queue=rollout_queue,
                          rollout_slots=rollout_slots, **generate_kwargs)
         self.hapo_state = hapo_state
+        if routes.enabled(self.args.hapo):
+            routes.carry_routes(self.samples_generator)
         generate = self.samples_generator.generate_samples
 
         def generate_with_versions(**kwargs):
@@ -142,6 +145,7 @@ class HapoTrainingActorImpl(HapoControllerMixin, pta.TrainingActor.__ray_actor_c
     def train_step(self, rollout_samples, global_step: int):
         versions = ray.get(self.hapo_state.pop.remote())
         self._weights_step = global_step + 1  # the sync inside train_step carries the updated weights
+        self._send_routes(rollout_samples)
         status, step = super().train_step(rollout_samples, global_step)
         if versions is not None:
             v0, v1 = versions

@@ -132,7 +132,8 @@ def test_megatron_configs_are_shipped_and_checked():
                           ("megatron.moe.dispatcher=flex", "alltoall or allgather"),
                           ("megatron.moe.aux_loss_coeff=-0.01", "aux_loss_coeff must be >= 0"),
                           ("megatron.moe.routing_replay=r4", "off or r3"),
-                          ("megatron.moe.routing_replay=r3", "vLLM 0.29's CPU MoE kernel cannot return them")]:
+                          ("megatron.moe.routing_replay=r3,megatron.recompute=true",
+                           "recomputed forward would replay a later micro-batch's routes")]:
         with pytest.raises(ValueError, match=msg):
             load_config(base, override.split(","))
     # what the Megatron back end now runs: packed THD micro-batches by a token budget; SP with TE's spec

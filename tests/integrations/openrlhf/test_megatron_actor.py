@@ -112,7 +112,7 @@ def _args(tmp_path, sets):
     return cfg, args
 
 
-def _worker(rank, world, port, args, model_dir, per_rank, out_dir):
+def _worker(rank, world, port, args, model_dir, per_rank, out_dir, routes=None):
     from tests.megatron.cuda_shim import install
 
     install()
@@ -125,6 +125,8 @@ def _worker(rank, world, port, args, model_dir, per_rank, out_dir):
     actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir),
                                      max_steps=4, vllm_engines=None)
     mine = per_rank[rank]
+    if routes is not None:  # R3: what the controller sends before the step's first forward
+        actor.set_routes(routes)
     if actor.loss_fn.signals_top_p is not None:  # PAEC: what the experience maker sends before the anchor
         actor.set_loss_state({"h_low": None})
     lps = [actor.forward(e.sequences, e.action_mask, e.attention_mask) for e in mine]
@@ -145,8 +147,9 @@ def _base_log_probs(lp, e):
     return (lp - 0.3 * e.advantages.roll(1, -1).abs()) * e.action_mask
 
 
-def _reference(cfg, args, model_dir, per_rank, dp, gas):
-    """HF model + HapoPolicyLoss + AdamW on the same rows, window by window."""
+def _reference(cfg, args, model_dir, per_rank, dp, gas, replay=None):
+    """HF model + HapoPolicyLoss + AdamW on the same rows, window by window (``replay``: (routes by
+    row tokens, counts): every forward routes as the rollout recorded, :func:`_replaying`)."""
     from openrlhf.utils.deepspeed.deepspeed_utils import get_optimizer_grouped_parameters
     from transformers import AutoModelForCausalLM
 
@@ -157,6 +160,8 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas):
     from hapo_openrlhf.integrations.openrlhf.actor import loss_from_config
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if replay is not None:
+        model = _replaying(model, *replay)
     adam = args.actor.adam
     # OpenRLHF's DeepSpeed actor's parameter groups: no weight decay on biases and norm weights
     opt = torch.optim.AdamW(get_optimizer_grouped_parameters(model, adam.weight_decay), lr=adam.lr,
@@ -219,6 +224,49 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas):
     return model, norms, losses, kls
 
 
+def _recorded_routes(model_dir, data):
+    """Rollout routes of every row (R3): the top-k of an "engine" whose routers were perturbed, so
+    that it routes differently from the trainer -- ``[n - 1, layers, k]`` per row, as vLLM returns
+    them -- keyed by the row's tokens, and the table the controller would send."""
+    from transformers import AutoModelForCausalLM
+
+    from hapo_openrlhf.integrations.openrlhf.routes import row_fingerprint
+
+    engine = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in engine.model.layers:
+            layer.mlp.gate.weight.add_(0.8 * torch.randn(layer.mlp.gate.weight.shape, generator=g))
+    k = engine.config.num_experts_per_tok
+    by_tokens = {}
+    for e in data:
+        for ids, _ in _rows(e):
+            with torch.no_grad():
+                logits = engine(ids[None, :-1], output_router_logits=True).router_logits
+            by_tokens[tuple(ids.tolist())] = torch.stack([torch.topk(lg, k, -1).indices for lg in logits], 1).to(
+                torch.int16).numpy()
+    return by_tokens, {row_fingerprint(list(t)): [r] for t, r in by_tokens.items()}
+
+
+def _replaying(model, by_tokens, counts):
+    """A Hugging Face model that routes each row as recorded (test_moe._forced; the last token,
+    unrecorded, takes experts 0..k-1), counting the routings its own routers would have chosen otherwise."""
+    from tests.megatron.test_moe import _forced
+
+    k = model.config.num_experts_per_tok
+    current = {}
+    forward = model.forward
+
+    def replaying_forward(*a, input_ids=None, **kw):
+        r = torch.as_tensor(by_tokens[tuple(input_ids[0].tolist())]).long()
+        current["routes"] = torch.cat([r, torch.arange(k).expand(1, r.shape[1], k)])
+        return forward(*a, input_ids=input_ids, **kw)
+
+    model.forward = replaying_forward
+    _forced(model, lambda: current["routes"], counts)
+    return model
+
+
 PACKED = ["openrlhf.packing_samples=true"]
 BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=20"]
 
@@ -250,6 +298,10 @@ BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=2
     # dispatcher; a 16-token budget gives the two ranks 2 and 4 micro-batches in a step: evened out to 4
     ("ep2_qwen3_moe_packed_budget", ["megatron.expert_parallel=2", *PACKED, "openrlhf.dynamic_batch=true",
                                      "openrlhf.max_tokens_per_gpu=16"], False, "qwen3_moe"),
+    # ... with rollout routing replay (R3): routes recorded by an engine whose routers differ, sent as the
+    # controller sends them (row fingerprint -> routes), replayed in the old-log-prob and training forwards;
+    # the reference routes every row as recorded. Right-aligned padded rows here (packed THD: the e2e test)
+    ("ep2_qwen3_moe_r3_padded", ["megatron.expert_parallel=2", "megatron.moe.routing_replay=r3"], False, "qwen3_moe"),
     # ... and at TP=2 with Transformer Engine's spec (the stand-in) and sequence parallelism: each expert split
     # over the two TP ranks (expert tensor parallelism), each rank routing its half of the tokens
     ("tp2_te_sequence_parallel_qwen3_moe", ["megatron.tensor_parallel=2", "megatron.layer_spec=te",
@@ -272,15 +324,21 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
     per_rank = [data[(r // mp_size) * k: (r // mp_size + 1) * k] for r in range(2)]
     out = tmp_path / "out"
     out.mkdir()
+    table, replay_counts = None, None
+    if cfg.megatron.moe.routing_replay == "r3":
+        by_tokens, table = _recorded_routes(model_dir, data)
+        replay_counts = {"old": {}, "train": {}}
     if cfg.megatron.layer_spec == "te":
         from tests.megatron._dist import spawn_te
 
         spawn_te("tests.integrations.openrlhf.test_megatron_actor:_worker", 2, 2, _free_port(), args, model_dir,
                  per_rank, str(out), process_group=False)
     else:
-        start(_worker, 2, (2, _free_port(), args, model_dir, per_rank, str(out)))
+        start(_worker, 2, (2, _free_port(), args, model_dir, per_rank, str(out), table))
 
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if table is not None:
+        ref_model = _replaying(ref_model, by_tokens, replay_counts["old"])
     got = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     # old log-probs (rank 0 of every replica answers the controller) and behaviour entropy
     with torch.no_grad():
@@ -304,7 +362,8 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
             if args.algo.kl.use_loss:
                 e.base_action_log_probs = _base_log_probs(lp, e)
     gas = cfg.openrlhf.train_batch_size // (cfg.openrlhf.micro_train_batch_size * dp)
-    ref, norms, losses, kls = _reference(cfg, args, model_dir, [per_rank[r] for r in range(0, 2, mp_size)], dp, gas)
+    ref, norms, losses, kls = _reference(cfg, args, model_dir, [per_rank[r] for r in range(0, 2, mp_size)], dp, gas,
+                                         replay=None if table is None else (by_tokens, replay_counts["train"]))
     routers = None
     if family == "qwen3_moe":
         kls, routers = kls
@@ -333,6 +392,17 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
         assert st["moe/router_entropy"] == pytest.approx(routers["moe/router_entropy"], rel=1e-5)
         assert st["moe/expert_load_max_over_mean"] == pytest.approx(routers["moe/expert_load_max_over_mean"], rel=1e-6)
         assert st["moe/dropped_routings"] == 0.0  # dropless
+        if replay_counts is not None:  # R3: the routings the trainer's routers would have chosen otherwise
+            old, train = (replay_counts[k] for k in ("old", "train"))
+            L = ref_model.config.num_hidden_layers  # every recorded token, every layer, once in the old pass
+            assert old["tokens"] == sum(len(ids) - 1 for e in data for ids, _ in _rows(e)) * L
+            assert st["moe/rollout_routes_differed_fraction"] == pytest.approx(old["differed"] / old["tokens"])
+            assert st["moe/replay_differed_fraction"] == pytest.approx(train["differed"] / train["tokens"])
+            assert 0.05 < st["moe/rollout_routes_differed_fraction"] < 0.95  # the perturbed engine routes apart
+            print(f"R3 actor: {old['differed']}/{old['tokens']} rollout routings differ from the trainer's own "
+                  f"(old-log-prob pass), {train['differed']}/{train['tokens']} in training")
+        else:
+            assert "moe/replay_differed_fraction" not in st and "moe/rollout_routes_differed_fraction" not in st
     else:
         assert not any(k.startswith("moe/") for k in st)
 

@@ -16,7 +16,11 @@ every Ray worker. Nothing in ``hapo_openrlhf`` depends on it.
    ``generate`` on CPU, with vLLM's ``pause_generation`` / ``resume_generation`` (the
    async trainer's weight sync under partial rollouts) and its count of unfinished
    requests. Upstream's ``generate_responses`` (and so its
-   ``SingleTurnAgentExecutor`` and reward-function call) run unchanged.
+   ``SingleTurnAgentExecutor`` and reward-function call) run unchanged. Started with
+   vLLM's ``enable_return_routed_experts`` (rollout routing replay: hapo layers its
+   ``RoutedExpertsRollout`` over this engine as over vLLM's), it returns each response's
+   routed experts as vLLM 0.29 does -- ``[prompt + response - 1, layers, k]``, each token's
+   top-k of the model's own router, from one forward of the whole sequence.
 Plus, outside this file: ``stubs/`` (import-only ``vllm`` and ``flash_attn``, put on
 the path when the real packages are absent), ``ray.init(num_gpus=N)`` so Ray's
 ``num_gpus=1`` actors can be scheduled, and, for real vLLM engines (item 5 not
@@ -157,7 +161,7 @@ class CpuRolloutActorImpl(_rollout_base()):
     """OpenRLHF's rollout actor with Hugging Face ``generate`` in place of vLLM."""
 
     async def __init__(self, model: str, seed: int = 0, remote_rm_url=None, max_model_len: int = 2048,
-                       logprobs_mode=None, **_kw):
+                       logprobs_mode=None, enable_return_routed_experts: bool = False, **_kw):
         import torch
         from openrlhf.utils.agent import SingleTurnAgentExecutor
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,6 +172,7 @@ class CpuRolloutActorImpl(_rollout_base()):
         self.params = dict(self.model.named_parameters())
         self.seed = seed
         self.logprobs_mode = logprobs_mode or "raw_logprobs"  # vLLM's default
+        self.return_routes = enable_return_routed_experts
         self.calls = 0
         self._mm_pad_token_ids = None
         self._group = None
@@ -217,8 +222,20 @@ class CpuRolloutActorImpl(_rollout_base()):
                                  f"not {self.logprobs_mode}")
             lp = all_lp.gather(-1, torch.tensor(new)[:, None])[:, 0].tolist()
             logprobs = [{t: SimpleNamespace(logprob=v)} for t, v in zip(new, lp)]
+        routes = self._routes(prompt_token_ids + new) if self.return_routes else None
         return SimpleNamespace(outputs=[SimpleNamespace(token_ids=new, text=text, finish_reason=finish,
-                                                        logprobs=logprobs)])
+                                                        logprobs=logprobs, routed_experts=routes)])
+
+    def _routes(self, tokens):
+        """vLLM 0.29's ``CompletionOutput.routed_experts``: [len - 1, layers, k] int, the router's
+        top-k for every token a forward took as input (all but the last)."""
+        import torch
+
+        k = int(self.model.config.num_experts_per_tok)
+        with torch.no_grad():
+            logits = self.model(torch.tensor([tokens[:-1]]), output_router_logits=True).router_logits
+        return torch.stack([torch.topk(lg.float().view(len(tokens) - 1, -1), k, dim=-1).indices for lg in logits],
+                           1).to(torch.int16).numpy()
 
     def get_num_unfinished_requests(self) -> int:
         return self._inflight
@@ -284,7 +301,11 @@ def create_cpu_engines(num_engines, tensor_parallel_size, pretrain, seed, full_d
 
     if tensor_parallel_size != 1 or agent_func_path:
         raise ValueError("the CPU rollout engine supports tensor_parallel_size 1 and single-turn rewards only")
-    actor = ray.remote(CpuRolloutActorImpl)
+    # what hapo layered over OpenRLHF's rollout actor (routes.RoutedExpertsRollout), over this engine too
+    import openrlhf.trainer.ray.vllm_engine as ve
+
+    mixins = getattr(ve.RolloutRayActor.__ray_actor_class__, "hapo_engine_mixins", ())
+    actor = ray.remote(type("CpuRolloutActor", (*mixins, CpuRolloutActorImpl), {}) if mixins else CpuRolloutActorImpl)
     return [actor.options(num_cpus=0, num_gpus=0).remote(model=pretrain, seed=seed + i, remote_rm_url=remote_rm_url,
                                                          max_model_len=max_model_len, logprobs_mode=logprobs_mode)
             for i in range(num_engines)]
