@@ -137,6 +137,7 @@ def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
                      ("megatron_optimizer_resume_bitwise", lambda: _smoke_optimizer_resume(work)),
                      ("megatron_te_spec_vs_hf", lambda: _smoke_te_spec(work)),
                      ("megatron_moe_vs_hf", lambda: _smoke_moe(work)),
+                     ("vllm_routed_experts_vs_hf", lambda: _smoke_vllm_routes(work)),
                      ("openrlhf_loop_vllm_sleep_stop_resume", lambda: _smoke_openrlhf_loop(work)),
                      ("megatron_tp1_loop", lambda: _smoke_openrlhf_loop(work, "megatron"))):
         t0 = time.perf_counter()
@@ -616,6 +617,66 @@ def moe_check(device: str = "cuda") -> dict:
     return {"ok": loaded and exact and lp_err < 2e-3 and en_err < 2e-3 and router_err < 1e-4,
             "loaded_strict": loaded, "stream_exact": exact, "logprob_max_abs_err": lp_err,
             "entropy_max_abs_err": en_err, "router_entropy_abs_err": router_err}
+
+
+def _smoke_vllm_routes(work: Path) -> dict:
+    """Rollout routing replay's engine side on the installed vLLM (docs/megatron.md, "Rollout
+    routing replay"): :func:`vllm_routes_check` in a child process (vLLM holds its GPU memory)."""
+    return _check_in_child(work, "vllm_routes_check", 29545, ("vllm",))
+
+
+def vllm_routes_check(device: str = "cuda") -> dict:
+    """vLLM started with ``enable_return_routed_experts`` (what ``megatron.moe.routing_replay: r3``
+    starts its engines with) on a tiny random Qwen3-MoE returns, per request, routes
+    [prompt + response - 1, layers, k] (every token a forward took as input); against Hugging Face's
+    router top-k of the same tokens in fp32 (the engine runs bf16: a near tie may flip, as the CPU
+    proxy in test_moe.py measured), at least 90% of the (token, layer) routings are the same set."""
+    import tempfile
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from .local.model import build_tokenizer
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    hf = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)  # decisive routing
+    d = Path(tempfile.mkdtemp(prefix="hapo_vllm_routes_"))
+    hf.save_pretrained(d)
+    build_tokenizer().save_pretrained(d)
+    llm = LLM(model=str(d), dtype="bfloat16", enable_return_routed_experts=True, enforce_eager=True,
+              gpu_memory_utilization=0.2, max_model_len=256)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=1.0, seed=0, ignore_eos=True))
+    hf = hf.to(device)
+    shapes, same, total = [], 0, 0
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        routes = getattr(c, "routed_experts", None)
+        tokens = p + list(c.token_ids)
+        shapes.append(None if routes is None else list(routes.shape))
+        if routes is None or list(routes.shape) != [len(tokens) - 1, 2, 2]:
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokens[:-1]], device=device), output_router_logits=True).router_logits
+        for i, lg in enumerate(logits):
+            want = torch.topk(lg.float(), 2, -1).indices.sort(-1).values.cpu()
+            got = torch.as_tensor(routes[:, i]).long().sort(-1).values
+            same += int((got == want).all(-1).sum())
+            total += len(want)
+    agree = same / total if total else 0.0
+    ok = all(s is not None for s in shapes) and total == sum(len(p) + 15 for p in prompts) * 2 and agree >= 0.9
+    return {"ok": ok, "routes_shapes": shapes, "routings": total, "same_as_hf": agree}
 
 
 def _ddp_step_child(overlap: bool = True) -> None:

