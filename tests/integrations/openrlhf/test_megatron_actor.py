@@ -302,6 +302,12 @@ BUDGET = [*PACKED, "openrlhf.dynamic_batch=true", "openrlhf.max_tokens_per_gpu=2
     # controller sends them (row fingerprint -> routes), replayed in the old-log-prob and training forwards;
     # the reference routes every row as recorded. Right-aligned padded rows here (packed THD: the e2e test)
     ("ep2_qwen3_moe_r3_padded", ["megatron.expert_parallel=2", "megatron.moe.routing_replay=r3"], False, "qwen3_moe"),
+    # ... through pipeline stages (each replays its own layers' routes) on packed rows, and at TP=2 with
+    # TE's spec + sequence parallelism (each TP rank replays its share of the tokens)
+    ("pp2_qwen3_moe_r3_packed", ["megatron.pipeline_parallel=2", "megatron.moe.routing_replay=r3", *PACKED], False,
+     "qwen3_moe"),
+    ("tp2_te_sp_qwen3_moe_r3", ["megatron.tensor_parallel=2", "megatron.layer_spec=te", "megatron.sequence_parallel=true",
+                                "megatron.moe.routing_replay=r3", *BUDGET], False, "qwen3_moe"),
     # ... and at TP=2 with Transformer Engine's spec (the stand-in) and sequence parallelism: each expert split
     # over the two TP ranks (expert tensor parallelism), each rank routing its half of the tokens
     ("tp2_te_sequence_parallel_qwen3_moe", ["megatron.tensor_parallel=2", "megatron.layer_spec=te",
@@ -332,7 +338,7 @@ def test_megatron_actor_matches_hf_reference(tmp_path, name, sets, tied, family)
         from tests.megatron._dist import spawn_te
 
         spawn_te("tests.integrations.openrlhf.test_megatron_actor:_worker", 2, 2, _free_port(), args, model_dir,
-                 per_rank, str(out), process_group=False)
+                 per_rank, str(out), table, process_group=False)
     else:
         start(_worker, 2, (2, _free_port(), args, model_dir, per_rank, str(out), table))
 
