@@ -714,6 +714,8 @@ def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
     # a field whose config key is a Python keyword carries it as metadata (openrlhf.async -> async_)
     field_of = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
     names = list(field_of)
+    # an "off | ..." switch: YAML 1.1 reads a bare `off` as false (`routing_replay: off`)
+    offs = {f.name for f in dataclasses.fields(cls) if f.default == "off"}
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
@@ -721,6 +723,8 @@ def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
             close = difflib.get_close_matches(str(k), names, n=1)
             hint = f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
             raise ValueError(f"unknown config key {key!r}{hint}")
+        if v is False and field_of[k] in offs:
+            v = "off"
         kwargs[field_of[k]] = _coerce(v, hints[field_of[k]], key)
     try:
         return cls(**kwargs)

@@ -73,6 +73,20 @@ def test_overrides_and_scientific_notation(tmp_path):
         apply_overrides({}, ["trainer.steps"])
 
 
+def test_an_off_switch_written_bare_in_yaml_reads_as_off(tmp_path):
+    """YAML 1.1 reads a bare `off` as false: the "off | ..." switches (their default is "off") take
+    it as "off"; any other boolean is still refused by name."""
+    p = tmp_path / "c.yaml"
+    p.write_text("algorithm:\n  is_correction: {level: off}\nmegatron:\n  moe: {routing_replay: off}\n")
+    cfg = load_config(p)
+    assert cfg.algorithm.is_correction.level == "off" and cfg.megatron.moe.routing_replay == "off"
+    assert load_config(p, ["megatron.moe.routing_replay=r3"]).megatron.moe.routing_replay == "r3"
+    with pytest.raises(ValueError, match="megatron.moe.routing_replay: expected a string, got True"):
+        load_config(p, ["megatron.moe.routing_replay=on"])
+    with pytest.raises(ValueError, match="run_name: expected a string, got False"):
+        load_config(p, ["run_name=off"])
+
+
 def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         load_config(tmp_path / "nope.yaml")

