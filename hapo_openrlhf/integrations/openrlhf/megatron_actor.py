@@ -158,6 +158,8 @@ def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelActor):
+    r3 = False  # rollout routing replay (the policy under megatron.moe.routing_replay: r3; never the reference)
+    _rollout_route_stats: dict | None = None
     # ------------------------------------------------------------------ setup
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         from transformers.trainer import get_scheduler
@@ -613,6 +615,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
             got = reduce_route_stats(self._rollout_route_stats, self.hf_config)
             status["moe/rollout_routes_differed_fraction"] = got.get("moe/replay_differed_fraction", 0.0)
             self._rollout_route_stats = {}
+            self.routes.set({})  # the step's routes are spent: their object-store references go now
         return status
 
     # --------------------------------------------------------- weight sync
