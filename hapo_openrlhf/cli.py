@@ -82,6 +82,8 @@ def _eval(args) -> int:
 
     from .eval.engines import check_local_model
 
+    if args.vllm_enforce_eager and args.engine == "hf":
+        raise ValueError("--vllm-enforce-eager is a vLLM setting; --engine hf does not take it")
     benches = parse_benchmarks(args.benchmarks)
 
     def settings_with(template: str) -> EvalSettings:
@@ -94,7 +96,8 @@ def _eval(args) -> int:
     settings = settings_with(resolve_template(args.model, args.template))
     out = args.output_dir or str(Path(args.model) / "eval")
     console = Console(stderr=True)
-    engine = make_engine(args.engine, args.model)
+    engine = make_engine(args.engine, args.model,
+                         **({"enforce_eager": True} if args.vllm_enforce_eager else {}))
     report = run_eval(engine, args.model, benches, settings, out,
                       progress=lambda b, d, n: console.print(f"{b}: {d}/{n} problems", highlight=False))
     print(markdown_table(args.model, report["results"]))
@@ -288,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     e.add_argument("--batch-prompts", type=int, default=16)
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--vllm-enforce-eager", action="store_true",
+                   help="vLLM: no compiled graphs (torch.compile, CUDA graphs): starts faster, decodes slower")
     e.set_defaults(fn=_eval)
     s = sub.add_parser("submit", help="render the sbatch script for a run config and submit it")
     s.add_argument("config")

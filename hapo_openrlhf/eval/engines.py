@@ -73,11 +73,14 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, model_path: str, tensor_parallel_size: int = 1, max_model_len: int | None = None):
+    def __init__(self, model_path: str, tensor_parallel_size: int = 1, max_model_len: int | None = None,
+                 enforce_eager: bool = False):
         from vllm import LLM
 
+        # enforce_eager: no compiled graphs (vLLM's torch.compile and CUDA-graph capture): a faster start,
+        # slower decoding -- for a short evaluation
         self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-                       trust_remote_code=False)
+                       trust_remote_code=False, enforce_eager=enforce_eager)
         self.tokenizer = self.llm.get_tokenizer()
         self.max_prompt_tokens = self.llm.model_config.max_model_len - 1
         self.prompt_limit = f"vLLM's max_model_len of {self.max_prompt_tokens + 1} positions"

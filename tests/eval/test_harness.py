@@ -125,13 +125,15 @@ def test_eval_bad_input_is_one_clear_line(tmp_path):
     assert res.returncode == 2 and "model directory" in res.stderr and "not found" in res.stderr
     res = run_cli(["eval", "--model", str(tmp_path), "--template", "tiny", "--k", "0"])
     assert res.returncode == 2 and "--k and --limit must be >= 1" in res.stderr
+    res = run_cli(["eval", "--model", str(tmp_path), "--engine", "hf", "--vllm-enforce-eager"])
+    assert res.returncode == 2 and "--vllm-enforce-eager is a vLLM setting; --engine hf does not take it" in res.stderr
 
 
 @pytest.mark.slow
 def test_vllm_engine_evaluates_on_vllm_cpu(tmp_path):
     """``--engine vllm`` through real vLLM (vllm-cpu; head_dim 64 for its CPU attention), in
     the Python that has it: results for every benchmark, k samples per problem, token counts
-    within --max-new-tokens, the engine recorded."""
+    within --max-new-tokens, the engine recorded (eager: ``--vllm-enforce-eager`` reaches vLLM)."""
     from hapo_openrlhf.config import ModelConfig
     from hapo_openrlhf.local.model import build_model, build_tokenizer, save_hf
     from tests.conftest import VLLM_CPU_ENV, needs_vllm
@@ -144,7 +146,8 @@ def test_vllm_engine_evaluates_on_vllm_cpu(tmp_path):
     (model / "hapo.json").write_text('{"template": "tiny"}')
     out = tmp_path / "eval"
     cmd = [python, "-m", "hapo_openrlhf", "eval", "--model", str(model), "--output-dir", str(out), "--engine", "vllm",
-           "--benchmarks", "aime24,math500", "--limit", "4", "--k", "2", "--max-new-tokens", "12", "--batch-prompts", "2"]
+           "--benchmarks", "aime24,math500", "--limit", "4", "--k", "2", "--max-new-tokens", "12", "--batch-prompts", "2",
+           "--vllm-enforce-eager"]  # no torch.compile at start: ~40% of this test's CPU
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **VLLM_CPU_ENV})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     report = json.loads((out / "results.json").read_text())
