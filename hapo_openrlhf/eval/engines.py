@@ -136,9 +136,8 @@ def check_local_model(model_path: str) -> None:
 
 
 def make_engine(kind: str, model_path: str, **kw) -> Engine:
-    """``auto`` picks vLLM when CUDA and vllm are available, else Hugging Face on CPU."""
-    from pathlib import Path
-
+    """``auto`` picks vLLM when CUDA and vllm are available, else Hugging Face on CPU; ``kw``
+    goes to the vLLM engine (``enforce_eager``, ...)."""
     check_local_model(model_path)
     if kind == "auto":
         try:
