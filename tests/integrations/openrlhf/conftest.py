@@ -71,6 +71,18 @@ def warm_model_qwen3(tmp_path_factory):
     return _warm(tmp_path_factory, "warm_qwen3", "qwen3")
 
 
+def moe_config_dir(path: Path, **config) -> Path:
+    """A model directory holding only a Qwen3-MoE config.json (6 experts, top-2; ``config``
+    overrides): what `hapo train` / `hapo doctor` read before anything starts."""
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, **config}))
+    return path
+
+
 def upcycle_to_moe(dense_dir: Path, out: Path, experts: int = 4, top_k: int = 2, seed: int = 0) -> Path:
     """Sparse upcycling of a dense Qwen3 into a Qwen3-MoE that computes nearly the same function:
     every expert a copy of the layer's MLP times (1 + 1% noise), so experts differ and the router

@@ -390,12 +390,14 @@ def test_a_moe_layout_the_actor_cannot_serve_is_refused_before_anything_starts(t
     """`hapo train` with backend megatron and a local Qwen3-MoE directory: the layout is checked
     against its config.json (families.check_actor_family) before Ray, the run lock or any file of
     the run: one named line, exit 2."""
-    model = tmp_path / "moe"
-    model.mkdir()
+    from tests.integrations.openrlhf.conftest import moe_config_dir
+
     # transformers 5.15 writes the expert count as num_local_experts (Qwen's releases: num_experts)
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_moe", "num_local_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "norm_topk_prob": True}))
+    model = tmp_path / "moe"
+    moe_config_dir(model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    (model / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "run"
     ep4 = ["megatron.tensor_parallel=1", "megatron.pipeline_parallel=1", "megatron.expert_parallel=4",
            f"model.path={model}"]

