@@ -308,7 +308,7 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
                      vocab_size: int, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
                      forward_only: bool = False, layout: str | None = None, nucleus_top_p: float = 1.0,
                      signals_top_p: float | None = None, route_stats: dict | None = None,
-                     aux_loss_normaliser: float | None = None) -> list[Any]:
+                     router_stats: bool = True, aux_loss_normaliser: float | None = None) -> list[Any]:
     """Run ``micro_batches`` (dicts with ``input_ids`` and ``attention_mask`` [B, S], plus
     whatever ``loss_fn`` reads) through the schedule on every rank of the model-parallel
     group. Returns, on the last pipeline stage, one entry per micro-batch: the metrics
@@ -321,7 +321,8 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     (``moe.RouteReplay``); ``route_stats`` then accumulates ``tokens`` and ``differed``: the
     recorded (token, layer) routings, and those the router would have chosen otherwise. For a
     MoE model ``route_stats`` also gathers the router statistics of the real tokens
-    (``moe.RouterMonitor``; ``moe.router_metrics`` turns them into logged values). Gradients accumulate into the
+    (``moe.RouterMonitor``; ``moe.router_metrics`` turns them into logged values) unless
+    ``router_stats`` is False (then only the replay's counts: no router GEMM recomputed). Gradients accumulate into the
     parameters (with Megatron's DDP wrapper, ``ddp.wrap``: into its fp32 buffers) unless
     ``forward_only``. A MoE model trained with a load-balancing loss (``moe_aux_loss_coeff`` > 0)
     needs ``aux_loss_normaliser``: the step's real tokens over every data-parallel rank divided by
@@ -372,7 +373,7 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     sp_tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
     moe = bool(getattr(config, "num_moe_experts", None))
     monitor = None
-    if route_stats is not None and getattr(config, "num_moe_experts", None):
+    if route_stats is not None and router_stats and getattr(config, "num_moe_experts", None):
         from .moe import RouterMonitor
 
         monitor = RouterMonitor(_unwrap(model))

@@ -365,7 +365,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         with torch.no_grad():
             out = forward_backward(self.model, mbs, None, vocab_size=self.vocab_size, temperature=self.temperature,
                                    chunk_size=self.entropy_chunk, forward_only=True, layout=self.layout,
-                                   nucleus_top_p=top_p, route_stats=self._rollout_route_stats)
+                                   nucleus_top_p=top_p, route_stats=self._rollout_route_stats,
+                                   router_stats=False)  # the replay's counts only (no entropy / load here)
         self.model.train()
         # log-probs, entropy and (under top-p) log P(nucleus), each [B, S-1]
         vals = [torch.zeros(B, S - 1, dtype=torch.float32, device=dev) for _ in range(3 if top_p < 1 else 2)]
