@@ -359,8 +359,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         mbs = [{"input_ids": sequences[g].to(dev), "attention_mask": attention_mask[g].to(dev),
                 "input_ids_cpu": sequences[g].cpu(), "attention_mask_cpu": attention_mask[g].cpu()} for g in groups]
         if self.r3:  # the rollout's routes, replayed; how many the router would have chosen otherwise is counted
-            for mb in mbs:
-                mb["routed_experts"] = self.routes.tensor(mb["input_ids_cpu"], mb["attention_mask_cpu"]).to(dev)
+            for mb in mbs:  # kept on the host: RowLayout.route_input moves one micro-batch's at a time
+                mb["routed_experts"] = self.routes.tensor(mb["input_ids_cpu"], mb["attention_mask_cpu"])
         self.model.eval()
         with torch.no_grad():
             out = forward_backward(self.model, mbs, None, vocab_size=self.vocab_size, temperature=self.temperature,
@@ -449,8 +449,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                 mb["rollout_log_probs"] = e.rollout_log_probs.to(dev)
             if e.base_action_log_probs is not None:  # the KL reference's (algo.kl.use_loss)
                 mb["base_log_probs"] = e.base_action_log_probs.to(dev)
-            if self.r3:  # the rollout's routes, replayed in the training forward too
-                mb["routed_experts"] = self.routes.tensor(mb["input_ids_cpu"], mb["attention_mask_cpu"]).to(dev)
+            if self.r3:  # the rollout's routes, replayed in the training forward too (on the host, as above)
+                mb["routed_experts"] = self.routes.tensor(mb["input_ids_cpu"], mb["attention_mask_cpu"])
             if os.environ.get(DUMP_ENV):
                 mb["rows"] = [row[m.bool()].tolist() for row, m in zip(e.sequences, e.attention_mask)]
             out.append(mb)
