@@ -11,7 +11,8 @@ from transformers import Qwen3MoeConfig
 
 from hapo_openrlhf.megatron.memory import estimate
 
-# TP x PP x EP x DP; TP > 1 needs sequence parallelism with MoE (the TE spec, not wired for MoE yet)
+# TP x PP x EP x DP; TP > 1 needs sequence parallelism with MoE (the TE spec); PP > 1 with EP > 1 is
+# refused by the config loader (megatron-core's rank-order assertion; docs/megatron.md): shown, marked
 LAYOUTS = [(1, 1, 8, 8), (1, 1, 8, 16), (1, 1, 16, 16), (1, 2, 8, 8), (1, 2, 16, 16), (1, 4, 8, 8),
            (1, 1, 32, 32), (2, 1, 8, 8), (2, 2, 8, 8)]
 RESERVE_GB = 3.0  # CUDA context, NCCL buffers, fragmentation (left out of the arithmetic)
@@ -32,7 +33,9 @@ def main() -> None:
     for tp, pp, ep, dp in LAYOUTS:
         e = estimate(cfg, tp=tp, pp=pp, ep=ep, dp=dp, tokens=args.tokens, sequence_parallel=tp > 1)
         fits = e["total_gb"] + RESERVE_GB <= args.gpu_gb
-        note = "" if tp == 1 else " (needs TE + MoE: not yet)"
+        note = " (TE spec + sequence parallelism)" if tp > 1 else ""
+        if pp > 1 and ep > 1:
+            note += " -- refused: PP > 1 with EP > 1"
         print(f"| {tp} x {pp} x {ep} x {dp} | {tp * pp * dp} | {e['params_per_gpu_billion']:.2f}B | "
               f"{e['weights_gb']:.1f} | {e['grads_gb']:.1f} | {e['optimizer_gb']:.1f} | {e['activations_gb']:.1f} | "
               f"{e['total_gb']:.1f} | {'yes' if fits else 'no'}{note} |")

@@ -252,7 +252,7 @@ def _doctor(args) -> int:
     from .config import load_config
 
     checks = run_checks(load_config(args.config, args.set), static=args.static, output_dir=args.output_dir,
-                        interface=args.network_interface)
+                        interface=args.network_interface, dry_run=not args.no_dry_run, gpu_gb=args.gpu_gb)
     print(report(checks, as_json=args.json))
     return 1 if any(c.status == FAIL for c in checks) else 0
 
@@ -333,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--static", action="store_true", help="only what a login node can answer (no CUDA/NCCL)")
     d.add_argument("--network-interface", "--ray-interface", dest="network_interface", default=None,
                    help="check this network interface (the one hapo submit --network-interface names)")
+    d.add_argument("--no-dry-run", action="store_true",
+                   help="backend megatron: skip the full-size dry run of every rank role (meta device, fake "
+                        "process group; a few seconds)")
+    d.add_argument("--gpu-gb", type=float, default=None,
+                   help="GPU memory for the dry run's per-rank arithmetic (default: this node's GPUs, else 80)")
     d.add_argument("--gpu-smoke", action="store_true",
                    help="one GPU: fused head, bf16 GEMM, flash-attn varlen, algos on CUDA, OpenRLHF loop with a CUDA "
                         "vLLM engine + stop/resume, Megatron TP=1 (2 GPUs); --output-dir keeps its work")

@@ -612,6 +612,13 @@ class RunConfig:
                  f"backend megatron: expert_parallel {m.expert_parallel} must divide the data-parallel size {dp} "
                  f"(world {world} / tensor_parallel {m.tensor_parallel} / pipeline_parallel {m.pipeline_parallel}): "
                  f"expert parallelism is carved out of data parallelism")
+        _require(m.expert_parallel == 1 or m.pipeline_parallel == 1,
+                 f"backend megatron: expert_parallel {m.expert_parallel} with pipeline_parallel "
+                 f"{m.pipeline_parallel} cannot start: the actor orders ranks tp-ep-pp-dp so each data-parallel "
+                 f"replica is TP x PP consecutive actors (OpenRLHF's duplicate actors), and in that order "
+                 f"megatron-core asserts the attention and expert layers have the same data-parallel size, which "
+                 f"EP > 1 under PP > 1 breaks (parallel_state.initialize_model_parallel); use pipeline_parallel 1 "
+                 f"and a larger expert_parallel (docs/megatron.md, 'Mixture of experts')")
         _require(m.expert_parallel == 1 or m.moe.dispatcher == "alltoall",
                  "backend megatron: megatron.moe.dispatcher allgather gathers equal token counts from every "
                  "expert-parallel rank, and the actor's micro-batches differ in length across ranks: use alltoall")

@@ -396,12 +396,71 @@ def check_network(interface: str | None) -> Check:
     return Check("network interface", OK, f"one candidate: {listed}")
 
 
+def gpu_memory_gb() -> float:
+    """The memory of this node's smallest GPU, or 80 GB (an A100 / H100) where none is visible."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) / 2**30
+    return 80.0
+
+
+def check_dry_run(cfg: RunConfig, gpu_gb: float | None = None) -> list[Check]:
+    """backend megatron: every rank role of the layout started at full size on the meta device
+    under a fake process group (megatron/dryrun.py), in a child process; one line per role with
+    its memory, and the peak against ``gpu_gb``."""
+    import subprocess
+    import tempfile
+
+    from .config import dump_config
+    from .megatron.dryrun import RESERVE_GB
+
+    gpu_gb = gpu_memory_gb() if gpu_gb is None else gpu_gb
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(dump_config(cfg))
+        p = subprocess.run([sys.executable, "-m", "hapo_openrlhf.megatron.dryrun", "--config", str(path), "--json",
+                            "--gpu-gb", str(gpu_gb)], capture_output=True, text=True, timeout=900)
+    try:
+        run = json.loads(p.stdout)
+    except json.JSONDecodeError:
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        return [Check("dry run", FAIL, f"the full-size dry run did not finish (exit {p.returncode}): {last}",
+                      "run python -m hapo_openrlhf.megatron.dryrun --config CONFIG for the whole output")]
+    if run["error"]:
+        return [Check("dry run", FAIL, f"{run['model']} at TP {run['layout']['tp']} x PP {run['layout']['pp']} x "
+                                       f"EP {run['layout']['ep']} cannot start: {run['error']}",
+                      "change the layout (docs/megatron.md, 'Full-size dry run')")]
+    out = []
+    for r in run["ranks"]:
+        out.append(Check(f"dry run rank {r['rank']}", OK,
+                         f"{r['role']}: {r['params'] / 1e9:.2f}B params, {r['tensors_checked']} checkpoint tensors "
+                         f"fit; weights {r['weights_gb']:.1f} + grads {r['grads_gb']:.1f} + optimizer "
+                         f"{r['optimizer_gb']:.1f} + activations {r['activations_gb']:.1f} = {r['total_gb']:.1f} GB"))
+    msg = (f"peak {run['peak_gb']:.1f} GB per GPU + {RESERVE_GB:.0f} GB reserve vs {gpu_gb:.0f} GB "
+           f"({run['tokens_per_micro_batch']} tokens per micro-batch, {run['model_source']})")
+    out.append(Check("dry run memory", OK if run["fits"] else FAIL, msg,
+                     "lower openrlhf.max_tokens_per_gpu, turn on megatron.recompute, or spread the model over more "
+                     "GPUs (tensor / pipeline / expert parallelism)"))
+    return out
+
+
 def run_checks(cfg: RunConfig, *, static: bool = False, output_dir: str | None = None,
-               interface: str | None = None) -> list[Check]:
+               interface: str | None = None, dry_run: bool = True, gpu_gb: float | None = None) -> list[Check]:
     checks = [check_python(), *check_packages(cfg), *check_matrix()]
     if not static:
         checks += check_cuda(cfg)
-    checks += [check_model(cfg), *check_data(cfg), *check_output_dir(cfg, output_dir), check_slurm_lead(cfg)]
+    model = check_model(cfg)
+    checks += [model, *check_data(cfg), *check_output_dir(cfg, output_dir), check_slurm_lead(cfg)]
+    if cfg.backend == "megatron" and dry_run:
+        if model.status == FAIL and Path(cfg.model.path).expanduser().exists():
+            checks.append(Check("dry run", FAIL, "not run: the model directory failed its check (above)",
+                                "fix the model first"))
+        elif _version("megatron-core") is None:
+            checks.append(Check("dry run", WARN, "not run: megatron-core is not installed here",
+                                "pip install -e '.[megatron]' to start every rank at full size before submitting"))
+        else:
+            checks += check_dry_run(cfg, gpu_gb)
     vm = check_vllm_memory(cfg)
     if vm:
         checks.append(vm)

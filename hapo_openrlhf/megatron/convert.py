@@ -207,7 +207,6 @@ def megatron_to_hf(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]],
     check_parallel_layout(hf_config, tp, pp, ep)
     moe = family_of(hf_config).moe
     H, nq, nkv, d = _dims(hf_config)
-    g = nq // nkv
     Vhf = hf_config.vocab_size
 
     def cat(stage: int, key: str, dim: int) -> torch.Tensor:

@@ -75,7 +75,7 @@ def estimate(hf_config, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1, t
     if dp % ep:
         raise ValueError(f"expert parallel size {ep} must divide data parallel size {dp}")
     p = count_params(hf_config)
-    H, nq, nkv, d = _dims(hf_config)
+    H = hf_config.hidden_size
     moe = moe_of(hf_config)
     L = p.layers // pp
     Vp = padded_vocab_size(hf_config.vocab_size, tp, vocab_multiple)
@@ -89,8 +89,24 @@ def estimate(hf_config, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1, t
     edp = dp // ep if moe is not None else dp
     optim = 12 * (dense / dp + experts / edp) if distributed_optimizer else 12 * params
     inflight = micro_batches_in_flight if micro_batches_in_flight is not None else pp
+    acts = activation_bytes(hf_config, layers=L, tokens=tokens, tp=tp, sequence_parallel=sequence_parallel,
+                            inflight=inflight, padded_vocab=Vp, head_chunk=head_chunk)
+    out = {"params_per_gpu_billion": params / 1e9, "weights_gb": weights / GB, "grads_gb": grads / GB,
+           "optimizer_gb": optim / GB, "activations_gb": acts / GB}
+    out["total_gb"] = sum(v for k, v in out.items() if k.endswith("_gb"))
+    return out
+
+
+def activation_bytes(hf_config, *, layers: int, tokens: int, tp: int = 1, sequence_parallel: bool = False,
+                     inflight: int = 1, padded_vocab: int, head_chunk: int = 1024, recompute: bool = True) -> int:
+    """Bytes of activations on a rank holding ``layers`` layers with full recomputation, for
+    ``tokens`` packed tokens per micro-batch and ``inflight`` micro-batches in flight (1F1B: up
+    to PP on the first stage); see the module docstring for what is counted. Without
+    ``recompute`` every layer keeps its working set (a lower bound: autograd keeps more)."""
+    H, nq, nkv, d = _dims(hf_config)
+    moe = moe_of(hf_config)
     t_local = tokens // tp if sequence_parallel else tokens
-    checkpoints = 2 * t_local * H * L * inflight
+    checkpoints = 2 * t_local * H * layers * inflight
     qkv = 2 * tokens * (nq + 2 * nkv) * d // tp
     attn_out = 2 * tokens * nq * d // tp
     if moe is not None:  # each token's k dispatched copies, the experts' fc1 output and SwiGLU product
@@ -98,9 +114,7 @@ def estimate(hf_config, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1, t
     else:
         mlp_work = 2 * tokens * 3 * hf_config.intermediate_size // tp
     working = qkv + attn_out + mlp_work + 2 * 2 * tokens * H  # + the layer's input and output
-    head_work = 4 * head_chunk * Vp // tp * 2  # a logits chunk and its softmax, fp32
-    acts = checkpoints + working + head_work
-    out = {"params_per_gpu_billion": params / 1e9, "weights_gb": weights / GB, "grads_gb": grads / GB,
-           "optimizer_gb": optim / GB, "activations_gb": acts / GB}
-    out["total_gb"] = sum(v for k, v in out.items() if k.endswith("_gb"))
-    return out
+    head_work = 4 * head_chunk * padded_vocab // tp * 2  # a logits chunk and its softmax, fp32
+    if not recompute:
+        return working * layers * inflight + head_work
+    return checkpoints + working + head_work

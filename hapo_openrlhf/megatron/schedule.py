@@ -162,15 +162,18 @@ class RowLayout:
             mask = mask.reshape(-1)
         return mask.chunk(tp, 0)[tp_rank] if tp > 1 else mask
 
-    def padding_mask(self) -> torch.Tensor:
+    def padding_mask(self, tp_rank: int = 0, tp: int = 1) -> torch.Tensor:
         """GPTModel's ``padding_mask`` for a mixture-of-experts model: the model input's shape
         ([1, T] packed, [B, S] padded and masked), True where the layout added a token. Its
-        routers then leave those tokens out of the load-balancing loss and its token counts
-        (megatron-core scatters it over TP itself with sequence parallelism)."""
+        routers then leave those tokens out of the load-balancing loss and its token counts.
+        With sequence parallelism megatron-core scatters the mask over TP itself, but only on the
+        first pipeline stage (``GPTModel._preprocess``): a later stage passes ``tp`` > 1 and gets
+        this TP rank's sequence chunk ([1, T / TP] or [B, S / TP]), the tokens its routers see."""
         real = self.real_tokens()
-        if self.layout == "thd":
-            return ~real[None]
-        return ~real.view(-1, self.shape[0]).T.contiguous()
+        mask = ~real[None] if self.layout == "thd" else ~real.view(-1, self.shape[0]).T.contiguous()
+        if tp > 1:  # megatron-core's scatter_to_sequence_parallel_region on the sequence dimension
+            mask = mask.T.chunk(tp, 0)[tp_rank].T.contiguous()
+        return mask
 
     def route_input(self, routes: torch.Tensor, tp_rank: int = 0, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Recorded expert choices [B, S, layers, k] (-1: none recorded) -> [tokens, layers, k] in the
@@ -382,7 +385,8 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
         mb, lay, ids_checked = next(data_iterator)
         inputs = lay.model_inputs(mb["input_ids"])
         if moe:  # the layout's own tokens stay out of the routers' load-balancing loss and counts
-            inputs["padding_mask"] = lay.padding_mask()
+            later = not _unwrap(model).pre_process  # megatron-core scatters the mask on the first stage only
+            inputs["padding_mask"] = lay.padding_mask(tp_rank=tp_rank, tp=sp_tp) if later else lay.padding_mask()
         if replay is not None:
             replay.set(*lay.route_input(mb["routed_experts"], tp_rank=tp_rank, tp=sp_tp))
         if monitor is not None:

@@ -7,6 +7,9 @@ import types
 
 import torch
 
+from hapo_openrlhf.megatron.meta_platform import NullStream as _NullStream
+from hapo_openrlhf.megatron.meta_platform import torch_on
+
 
 def install() -> None:
     # parameters and RNG trackers ask for "the current CUDA device"
@@ -32,7 +35,7 @@ def install() -> None:
     # the pipeline schedules allocate their token counter with device="cuda"
     from megatron.core.pipeline_parallel import schedules
 
-    schedules.torch = _TorchWithCpuForCuda("torch")
+    schedules.torch = torch_on("cpu")
     # the distributed optimizer: its base class and the grad-norm code build scalars with
     # device="cuda" (optimizer.py: found_inf, _dummy_overflow_buf, _scale_one; clip_grads.py;
     # utils.py: local_multi_tensor_l2_norm, the fallback without Apex / Transformer Engine)
@@ -40,11 +43,11 @@ def install() -> None:
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
     for mod in (optimizer, clip_grads, distrib_optimizer, utils):
-        mod.torch = _TorchWithCpuForCuda("torch")
+        mod.torch = torch_on("cpu")
     # the MoE auxiliary-loss tracker's buffers (moe_utils.py, save_to_aux_losses_tracker)
     from megatron.core.transformer.moe import moe_utils
 
-    moe_utils.torch = _TorchWithCpuForCuda("torch")
+    moe_utils.torch = torch_on("cpu")
     # ... and hands its all-to-all the split sizes as numpy arrays only when they were on the GPU
     # (moe_utils.maybe_move_tensor_to_cpu): a CPU tensor of sizes is what gloo's binding refuses
     from megatron.core.transformer.moe import token_dispatcher
@@ -69,52 +72,6 @@ def install() -> None:
     _type = torch.Tensor.type
     torch.Tensor.type = lambda self, *a, **k: (_type(self, *a, **k) if a or k
                                                else _type(self).replace("torch.", "torch.cuda.", 1))
-
-
-class _NullStream:
-    """``torch.cuda.current_stream()`` on the CPU: work is synchronous, nothing to wait for."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return self  # an event that has already happened: wait() / synchronize() return at once
-
-    def wait(self, stream=None) -> None:
-        pass
-
-
-def _cpu(device):
-    return "cpu" if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda") else device
-
-
-class _TorchWithCpuForCuda(types.ModuleType):
-    """``torch`` for one module's namespace, with ``zeros / tensor / empty (..., device="cuda")``
-    on the CPU."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device=_cpu(device), **kwargs)
-
-    @staticmethod
-    def tensor(*args, device=None, **kwargs):
-        return torch.tensor(*args, device=_cpu(device), **kwargs)
-
-    @staticmethod
-    def empty(*args, device=None, **kwargs):
-        return torch.empty(*args, device=_cpu(device), **kwargs)
 
 
 class _UnevenGloo(types.ModuleType):

@@ -82,5 +82,5 @@ def test_the_qwen3_30b_a3b_config_is_a_layout_the_arithmetic_fits():
     assert check_actor_family(qwen3_30b_a3b(), cfg.to_dict()["megatron"]).moe
     e = estimate(qwen3_30b_a3b(), tp=m.tensor_parallel, pp=m.pipeline_parallel, ep=m.expert_parallel, dp=dp,
                  tokens=o.max_tokens_per_gpu)
-    assert (world, m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, dp) == (16, 1, 2, 8, 8)
+    assert (world, m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, dp) == (16, 1, 1, 16, 16)
     assert e["total_gb"] + 3 <= 80 < estimate(qwen3_30b_a3b(), ep=8, dp=8, tokens=o.max_tokens_per_gpu)["total_gb"] + 3

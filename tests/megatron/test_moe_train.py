@@ -80,7 +80,7 @@ def _reference(coeff: float, dp: int):
     return to_checkpoint_names({n: v.detach().clone() for n, v in hf.state_dict().items()}, hf.config), norms, losses
 
 
-def _train(coeff: float, layout: str, dispatcher: str, pp: int = 1):
+def _train(coeff: float, layout: str, dispatcher: str, pp: int = 1, tp: int = 1, spec: str = "local"):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
@@ -91,11 +91,12 @@ def _train(coeff: float, layout: str, dispatcher: str, pp: int = 1):
 
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     hf = tiny_moe()
     model = build_gpt_model(hf.config, ep=ep, moe={"dispatcher": dispatcher, "aux_loss_coeff": coeff},
-                            perform_initialization=False, pp=pp, pp_rank=pp_rank)
-    load_hf_into(model, hf, ep=ep, ep_rank=ep_rank, pp=pp, pp_rank=pp_rank)
+                            perform_initialization=False, pp=pp, pp_rank=pp_rank, tp=tp, spec=spec,
+                            sequence_parallel=tp > 1)
+    load_hf_into(model, hf, ep=ep, ep_rank=ep_rank, pp=pp, pp_rank=pp_rank, tp=tp, tp_rank=tp_rank, spec=spec)
     ddp = wrap(model, distributed_optimizer=True)
     opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP)
     norms, losses = [], []
@@ -114,33 +115,39 @@ def _train(coeff: float, layout: str, dispatcher: str, pp: int = 1):
 
         res = forward_backward(ddp, mbs, loss_fn, vocab_size=259, layout=layout,
                                aux_loss_normaliser=float(am.sum()) / dp)
-        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp, dtype=torch.float64)
-        dist.all_reduce(loss)  # the last stage of each replica holds its share
+        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp if tp_rank == 0 else 0.0, dtype=torch.float64)
+        dist.all_reduce(loss)  # the last stage of each replica holds its share (on every TP rank: counted once)
         losses.append(float(loss))
         norms.append(opt.step())
     return model, hf.config, norms, losses
 
 
-def _worker(rank, world, ep, layout, dispatcher, out, pp=1):
+def _worker(rank, world, ep, layout, dispatcher, out, pp=1, tp=1, spec="local", micro_batches=None):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
 
-    init_megatron(ep=ep, pp=pp)
+    init_megatron(ep=ep, pp=pp, tp=tp)
     got = {}
     for coeff in (0.0, COEFF):
-        model, cfg, norms, losses = _train(coeff, layout, dispatcher, pp)
+        model, cfg, norms, losses = _train(coeff, layout, dispatcher, pp, tp, spec)
         sd = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         everyone = [None] * world
-        dist.all_gather_object(everyone, (ps.get_pipeline_model_parallel_rank(),
-                                          ps.get_expert_model_parallel_rank(), sd))
-        shards = {(s, e, 0): d for s, e, d in everyone} if ep > 1 else {(s, 0): d for s, _, d in everyone}
-        got[coeff] = (megatron_to_hf(shards, cfg, tp=1, pp=pp, ep=ep), norms, losses)
+        dist.all_gather_object(everyone, (ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                                          ps.get_tensor_model_parallel_rank(), sd))
+        shards = {(s, e, r): d for s, e, r, d in everyone} if ep > 1 else {(s, r): d for s, _, r, d in everyone}
+        got[coeff] = (megatron_to_hf(shards, cfg, tp=tp, pp=pp, ep=ep), norms, losses)
         # the experts are in megatron-core's expert-parallel buffers at every EP (model.build_gpt_model)
         assert {n for n, p in model.named_parameters() if not getattr(p, "allreduce", True)} == \
             {n for n, _ in model.named_parameters() if ".mlp.experts." in n}
     if rank == 0:
-        torch.save({"got": got, "ref": {c: _reference(c, world) for c in (0.0, COEFF)}}, out)
+        torch.save({"got": got, "ref": {c: _reference(c, micro_batches or world) for c in (0.0, COEFF)}}, out)
+
+
+def _te_worker(rank, world, ep, layout, dispatcher, out, pp, tp, micro_batches):
+    """:func:`_worker` on Transformer Engine's spec (the stand-in; fresh interpreters) with sequence
+    parallelism."""
+    _worker(rank, world, ep, layout, dispatcher, out, pp=pp, tp=tp, spec="te", micro_batches=micro_batches)
 
 
 @pytest.mark.parametrize("ep, pp, layout, dispatcher", [(2, 1, "thd", "alltoall"), (2, 1, "padded", "allgather"),
@@ -152,7 +159,23 @@ def test_two_steps_with_the_distributed_optimizer_equal_hf_adamw(tmp_path, ep, p
     through the 1F1B schedule; the replicated optimizer at DP=1)."""
     out = tmp_path / "res.pt"
     spawn(_worker, 2, 2, ep, layout, dispatcher, str(out), pp)
-    res = torch.load(out)
+    _check_against_hf(torch.load(out))
+
+
+def test_tp2_pp2_sequence_parallel_moe_with_the_load_balancing_loss_equals_hf_adamw(tmp_path):
+    """TP=2 x PP=2 on four ranks, Transformer Engine's spec (the stand-in) with sequence parallelism,
+    a load-balancing loss: megatron-core scatters GPTModel's padding mask to each TP rank's sequence
+    chunk only on the first stage, so the second stage's routers got the whole mask against their
+    chunk of tokens and stopped ([S/TP*B, E] against [S*B, 1]); the schedule now hands a later stage
+    its own chunk. Two steps == Hugging Face + megatron-core's load-balancing loss, as above."""
+    from ._dist import spawn_te
+
+    out = tmp_path / "res.pt"
+    spawn_te("tests.megatron.test_moe_train:_te_worker", 4, 4, 1, "thd", "alltoall", str(out), 2, 2, 2)
+    _check_against_hf(torch.load(out))
+
+
+def _check_against_hf(res):
     start = {}
     from hapo_openrlhf.megatron.moe import to_checkpoint_names
 

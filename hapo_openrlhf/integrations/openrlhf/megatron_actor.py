@@ -78,7 +78,7 @@ from ...grad_guard import SkipGuard
 from .actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV, LossStateSink
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from ...megatron.setup import DTYPES
 # OpenRLHF 0.11.2 builds every vLLM engine with dtype="bfloat16" (create_vllm_engines) and its
 # WorkerWrap.update_weight asserts the incoming dtype equals the engine's: weights go out in bf16
 VLLM_DTYPE = torch.bfloat16
@@ -238,8 +238,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         from megatron.core import tensor_parallel
         from transformers import AutoConfig, AutoTokenizer
 
-        from ...megatron.convert import hf_to_megatron
-        from ...megatron.model import build_gpt_model
+        from ...megatron.setup import build_stage, init_parallel_state, load_hf_weights
 
         self.strategy = strategy
         self.args = args = strategy.args
@@ -260,16 +259,12 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=timedelta(minutes=int(m["timeout_minutes"])))
-        # tp-pp-dp: a data-parallel replica is TP x PP consecutive ranks (OpenRLHF's duplicate actors)
-        # expert parallelism is carved out of data parallelism (an expert lives on DP / EP replicas)
-        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                                     expert_model_parallel_size=self.ep, order="tp-cp-ep-pp-dp")
+        # the same start-up the full-size dry run checks (megatron/setup.py, megatron/dryrun.py)
+        ranks = init_parallel_state(self.tp, self.pp, self.ep)
         seed = int(args.train.seed)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-        self.ep_rank = ps.get_expert_model_parallel_rank()
-        self.dp_size = ps.get_data_parallel_world_size()
+        self.tp_rank, self.pp_rank, self.ep_rank, self.dp_size = ranks.tp_rank, ranks.pp_rank, ranks.ep_rank, ranks.dp_size
         check_tp_peers_share_a_node(ps.get_tensor_model_parallel_group())
 
         path = resolve_pretrained(pretrain)
@@ -279,45 +274,19 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         self.moe = check_actor_family(self.hf_config, m).moe  # before any weight is read
         self.params_dtype = DTYPES[m["params_dtype"]]
         self.vocab_size = int(self.hf_config.vocab_size)
-        cuda = torch.cuda.is_available()
-        overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
-                     "recompute_num_layers": 1} if m["recompute"] else {}
-        # weights are loaded right after: no random initialisation, and on GPUs parameters are
-        # created on the device in params_dtype (not drawn in fp32 on the CPU first)
-        overrides.update(perform_initialization=False, use_cpu_initialization=not cuda,
-                         sequence_parallel=bool(m.get("sequence_parallel", False)))
-        model = build_gpt_model(self.hf_config, tp=self.tp, pp=self.pp, pp_rank=self.pp_rank,
-                                params_dtype=self.params_dtype, vocab_multiple=int(m["vocab_multiple"]),
-                                attention=m.get("attention", "flash"), spec=m.get("layer_spec", "local"),
-                                head=m.get("head", "auto"), ep=self.ep, moe=self._moe_settings(m),
-                                freeze_router=bool(m.get("moe", {}).get("freeze_router", False)),
-                                routing_replay=routing_replay, **overrides)
+        model = build_stage(self.hf_config, m, ranks, routing_replay=routing_replay, cuda=torch.cuda.is_available())
         # micro-batch layout (megatron.schedule): packed THD with openrlhf.packing_samples, else
         # right-aligned padded rows (FlashCoreAttention) or Megatron's masked local attention
         self.layout = ("thd" if args.ds.packing_samples else
                        "padded" if m.get("attention", "flash") == "flash" or m.get("layer_spec") == "te" else "masked")
         self.token_budget = int(args.train.max_tokens_per_gpu) if args.train.dynamic_batch_enable else None
-        weights = hf_to_megatron(SafetensorsDir(path), self.hf_config, tp=self.tp, tp_rank=self.tp_rank, pp=self.pp,
-                                 pp_rank=self.pp_rank, vocab_multiple=int(m["vocab_multiple"]),
-                                 spec=m.get("layer_spec", "local"), ep=self.ep, ep_rank=self.ep_rank)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        del weights
-        bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
-        if bad:
-            raise ValueError(f"{pretrain}: Hugging Face weights do not fill the Megatron model: {bad[:5]}")
+        load_hf_weights(model, SafetensorsDir(path), self.hf_config, m, ranks, what=pretrain)
         self.model = model.to(_device())
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.temperature = float(args.rollout.temperature)
         self.top_p = float(hcfg["rollout"]["top_p"])  # < 1: the old-log-prob pass logs log P(nucleus)
         self.nucleus_every = int(hcfg["rollout"]["nucleus_metric_every"])  # on steps 1, 1 + N, ...
         self.entropy_chunk = int(hcfg["algorithm"]["entropy_chunk_size"])
-
-    def _moe_settings(self, m: Mapping[str, Any]) -> dict[str, Any] | None:
-        """``megatron.moe`` as ``build_gpt_model``'s router / dispatcher settings (None: dense)."""
-        if not self.moe:
-            return None
-        s = m.get("moe", {})
-        return {"dispatcher": s.get("dispatcher", "alltoall"), "aux_loss_coeff": float(s.get("aux_loss_coeff", 0.0))}
 
     # ------------------------------------------------------ old log-probs
     def _row_groups(self, lengths: list[int], rows_per_mb: int) -> list[list[int]]:

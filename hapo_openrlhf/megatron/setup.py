@@ -1,0 +1,100 @@
+"""The Megatron actor's start-up, one function per stage: the parallel state, this rank's
+``GPTModel`` stage, and its weights from a Hugging Face checkpoint.
+
+The policy actor (``integrations/openrlhf/megatron_actor.py``), its KL reference and the
+full-size dry run (:mod:`.dryrun`, ``hapo doctor --config``) call these same functions, so
+a layout the dry run starts is a layout the actor starts. The caller has initialised
+``torch.distributed``; megatron-core is imported lazily (the ``megatron`` extra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+# tp-cp-ep-pp-dp: a data-parallel replica is TP x PP consecutive ranks, which is how OpenRLHF's
+# controller deals out data (its "duplicate actors"); expert parallelism is carved out of data
+# parallelism. In this order megatron-core asserts that attention and expert layers have the same
+# data-parallel size when PP > 1, which EP > 1 breaks: the config loader refuses PP > 1 with EP > 1.
+RANK_ORDER = "tp-cp-ep-pp-dp"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This rank's place in the layout (megatron-core's parallel state after :func:`init_parallel_state`)."""
+
+    tp: int
+    pp: int
+    ep: int
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    dp_size: int
+    dp_rank: int
+    expert_dp_size: int
+
+
+def init_parallel_state(tp: int, pp: int, ep: int = 1) -> Ranks:
+    """megatron-core's parallel state for TP x PP x EP over the initialised world, in
+    :data:`RANK_ORDER` (collective)."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, order=RANK_ORDER)
+    return Ranks(tp=tp, pp=pp, ep=ep, tp_rank=ps.get_tensor_model_parallel_rank(),
+                 pp_rank=ps.get_pipeline_model_parallel_rank(), ep_rank=ps.get_expert_model_parallel_rank(),
+                 dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                 expert_dp_size=ps.get_expert_data_parallel_world_size())
+
+
+def moe_settings(hf_config, m: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``megatron.moe`` as ``build_gpt_model``'s router / dispatcher settings (None: a dense model)."""
+    from .families import family_of
+
+    if not family_of(hf_config).moe:
+        return None
+    s = m.get("moe", {})
+    return {"dispatcher": s.get("dispatcher", "alltoall"), "aux_loss_coeff": float(s.get("aux_loss_coeff", 0.0))}
+
+
+def build_stage(hf_config, m: Mapping[str, Any], ranks: Ranks, *, routing_replay: bool = False, cuda: bool):
+    """This rank's ``GPTModel`` stage for the ``megatron`` config section ``m``, parameters
+    uninitialised (weights are loaded next, :func:`load_hf_weights`): created on the device in
+    ``params_dtype`` with ``cuda``, else on the CPU -- or on whatever ``torch.device`` context
+    the caller holds (the dry run's ``meta``)."""
+    from .model import build_gpt_model
+
+    overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1} if m["recompute"] else {}
+    overrides.update(perform_initialization=False, use_cpu_initialization=not cuda,
+                     sequence_parallel=bool(m.get("sequence_parallel", False)))
+    return build_gpt_model(hf_config, tp=ranks.tp, pp=ranks.pp, pp_rank=ranks.pp_rank,
+                           params_dtype=DTYPES[m["params_dtype"]], vocab_multiple=int(m["vocab_multiple"]),
+                           attention=m.get("attention", "flash"), spec=m.get("layer_spec", "local"),
+                           head=m.get("head", "auto"), ep=ranks.ep, moe=moe_settings(hf_config, m),
+                           freeze_router=bool(m.get("moe", {}).get("freeze_router", False)),
+                           routing_replay=routing_replay, **overrides)
+
+
+def load_hf_weights(model, source: Mapping[str, torch.Tensor], hf_config, m: Mapping[str, Any], ranks: Ranks,
+                    what: str) -> None:
+    """Fill ``model`` with this rank's shard of the Hugging Face state ``source`` (a lazy
+    name -> tensor mapping; the dry run's holds meta tensors of the checkpoint's shapes). Any
+    parameter left unfilled, any name the model lacks and any shape that differs is refused,
+    naming ``what`` (the checkpoint)."""
+    from .convert import hf_to_megatron
+
+    weights = hf_to_megatron(source, hf_config, tp=ranks.tp, tp_rank=ranks.tp_rank, pp=ranks.pp,
+                             pp_rank=ranks.pp_rank, vocab_multiple=int(m["vocab_multiple"]),
+                             spec=m.get("layer_spec", "local"), ep=ranks.ep, ep_rank=ranks.ep_rank)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # a shape mismatch: torch lists every one
+        raise ValueError(f"{what}: Hugging Face weights do not fit the Megatron model: {e}") from None
+    del weights
+    bad = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
+    if bad:
+        raise ValueError(f"{what}: Hugging Face weights do not fill the Megatron model: {bad[:5]}")
