@@ -40,14 +40,17 @@ def top_count(n: int, ratio: float) -> int:
     return 0 if n == 0 or ratio <= 0 else min(n, max(1, int(n * ratio + 0.999999)))
 
 
-def top_surprisal(surprisal: torch.Tensor, candidates: torch.Tensor, ratio: float) -> torch.Tensor:
-    """The ``top_count`` most surprising candidates; ties broken by position (row-major)."""
-    flat = candidates.flatten().nonzero().squeeze(-1)
-    k = top_count(flat.numel(), ratio)
+def top_surprisal(surprisal: torch.Tensor, candidates: torch.Tensor, ratio: float,
+                  count: int | None = None) -> torch.Tensor:
+    """The ``top_count`` most surprising candidates; ties broken by position (row-major). The one
+    host read is the candidates' count (which sets k; ``count`` when the caller has read it): the
+    non-candidates sort last (-inf; a surprisal is >= 0), and a stable sort keeps row-major order
+    among equal values, as sorting the candidates alone would."""
+    k = top_count(int(candidates.sum()) if count is None else count, ratio)
     chosen = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
     if k:
-        order = torch.sort(surprisal.flatten()[flat], descending=True, stable=True).indices[:k]
-        chosen[flat[order]] = True
+        ranked = torch.where(candidates.flatten(), surprisal.flatten(), -math.inf)
+        chosen[torch.sort(ranked, descending=True, stable=True).indices[:k]] = True
     return chosen.view_as(candidates)
 
 
@@ -67,8 +70,9 @@ def stare_omega(surprisal, advantages, mask, *, variant, ratio, gate, w, m, thre
     """(omega, L+, L-) [B,T]: W on L+, M on L- (C2 only), 1 elsewhere and while the gate is off."""
     valid = mask.bool()
     pos, neg = valid & (advantages > 0), valid & (advantages < 0)
-    if thresholds is None:  # selection within this call (the reference's micro-batch)
-        l_pos, l_neg = top_surprisal(surprisal, pos, ratio), top_surprisal(surprisal, neg, ratio)
+    if thresholds is None:  # selection within this call (the reference's micro-batch): one host read
+        n_pos, n_neg = torch.stack([pos.sum(), neg.sum()]).tolist()
+        l_pos, l_neg = top_surprisal(surprisal, pos, ratio, n_pos), top_surprisal(surprisal, neg, ratio, n_neg)
     else:
         l_pos, l_neg = pos & (surprisal >= thresholds["threshold_pos"]), neg & (surprisal >= thresholds["threshold_neg"])
     if variant == "O1":

@@ -130,6 +130,12 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
     if routing_replay:
         if not family_of(hf_config).moe:
             raise ValueError("routing replay needs a mixture-of-experts model")
+        if overrides.get("moe_router_fusion"):
+            # megatron-core's fused router computes its top-k in one kernel and returns before
+            # compute_topk, where RouterReplay substitutes the recorded experts: replay would be skipped
+            raise ValueError("routing replay (megatron.moe.routing_replay: r3) with moe_router_fusion: the fused "
+                             "router returns before megatron-core's compute_topk, which is where recorded routes "
+                             "are replayed, so the replay would be skipped silently; leave moe_router_fusion off")
         overrides["moe_enable_routing_replay"] = True
     if overrides["variable_seq_lengths"] and not family_of(hf_config).moe:  # megatron-core's config check asks
         overrides.setdefault("moe_token_dispatcher_type", "alltoall")  # for it even in a dense model

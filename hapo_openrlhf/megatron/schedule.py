@@ -65,6 +65,9 @@ class RowLayout:
     pad_to: int = 1
     max_len: int = 0  # the longest row's real tokens
     total: int = 0  # real tokens in all rows
+    # host copies of starts / lengths (from the CPU mask ``of`` reads): what route_input computes with
+    starts_host: torch.Tensor | None = None
+    lengths_host: torch.Tensor | None = None
 
     @classmethod
     def of(cls, attention_mask: torch.Tensor, layout: str, pad_to: int = 1,
@@ -87,8 +90,9 @@ class RowLayout:
         if bool((lengths == 0).any()):
             raise ValueError(f"rows {(lengths == 0).nonzero().flatten().tolist()[:8]} have no tokens")
         dev = am.device if device is None else torch.device(device)
+        host = am.device.type == "cpu"
         return cls((B, S), starts.to(dev), lengths.to(dev), layout, max(1, int(pad_to)), int(lengths.max()),
-                   int(lengths.sum()))
+                   int(lengths.sum()), starts if host else None, lengths if host else None)
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -176,58 +180,64 @@ class RowLayout:
         return mask
 
     def route_input(self, routes: torch.Tensor, tp_rank: int = 0, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recorded expert choices [B, S, layers, k] (-1: none recorded) -> [tokens, layers, k] in the
-        order the model's routers see this micro-batch's tokens (THD: the packed tokens; padded and
-        masked: sequence-major), this TP rank's share with sequence parallelism (``tp`` > 1). Only a
-        row's last real token may lack a record (no forward of the engine ever took it as input;
-        its output feeds no log-prob): it gets experts 0 ... k-1, as do padding tokens; a gap anywhere
-        else is refused. Returns (routes, recorded [tokens] bool)."""
+        """Recorded expert choices [B, S, layers, k] (not recorded: -1, or 255 in a uint8 tensor) ->
+        [tokens, layers, k] in the order the model's routers see this micro-batch's tokens (THD: the
+        packed tokens; padded and masked: sequence-major), this TP rank's share with sequence
+        parallelism (``tp`` > 1). Only a row's last real token may lack a record (no forward of the
+        engine ever took it as input; its output feeds no log-prob): it gets experts 0 ... k-1, as
+        do padding tokens; a gap anywhere else is refused. Returns (routes in their own dtype,
+        recorded [tokens] bool) on the layout's device.
+
+        Everything is computed on the host, where the actor keeps the routes (and ``of`` keeps the
+        rows' sizes): the checks wait for no GPU, and only this TP rank's routes of this
+        micro-batch are moved."""
         B, S = self.shape
         if routes.dim() != 4 or tuple(routes.shape[:2]) != (B, S):
             raise ValueError(f"routed experts must be [B, S, layers, top_k] with [B, S] = {[B, S]}, got "
                              f"{list(routes.shape)}")
         dev = self.lengths.device
-        routes = routes.to(dev)
+        starts = (self.starts_host if self.starts_host is not None else self.starts).cpu()
+        lengths = (self.lengths_host if self.lengths_host is not None else self.lengths).cpu()
+        routes = routes.cpu()
+        missing = routes == 255 if routes.dtype == torch.uint8 else routes < 0
         k = routes.shape[-1]
-        fill = torch.arange(k, device=dev, dtype=routes.dtype)
-        ar = torch.arange(S, device=dev)
-        real = (ar[None] >= self.starts[:, None]) & (ar[None] < (self.starts + self.lengths)[:, None])
-        last = ar[None] == (self.starts + self.lengths - 1)[:, None]
-        gap = ((routes < 0).any(-1).any(-1)) & real & ~last
+        fill = torch.arange(k, dtype=routes.dtype)
+        ar = torch.arange(S)
+        real = (ar[None] >= starts[:, None]) & (ar[None] < (starts + lengths)[:, None])
+        last = ar[None] == (starts + lengths - 1)[:, None]
+        unknown = missing.any(-1).any(-1)
+        gap = unknown & real & ~last
         if bool(gap.any()):
             rows = gap.any(-1).nonzero().flatten().tolist()
             raise ValueError(f"rows {rows[:8]} have real tokens without recorded routes (only a row's last token "
                              f"may lack them): the rollout's routed experts do not cover its tokens")
-        known = ~(routes < 0).any(-1).any(-1) & real  # [B, S]
+        known = ~unknown & real  # [B, S]
         routes = torch.where(known[:, :, None, None], routes, fill)
         routes = torch.cat([routes, known[:, :, None, None].to(routes.dtype).expand(B, S, 1, k)], 2)  # rides along
         if self.layout == "masked":
             flat = routes.transpose(0, 1).reshape(S * B, *routes.shape[2:])
         else:
             L = self.max_len
-            idx = (self.starts[:, None] + torch.arange(L, device=dev)[None]).clamp(max=S - 1)
+            idx = (starts[:, None] + torch.arange(L)[None]).clamp(max=S - 1)
             per_row = routes.gather(1, idx[:, :, None, None].expand(B, L, *routes.shape[2:]))  # [B, L, layers, k]
             if self.layout == "padded":
                 Lp = -(-L // self.pad_to) * self.pad_to
                 pad = fill.expand(B, Lp - L, *routes.shape[2:]).clone()
                 pad[:, :, -1] = 0  # not recorded
                 per_row = torch.cat([per_row, pad], 1)
+                # positions past a row's end were gathered from its last real position: not recorded there
+                per_row[:, :, -1] *= (torch.arange(Lp)[None] < lengths[:, None]).to(routes.dtype)[:, :, None]
                 flat = per_row.transpose(0, 1).reshape(Lp * B, *routes.shape[2:])
             else:
-                row, off = _rows_and_offsets(self.lengths, self.total)
+                row, off = _rows_and_offsets(lengths, self.total)
                 flat = per_row.reshape(B * L, *routes.shape[2:]).index_select(0, row * L + off)
                 extra = -self.total % self.pad_to
                 if extra:
                     pad = fill.expand(extra, *routes.shape[2:]).clone()
                     pad[:, -1] = 0
                     flat = torch.cat([flat, pad])
-        if self.layout == "padded":
-            # positions past a row's end were gathered from its last real position: not recorded there
-            Lp = flat.shape[0] // B
-            beyond = (torch.arange(Lp, device=dev)[:, None] >= self.lengths[None, :]).reshape(-1)
-            flat[beyond, -1] = 0
         flat = flat.chunk(tp, 0)[tp_rank] if tp > 1 else flat
-        return flat[:, :-1], flat[:, -1, 0].bool()
+        return flat[:, :-1].to(dev, non_blocking=True), flat[:, -1, 0].bool().to(dev, non_blocking=True)
 
     def logprobs_entropy(self, out: torch.Tensor, model_ids: torch.Tensor, *, vocab_size: int,
                          temperature: float, chunk_size: int, tp_group, tp_rank: int, weight=None,

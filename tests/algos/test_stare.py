@@ -186,3 +186,37 @@ def test_a_restored_controller_keeps_its_state_and_takes_the_new_settings():
     assert (new.target_entropy, new.alpha) == (0.05, 0.2)
     new.update(0.1)  # above the new target: the gate closes, W and M step back by the new alpha
     assert (new.gate_on, new.reweight_w, new.reweight_m) == pytest.approx((False, 1.2, 0.8))
+
+
+def test_micro_batch_selection_reads_the_host_once():
+    """selection micro_batch: one host read per call of the loss (both candidate counts in one
+    ``tolist``) -- each ``nonzero`` / ``.item()`` / ``tolist`` is a device sync on a GPU -- and
+    the same tokens as the reference's per-set selection."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    logp, _, adv, mask = _batch(3)
+    surprisal = -logp
+    reads = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero"):
+                reads.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    orig = torch.Tensor.tolist
+
+    def tolist(t):
+        reads.append("tolist")
+        with torch.utils._python_dispatch._disable_current_modes():
+            return orig(t)
+
+    torch.Tensor.tolist = tolist
+    try:
+        with Count():
+            omega, l_pos, l_neg = stare_omega(surprisal, adv, mask, variant="C2", ratio=0.3, gate=True, w=1.2, m=0.8)
+    finally:
+        torch.Tensor.tolist = orig
+    assert reads == ["tolist"], reads
+    want = _mirror_weights(logp, adv, mask, "C2", 0.3, 1.2, 0.8, True)
+    torch.testing.assert_close(omega[mask], want[mask])

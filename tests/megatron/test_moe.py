@@ -133,6 +133,11 @@ def test_hostile_moe_layouts_and_settings_are_refused_by_name():
 
     with pytest.raises(ValueError, match="expert parallel size 2 needs a mixture-of-experts model"):
         hf_to_megatron({}, Qwen3Config(num_hidden_layers=2), ep=2)
+    # megatron-core's fused router returns before compute_topk, where replay substitutes the routes
+    from hapo_openrlhf.megatron.model import build_gpt_model
+
+    with pytest.raises(ValueError, match="routing replay .* with moe_router_fusion: the fused router returns before"):
+        build_gpt_model(cfg, routing_replay=True, moe_router_fusion=True)
 
 
 def test_router_defaults_are_the_rl_safe_ones():
@@ -525,6 +530,32 @@ def test_routes_reach_the_routers_in_the_model_inputs_token_order(layout, pad_to
         halves = [lay.route_input(routes, tp_rank=r, tp=2) for r in range(2)]
         assert torch.equal(torch.cat([h[0] for h in halves]), got) and torch.equal(
             torch.cat([h[1] for h in halves]), recorded)
+
+
+@pytest.mark.parametrize("layout, pad_to", [("thd", 4), ("padded", 4), ("masked", 1)])
+def test_route_layout_reads_no_device_tensor_and_moves_one_ranks_share(layout, pad_to):
+    """The GPU proxy for R3's per-micro-batch cost: the layout's index tensors on the meta device
+    (a device nothing can be read back from), the routes and the row sizes on the host, as the
+    actor keeps them. The checks and gathers run on the host -- a read of a device tensor (a sync
+    on a GPU) would raise here -- and what reaches the device is this TP rank's share only, equal
+    to the host computation's; uint8 routes (255: not recorded) lay out as int16 ones do."""
+    from hapo_openrlhf.megatron.schedule import RowLayout
+
+    ids, am, _, _ = _batch()
+    B, S = ids.shape
+    routes = (ids[:, :, None, None] % 7).expand(B, S, 2, 3).clone() + torch.arange(3)
+    last = torch.arange(S)[None] == (am.cumsum(-1).argmax(-1))[:, None]
+    routes[~am.bool() | last] = -1
+    host = RowLayout.of(am, layout, pad_to)
+    meta = RowLayout.of(am, layout, pad_to, device="meta")
+    assert meta.lengths.is_meta and not meta.lengths_host.is_meta
+    want, want_rec = host.route_input(routes.to(torch.int16), tp_rank=1, tp=2)
+    got, rec = meta.route_input(routes.to(torch.int16), tp_rank=1, tp=2)
+    assert got.is_meta and rec.is_meta and got.shape == want.shape and rec.shape == want_rec.shape
+    assert got.shape[0] == host.route_input(routes)[0].shape[0] // 2  # one rank's share is moved
+    small = torch.where(routes < 0, 255, routes).to(torch.uint8)
+    got8, rec8 = host.route_input(small, tp_rank=1, tp=2)
+    assert got8.dtype == torch.uint8 and torch.equal(got8.long(), want.long()) and torch.equal(rec8, want_rec)
 
 
 def test_routes_with_gaps_or_the_wrong_shape_are_refused_by_name():

@@ -98,7 +98,7 @@ class RoutedExpertsRollout:
 
         outs = await super().generate_responses(*args, **kwargs)
         for o in outs:
-            o[ROUTES_KEY] = ray.put(take_routes(self._hapo_routes, o["observation_tokens"]))
+            o[ROUTES_KEY] = ray.put(compact(take_routes(self._hapo_routes, o["observation_tokens"])))
         return outs
 
 
@@ -144,6 +144,41 @@ def route_table(samples: Iterable[Any]) -> dict[str, list]:
     return table
 
 
+NUMPY = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32}
+
+
+def route_dtype(n_experts: int) -> torch.dtype:
+    """The narrowest integer type holding expert ids 0..n_experts-1 and a "none" value."""
+    return torch.uint8 if n_experts <= 255 else torch.int16 if n_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def compact(routes: np.ndarray) -> np.ndarray:
+    """An engine's routes in the narrowest unsigned type that holds them (uint8 for up to 256
+    experts, as vLLM records them): what travels through Ray's object store."""
+    a = np.asarray(routes)
+    top = int(a.max()) if a.size else 0
+    if a.size and int(a.min()) < 0:
+        raise RuntimeError(f"routing replay: the engine returned negative expert ids ({int(a.min())})")
+    return a.astype(np.uint8 if top <= 255 else np.uint16 if top <= 65535 else np.int32, copy=False)
+
+
+def check_distinct(routes: np.ndarray) -> None:
+    """A real top-k never picks an expert twice for one token and layer. Routes that do are what
+    vLLM returns when its monolithic FlashInfer MoE kernels record all-zero routed experts
+    (vllm-project/vllm#54730): replaying them would send every token to expert 0. Refused by name."""
+    if routes.size == 0 or routes.shape[-1] < 2:
+        return
+    s = np.sort(routes.reshape(-1, routes.shape[-1]), axis=-1)
+    repeated = (s[:, 1:] == s[:, :-1]).any(-1)
+    if repeated.any():
+        n = int(repeated.sum())
+        raise ValueError(f"routing replay: the engine's routes repeat an expert within a token's top-k in {n} of "
+                         f"{len(repeated)} (token, layer) pairs, which no router's top-k does -- the signature of "
+                         f"vLLM's all-zero routed-experts fault with monolithic FlashInfer MoE kernels "
+                         f"(vllm-project/vllm#54730); run the engines with another MoE kernel, or set "
+                         f"megatron.moe.routing_replay: off")
+
+
 class RouteStore:
     """The step's routes on a policy actor rank: the table the controller sent (:meth:`set`), each
     row's routes fetched once (Ray references, or arrays where no Ray runs), laid out beside a
@@ -151,8 +186,10 @@ class RouteStore:
 
     def __init__(self, n_layers: int, top_k: int, n_experts: int):
         self.n_layers, self.top_k, self.n_experts = n_layers, top_k, n_experts
-        # compact (an int64 copy of 24k tokens x 48 layers x top-8 would be 74 MB a row); signed: -1 = none
-        self.dtype = torch.int16 if n_experts <= torch.iinfo(torch.int16).max else torch.int32
+        # compact (an int64 copy of 24k tokens x 48 layers x top-8 would be 74 MB a row): uint8 up to 255
+        # experts (255 = none), else signed (-1 = none); schedule.RowLayout.route_input reads either
+        self.dtype = route_dtype(n_experts)
+        self.none = 255 if self.dtype == torch.uint8 else -1
         self.table: dict[str, list] = {}
         self._fetched: dict[str, torch.Tensor] = {}
 
@@ -183,14 +220,15 @@ class RouteStore:
                              f"[tokens, {self.n_layers} layers, top-{self.top_k}]")
         if a.size and (int(a.min()) < 0 or int(a.max()) >= self.n_experts):
             raise ValueError(f"routing replay: the engine's routes name experts outside 0..{self.n_experts - 1}")
-        return torch.from_numpy(a.astype(np.int16 if self.dtype == torch.int16 else np.int32))
+        check_distinct(a)
+        return torch.from_numpy(a.astype(NUMPY[self.dtype]))
 
     def tensor(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, S, layers, k] (int16): each row's recorded routes at its real tokens' positions (any
-        padding side), -1 elsewhere and at a row's last token (no engine forward took it). A row
-        cut short by OpenRLHF's ``max_len`` keeps the routes of the tokens it has."""
+        """[B, S, layers, k] (:attr:`dtype`): each row's recorded routes at its real tokens' positions
+        (any padding side), :attr:`none` elsewhere and at a row's last token (no engine forward took
+        it). A row cut short by OpenRLHF's ``max_len`` keeps the routes of the tokens it has."""
         B, S = sequences.shape
-        out = torch.full((B, S, self.n_layers, self.top_k), -1, dtype=self.dtype)
+        out = torch.full((B, S, self.n_layers, self.top_k), self.none, dtype=self.dtype)
         seq, am = sequences.cpu(), attention_mask.cpu().bool()
         pos = [am[b].nonzero().flatten() for b in range(B)]
         fps = [row_fingerprint(seq[b][pos[b]].tolist()) for b in range(B)]

@@ -30,7 +30,8 @@ def _responses(lengths, seed=0):
         tokens = g.integers(3, 250, size=p + a).tolist()
         out.append({"prompt": "q", "label": "1", "observation_tokens": tokens, "action_ranges": [(p, p + a)],
                     "rollout_log_probs": None, "reward": 1.0, "scores": 1.0, "truncated": False, "extra_logs": {},
-                    R.ROUTES_KEY: g.integers(0, E, size=(p + a - 1, L, K))})
+                    # a router's top-k: K distinct experts per token and layer
+                    R.ROUTES_KEY: np.argsort(g.random((p + a - 1, L, E)), -1)[..., :K]})
     return out
 
 
@@ -44,9 +45,10 @@ def _generator():
 
 
 def _check_rows(store, exp, want):
-    """Every row of a (re-batched) experience gets its own routes at its real tokens, -1 elsewhere."""
+    """Every row of a (re-batched) experience gets its own routes at its real tokens, "none" (255 in
+    the uint8 a model of up to 255 experts gets) elsewhere."""
     t = store.tensor(exp.sequences, exp.attention_mask)
-    assert t.shape == (*exp.sequences.shape, L, K) and t.dtype == torch.int16
+    assert t.shape == (*exp.sequences.shape, L, K) and t.dtype == torch.uint8 and store.none == 255
     for row, m, got in zip(exp.sequences, exp.attention_mask, t):
         pos = m.bool().nonzero().flatten()
         routes = want[tuple(row[pos].tolist())]
@@ -54,7 +56,7 @@ def _check_rows(store, exp, want):
         assert torch.equal(got[pos[:n]].long(), torch.as_tensor(routes[:n]).long())
         rest = torch.ones(len(row), dtype=torch.bool)
         rest[pos[:n]] = False
-        assert (got[rest] == -1).all()  # padding, and each row's last token (no engine forward took it)
+        assert (got[rest] == 255).all()  # padding, and each row's last token (no engine forward took it)
 
 
 def test_routes_travel_with_each_row_through_openrlhfs_rebatching():
@@ -112,6 +114,16 @@ def test_hostile_routes_are_refused_by_name():
         store.set({fp: [bad]})
         with pytest.raises(ValueError, match=msg):
             store.tensor(sample.sequences, sample.attention_mask)
+    # routes that repeat an expert in a token's top-k: vLLM's all-zero routed-experts fault, by name
+    store.set({fp: [np.zeros((6, L, K), np.uint8)]})
+    with pytest.raises(ValueError, match=r"repeat an expert within a token's top-k in 18 of 18 .*vllm#54730"):
+        store.tensor(sample.sequences, sample.attention_mask)
+    # what crosses Ray: the narrowest type (vLLM's uint8 for up to 256 experts); the store's own dtypes
+    assert R.compact(np.array([[[0, 255]]], np.int64)).dtype == np.uint8
+    assert R.compact(np.array([[[0, 256]]], np.int64)).dtype == np.uint16
+    assert [R.route_dtype(n) for n in (128, 255, 256, 40000)] == [torch.uint8, torch.uint8, torch.int16, torch.int32]
+    with pytest.raises(RuntimeError, match="negative expert ids"):
+        R.compact(np.array([[[-1, 2]]]))
     # the engine side: routes that do not cover a response, or a response that has none kept
     with pytest.raises(RuntimeError, match=r"returned routes \[5, 3, 2\] for 7 tokens; expected \[6"):
         R.take_routes({tuple(range(7)): [np.zeros((5, L, K))]}, list(range(7)))
