@@ -69,6 +69,11 @@ STATEFUL: dict[str, Any] = {}
 # name -> observe(params, persisted, metrics) -> persisted: a stateful loss's update after a
 # step from the step's reported metrics (PAEC's anchor). Trainers call ``loss_observe``.
 OBSERVERS: dict[str, Any] = {}
+# name -> resume(old_params, new_params, persisted) -> (persisted, notes): a stateful loss's answer to a
+# resume whose config changed its parameters -- the state made to train what the new config says (each
+# note says what changed), or a ValueError naming a change that cannot be applied and how to apply it.
+# Trainers call ``loss_resume``.
+RESUMERS: dict[str, Any] = {}
 # name -> the method's own metric keys (``stare/...``) its loss returns beside ``actor/...``:
 # the actors report them per micro-batch, and every rank must know the keys up front
 METHOD_METRICS: dict[str, tuple[str, ...]] = {}
@@ -88,6 +93,22 @@ def loss_observe(name: str, params: dict, persisted: dict | None, metrics: dict)
     if name not in OBSERVERS:
         return dict(persisted or {})
     return OBSERVERS[name]({**LOSSES.get(name).defaults, **params}, persisted or {}, metrics)
+
+
+def loss_resume(old_name: str | None, old_params: dict | None, name: str, params: dict,
+                persisted: dict | None) -> tuple[dict, list[str]]:
+    """A checkpoint's persisted loss state for a resume under (``name``, ``params``), saved under
+    (``old_name``, ``old_params``): unchanged when nothing changed; a loss that changed starts
+    without the old one's state; a stateful loss whose parameters changed applies them
+    (``RESUMERS``) or refuses by name. Returns (state, notes naming what the resume does)."""
+    persisted = dict(persisted or {})
+    if old_name is not None and old_name != name:
+        return {}, ([f"algorithm.loss {old_name} -> {name}: the checkpoint's {old_name} state is not used"]
+                    if persisted else [])
+    if name not in RESUMERS or not persisted:
+        return persisted, []
+    defaults = LOSSES.get(name).defaults
+    return RESUMERS[name]({**defaults, **(old_params or {})}, {**defaults, **params}, persisted)
 
 
 def head_signals_top_p(name: str, params: dict) -> float | None:

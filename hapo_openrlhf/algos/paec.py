@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 
 from .groups import masked_mean
-from .losses import (LOSSES, METHOD_METRICS, OBSERVERS, STATEFUL, _check_clip, _ppo_metrics, _ppo_terms, _weighted,
+from .losses import (LOSSES, METHOD_METRICS, OBSERVERS, RESUMERS, STATEFUL, _check_clip, _ppo_metrics, _ppo_terms, _weighted,
                      aggregate, default_normalizer)
 
 MASKS = ("nucleus_entropy", "top2_gap", "product")
@@ -73,8 +73,26 @@ def observe(params, persisted, metrics: Mapping[str, float]) -> dict:
     return out
 
 
+def resume(old, new, persisted):
+    """A resume whose config changed ``anchor_steps``: applied while the anchor is still being
+    measured (the steps seen so far count towards the new K); refused once H0 is fixed, since the
+    steps that would make it up under the new K are past. ``rho_min`` and the rest apply as they are
+    (the floor is computed from the config each step)."""
+    if old["anchor_steps"] == new["anchor_steps"]:
+        return dict(persisted), []
+    if persisted.get("anchor") is not None:
+        raise ValueError(f"paec.anchor_steps changed {old['anchor_steps']} -> {new['anchor_steps']} at --resume, but "
+                         f"the checkpoint's anchor H0 = {persisted['anchor']} was fixed over the first "
+                         f"{old['anchor_steps']} steps and cannot be re-measured: resume with "
+                         f"algorithm.loss_params.anchor_steps={old['anchor_steps']}, or start a new run")
+    seen = len(persisted.get("anchor_steps", []))
+    return dict(persisted), [f"paec.anchor_steps {old['anchor_steps']} -> {new['anchor_steps']}: the anchor is "
+                             f"measured over {new['anchor_steps']} steps ({seen} seen so far)"]
+
+
 STATEFUL["paec"] = step_state
 OBSERVERS["paec"] = observe
+RESUMERS["paec"] = resume
 METHOD_METRICS["paec"] = ("paec/masked_entropy", "paec/mask_mean", "paec/penalty", "paec/below_floor")
 
 

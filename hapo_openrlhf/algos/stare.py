@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch
 
 from .groups import masked_mean
-from .losses import LOSSES, METHOD_METRICS, STATEFUL, _check_clip, _ppo_metrics, _ppo_terms, _weighted, aggregate
+from .losses import LOSSES, METHOD_METRICS, RESUMERS, STATEFUL, _check_clip, _ppo_metrics, _ppo_terms, _weighted, aggregate
 
 VARIANTS, SELECTIONS = ("O1", "C2"), ("micro_batch", "batch")
 
@@ -136,7 +136,28 @@ def step_state(params, persisted, *, entropy, response_mask, old_logprobs, advan
     return state, ctl.state_dict(), {"stare/batch_entropy": ctl.current_ent}
 
 
+def resume(old, new, persisted):
+    """A resume whose config changed the controller's settings: a changed initial W (M) restarts
+    the controller's W (M) at the new value -- the checkpoint holds the W the old setting led to,
+    which would otherwise keep training -- and a W (M) outside new bounds is brought inside them.
+    The settings themselves (target, step size, bounds) are always this run's config."""
+    out, notes = dict(persisted), []
+    for key, letter in (("reweight_w", "W"), ("reweight_m", "M")):
+        if old[key] != new[key] and key in out:
+            notes.append(f"stare.{key} {old[key]} -> {new[key]}: the controller's {letter} restarts at {new[key]} "
+                         f"(the checkpoint's {letter} was {out[key]})")
+            out[key] = float(new[key])
+    if "reweight_w" in out and out["reweight_w"] > new["w_max"]:
+        notes.append(f"stare.w_max {new['w_max']}: the controller's W {out['reweight_w']} is brought down to it")
+        out["reweight_w"] = float(new["w_max"])
+    if "reweight_m" in out and out["reweight_m"] < new["m_min"]:
+        notes.append(f"stare.m_min {new['m_min']}: the controller's M {out['reweight_m']} is brought up to it")
+        out["reweight_m"] = float(new["m_min"])
+    return out, notes
+
+
 STATEFUL["stare"] = step_state
+RESUMERS["stare"] = resume
 METHOD_METRICS["stare"] = ("stare/gate_on", "stare/reweight_w", "stare/reweight_m", "stare/positive_reweight_frac",
                            "stare/negative_reweight_frac", "stare/mean_weight")
 

@@ -50,6 +50,9 @@ class TrainState:
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (grad_guard.py)
     consecutive_skips: int = 0
     loss_state: dict = field(default_factory=dict)  # a stateful loss's controller (STARE), checkpointed
+    # optimizer steps taken (one per PPO epoch of each RL step): eapo_entropic's kappa schedule reads it,
+    # so a resume that changes optim.ppo_epochs continues the schedule from the steps actually taken
+    optimizer_steps: int = 0
 
 
 @dataclass
@@ -134,7 +137,17 @@ class LocalTrainer:
         self.sched.load_state_dict(shard["scheduler"])
         self._apply_optim_config()
         self.loss_rng.set_state(shard["loss_rng"])
-        self.state = TrainState(**shard["trainer"])
+        old = meta.get("config", {})
+        trainer = dict(shard["trainer"])
+        if "optimizer_steps" not in trainer:  # a checkpoint from before the counter: its own config's epochs
+            trainer["optimizer_steps"] = int(trainer["step"]) * int(old.get("optim", {}).get("ppo_epochs", 1))
+        self.state = TrainState(**trainer)
+        # a stateful loss's state trains what this run's config says (applied, or refused by name)
+        a, old_a = self.cfg.algorithm, old.get("algorithm", {})
+        self.state.loss_state, notes = algos.loss_resume(old_a.get("loss"), old_a.get("loss_params"), a.loss,
+                                                         dict(a.loss_params), self.state.loss_state)
+        for note in notes:
+            log.warning("resuming %s: %s", ckpt, note)
         set_rng_state(shard["rng"])
         log.info("resumed from %s (step %d)", ckpt, self.state.step)
 
@@ -275,7 +288,7 @@ class LocalTrainer:
         inputs = algos.AdvantageInputs(
             rewards=batch.rewards, response_mask=mask, entropy=ent, group_index=batch.group_index,
             old_logprobs=old_logp, correct=batch.correct,
-            step=self.state.step * cfg.optim.ppo_epochs,  # optimizer steps so far (one per PPO epoch)
+            step=self.state.optimizer_steps,  # optimizer steps taken so far (one per PPO epoch)
             response_ids=ro.response_ids_BR,
         )
         adv_out = algos.run_estimator(a.estimator, inputs, **a.estimator_params)
@@ -291,6 +304,7 @@ class LocalTrainer:
             advantages=adv_out.advantages, loss_mask=loss_mask)
         metrics.update(state_metrics)
         update = self._update(ro, old_logp, adv_out.advantages, loss_mask, loss_state)
+        self.state.optimizer_steps += cfg.optim.ppo_epochs
         metrics.update(update)
         # ... and after the step, a loss that learns from it (PAEC's anchor) records what it saw
         self.state.loss_state = algos.loss_observe(a.loss, a.loss_params, self.state.loss_state, update)

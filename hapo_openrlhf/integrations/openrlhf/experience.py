@@ -159,6 +159,9 @@ class HapoExperienceMaker(RemoteExperienceMaker):
     """Upstream experience maker with the registry in place of the estimator chain."""
 
     _step = 0  # RL steps whose experience was made (a resumed run's controller restores it)
+    # optimizer steps before the next batch (eapo_entropic's kappa schedule): the steps trained so far,
+    # restored from the checkpoint on a resume, plus each batch made since at its own steps per RL step
+    _optimizer_steps = 0
     loss_state: dict = {}  # a stateful loss's controller (checkpointed by HapoControllerMixin)
 
     def make_experience(self, samples_list):
@@ -179,9 +182,9 @@ class HapoExperienceMaker(RemoteExperienceMaker):
     @torch.no_grad()
     def compute_advantages_and_returns(self, experiences):
         args = self.strategy.args
-        # the optimizer steps before this batch: RL steps so far (a resume restores the count) x steps per RL step
+        # the optimizer steps before this batch (a resume restores the count of those taken)
         result = registry_advantages(experiences, args.hapo, args.rollout.n_samples_per_prompt,
-                                     optimizer_step=self._step * optimizer_steps_per_step(args.hapo))
+                                     optimizer_step=self._optimizer_steps)
         state, self.loss_state, state_metrics = step_loss_state(experiences, result, args.hapo["algorithm"],
                                                                 self.loss_state)
         if state is not None:  # every policy actor (every DP / TP / PP rank) trains this step with it
@@ -192,6 +195,7 @@ class HapoExperienceMaker(RemoteExperienceMaker):
                 for k, v in state_metrics.items():
                     e.info[k] = torch.full((len(e.index),), float(v))
         self._step += 1
+        self._optimizer_steps += optimizer_steps_per_step(args.hapo)
         d = os.environ.get(DUMP_ENV)
         if d:
             os.makedirs(d, exist_ok=True)

@@ -16,11 +16,11 @@ from pathlib import Path
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
-from ...algos.losses import loss_observe
+from ...algos.losses import loss_observe, loss_resume
 from ...local.logger import read_jsonl_records, record_line
 from ...preemption import Preempted, request_flag
 from . import routes
-from .experience import HapoExperienceMaker
+from .experience import HapoExperienceMaker, optimizer_steps_per_step
 
 
 class StepLimit:
@@ -68,6 +68,7 @@ class HapoControllerMixin:
         self.step_limit = StepLimit(int(self.args.hapo["trainer"]["steps"]))
         self._last_client_states: dict | None = None  # what the last step passed to save_logs_and_checkpoints
         self._last_saved_step = 0
+        self._optimizer_steps = 0  # optimizer steps trained (checkpointed: eapo_entropic's schedule)
 
     def _send_routes(self, rollout_samples) -> None:
         """Rollout routing replay (routes.py): every policy actor gets this step's table of row
@@ -80,10 +81,21 @@ class HapoControllerMixin:
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
         self.step_limit.step = int(states["global_step"])  # a resumed run counts from its checkpoint
-        # a stateful loss's controller (STARE) continues from the checkpoint's state
-        self.experience_maker.loss_state = dict(states.get("hapo_loss_state") or {})
-        # ... and counts RL steps from it (eapo_entropic's kappa decay is keyed to the optimizer step)
+        # a stateful loss's controller (STARE) continues from the checkpoint's state, made to train what
+        # this run's config says when the resume changed the loss's parameters (or refused by name)
+        a = self.args.hapo["algorithm"]
+        saved = states.get("hapo_loss") or {}
+        self.experience_maker.loss_state, notes = loss_resume(
+            saved.get("name"), saved.get("params"), a["loss"], dict(a["loss_params"]),
+            dict(states.get("hapo_loss_state") or {}))
+        for note in notes:
+            print(f"hapo: resuming: {note}", flush=True)
+        # ... and counts RL steps and optimizer steps from it (eapo_entropic's kappa decay is keyed to
+        # the optimizer steps taken; a checkpoint from before the count: its steps at this config's rate)
         self.experience_maker._step = self.step_limit.step
+        per_step = optimizer_steps_per_step(self.args.hapo)
+        self._optimizer_steps = int(states.get("hapo_optimizer_steps", self.step_limit.step * per_step))
+        self.experience_maker._optimizer_steps = self._optimizer_steps
         self._last_saved_step = self.step_limit.step  # that state is on disk already
         return states
 
@@ -116,8 +128,14 @@ class HapoControllerMixin:
             a = self.args.hapo["algorithm"]
             self.experience_maker.loss_state = loss_observe(a["loss"], dict(a["loss_params"]),
                                                             self.experience_maker.loss_state, logs_dict)
+        if logs_dict:  # this step's optimizer steps are taken
+            self._optimizer_steps += optimizer_steps_per_step(self.args.hapo)
         if client_states is not None and self.experience_maker.loss_state:  # STARE's controller, checkpointed
             client_states["hapo_loss_state"] = dict(self.experience_maker.loss_state)
+        if client_states is not None:  # what a resume compares its config with, and the steps taken
+            a = self.args.hapo["algorithm"]
+            client_states["hapo_loss"] = {"name": a["loss"], "params": dict(a["loss_params"])}
+            client_states["hapo_optimizer_steps"] = self._optimizer_steps
         if client_states is not None:  # upstream adds its eval keys to the dict it is given
             self._last_client_states = dict(client_states)
         if stop or self.step_limit.reached:

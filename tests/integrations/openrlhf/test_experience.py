@@ -220,7 +220,7 @@ def test_the_stateful_losss_step_is_over_the_whole_batch(selection):
 def test_eapo_kappa_decay_is_keyed_to_the_optimizer_steps_before_the_batch():
     """On OpenRLHF the experience maker passes RL steps so far x optimizer steps per RL step
     (samples / train_batch_size x ppo_epochs): kappa_t = kappa (1 - min(step / K, 1)), and a
-    resumed maker (its RL step count restored from the checkpoint) continues the schedule."""
+    resumed maker (its optimizer-step count restored from the checkpoint) continues the schedule."""
     import math
     from types import SimpleNamespace
 
@@ -236,11 +236,12 @@ def test_eapo_kappa_decay_is_keyed_to_the_optimizer_steps_before_the_batch():
     maker.loss_state = {}
     kappas = []
     for step in (0, 1, 5, 9, 12):  # 12 x 4 = 48 optimizer steps: past K, kappa 0
-        maker._step = step
+        # a resumed maker: the RL steps and the optimizer steps taken, as the controller restores them
+        maker._step, maker._optimizer_steps = step, 4 * step
         exps = _experiences(_rollout(), [5, 3, 4])
         maker.compute_advantages_and_returns(exps)
         kappas.append(float(exps[0].info["eapo/kappa"][0]))
-        assert maker._step == step + 1
+        assert maker._step == step + 1 and maker._optimizer_steps == 4 * step + 4
     assert kappas == pytest.approx([math.log(4) * (1 - min(4 * s / 40, 1)) for s in (0, 1, 5, 9, 12)])
     # the advantages are the registry's at that step
     import dataclasses

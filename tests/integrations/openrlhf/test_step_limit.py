@@ -35,8 +35,15 @@ def test_step_limit_zero_and_negative():
 
 class _FakeArgs:
     def __init__(self, out, save_steps, steps=100):
-        self.hapo = {"output_dir": str(out), "trainer": {"steps": steps}}
+        # 8 x 4 samples per RL step over train batches of 16, two PPO epochs: 4 optimizer steps per RL step
+        self.hapo = {"output_dir": str(out), "trainer": {"steps": steps},
+                     "algorithm": {"loss": "ppo", "loss_params": {}},
+                     "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4},
+                     "openrlhf": {"train_batch_size": 16}, "optim": {"ppo_epochs": 2}}
         self.ckpt = type("ckpt", (), {"save_steps": save_steps})()
+
+
+PPO = {"hapo_loss": {"name": "ppo", "params": {}}}  # what every save records of the loss
 
 
 def _controller(tmp_path, monkeypatch, save_steps, resumed=None):
@@ -55,8 +62,10 @@ def _controller(tmp_path, monkeypatch, save_steps, resumed=None):
     t = object.__new__(HapoPPOTrainerImpl)
     t.experience_maker = SimpleNamespace(loss_state={})
     t.args = _FakeArgs(tmp_path, save_steps)
+    if resumed and "hapo_loss" in resumed:
+        t.args.hapo["algorithm"] = {"loss": resumed["hapo_loss"]["name"], "loss_params": dict(resumed["hapo_loss"]["params"])}
     t.step_limit = StepLimit(100)
-    t._last_client_states, t._last_saved_step = None, 0
+    t._last_client_states, t._last_saved_step, t._optimizer_steps = None, 0, 0
     gen = t._stop_after_generation(t.step_limit.wrap(lambda **kw: (["s"], None, 4, False)))
     t.init_checkpoint_states()  # resumed from global step 4
     return t, gen, saved
@@ -77,7 +86,8 @@ def test_stop_flag_during_generation_checkpoints_the_previous_step(tmp_path, mon
     with pytest.raises(Preempted) as e:
         gen()
     # the state step 6 started from (step 5's weights, the loader before step 6) is saved, forced
-    assert e.value.step == 5 and saved == [(5, 1, {"global_step": 5, "data_loader_state_dict": {"pos": 5}})]
+    assert e.value.step == 5 and saved == [(5, 1, {"global_step": 5, "data_loader_state_dict": {"pos": 5}, **PPO,
+                                                   "hapo_optimizer_steps": 16})]
     assert t.args.ckpt.save_steps == 10  # restored
 
 
@@ -137,7 +147,8 @@ def test_async_trainer_waiting_for_a_batch_honours_the_stop_flag(tmp_path, monke
     request_flag(tmp_path).touch()
     with pytest.raises(Preempted) as e:
         q.get()
-    assert e.value.step == 5 and saved == [(5, 1, {"global_step": 5, "data_loader_state_dict": {"pos": 5}})]
+    assert e.value.step == 5 and saved == [(5, 1, {"global_step": 5, "data_loader_state_dict": {"pos": 5}, **PPO,
+                                                   "hapo_optimizer_steps": 16})]
 
 
 def test_a_stateful_losss_controller_goes_into_every_checkpoint_and_comes_back(tmp_path, monkeypatch):
@@ -156,7 +167,8 @@ def test_a_stateful_losss_controller_goes_into_every_checkpoint_and_comes_back(t
     request_flag(tmp_path).touch()
     with pytest.raises(Preempted):
         gen()
-    assert saved == [(5, 1, {"global_step": 5, "hapo_loss_state": {**ctl, "reweight_w": 1.3}})]
+    assert saved == [(5, 1, {"global_step": 5, "hapo_loss_state": {**ctl, "reweight_w": 1.3}, **PPO,
+                             "hapo_optimizer_steps": 16})]
     t2, _, _ = _controller(tmp_path, monkeypatch, save_steps=10)  # a checkpoint without one: a fresh controller
     assert t2.experience_maker.loss_state == {}
 
@@ -174,3 +186,25 @@ def test_paecs_anchor_learns_from_each_steps_metrics_before_the_checkpoint(tmp_p
     assert saved[-1][2]["hapo_loss_state"] == {"anchor_steps": [1.0, 3.0], "anchor": 2.0}
     t.save_logs_and_checkpoints(7, {"paec/masked_entropy": 9.0}, {"global_step": 7})
     assert saved[-1][2]["hapo_loss_state"]["anchor"] == 2.0
+
+
+def test_a_resume_applies_a_changed_stare_w_and_counts_the_optimizer_steps_taken(tmp_path, monkeypatch):
+    """The controller side of issue 55's severity-1 findings: a checkpoint saved under STARE W 1.1
+    whose controller is at W 1.25 resumes under W 1.3 with the controller at 1.3 (announced); the
+    optimizer steps are the checkpoint's count (10, e.g. after a change of PPO epochs), not the RL
+    steps times this run's rate (4 x 4 = 16), and each step with logs adds this run's rate."""
+    stare = {"name": "stare", "params": {"reweight_w": 1.1}}
+    ctl = {"gate_on": True, "reweight_w": 1.25, "reweight_m": 0.9, "current_ent": 0.2}
+    t, _, saved = _controller(tmp_path, monkeypatch, save_steps=1, resumed={
+        "hapo_loss_state": ctl, "hapo_loss": stare, "hapo_optimizer_steps": 10})
+    assert t.experience_maker.loss_state["reweight_w"] == 1.25  # same W configured: the controller's own
+    t.args.hapo["algorithm"]["loss_params"]["reweight_w"] = 1.3
+    t.init_checkpoint_states()
+    assert t.experience_maker.loss_state == {**ctl, "reweight_w": 1.3}
+    assert t._optimizer_steps == 10 and t.experience_maker._optimizer_steps == 10
+    t.save_logs_and_checkpoints(5, {"policy_loss": 0.1}, {"global_step": 5})
+    assert saved[-1][2]["hapo_optimizer_steps"] == 14
+    assert saved[-1][2]["hapo_loss"] == {"name": "stare", "params": {"reweight_w": 1.3}}
+    # a checkpoint from before the count: its RL steps at this run's rate
+    t2, _, _ = _controller(tmp_path, monkeypatch, save_steps=1)
+    assert t2._optimizer_steps == 16
