@@ -281,8 +281,10 @@ class AlgorithmConfig:
     reward_timeout_s: float = 5.0
 
     def __post_init__(self):
-        object.__setattr__(self, "estimator_params", _freeze(self.estimator_params))
-        object.__setattr__(self, "loss_params", _freeze(self.loss_params))
+        # numbers as users write them (YAML 1.1 reads 1e-3 as a string; the typed keys accept it)
+        object.__setattr__(self, "estimator_params",
+                           _freeze(ESTIMATORS.coerce_params(self.estimator, self.estimator_params)))
+        object.__setattr__(self, "loss_params", _freeze(LOSSES.coerce_params(self.loss, self.loss_params)))
         ESTIMATORS.check_params(self.estimator, self.estimator_params)
         LOSSES.check_params(self.loss, self.loss_params)
         _require(self.aggregation in AGGREGATIONS, f"algorithm.aggregation must be one of {AGGREGATIONS}")
@@ -715,6 +717,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+# the modes of each "off | ..." switch, named when a config says `on`
+ON_MODES = {"routing_replay": "r3", "level": "token or seq"}
+
+
 def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
     """Build dataclass ``cls`` from ``data``; unknown keys raise naming the dotted key."""
     hints = typing.get_type_hints(cls)
@@ -732,6 +738,10 @@ def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
             raise ValueError(f"unknown config key {key!r}{hint}")
         if v is False and field_of[k] in offs:
             v = "off"
+        elif v is True and field_of[k] in offs:  # `on` / `true` / `yes`: which "on" is meant is the user's to say
+            modes = ON_MODES.get(field_of[k], "a named mode")
+            raise ValueError(f"{key}: YAML reads a bare on / true / yes as true, and this switch is off or "
+                             f"{modes}: write {modes}, or off")
         kwargs[field_of[k]] = _coerce(v, hints[field_of[k]], key)
     try:
         return cls(**kwargs)

@@ -1,4 +1,5 @@
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,12 @@ def test_an_off_switch_written_bare_in_yaml_reads_as_off(tmp_path):
     cfg = load_config(p)
     assert cfg.algorithm.is_correction.level == "off" and cfg.megatron.moe.routing_replay == "off"
     assert load_config(p, ["megatron.moe.routing_replay=r3"]).megatron.moe.routing_replay == "r3"
-    with pytest.raises(ValueError, match="megatron.moe.routing_replay: expected a string, got True"):
+    # a bare `on` (YAML's true) names the switch's modes (issue 55: it was "expected a string, got True")
+    with pytest.raises(ValueError, match="megatron.moe.routing_replay: YAML reads a bare on / true / yes as true, "
+                                         "and this switch is off or r3: write r3, or off"):
         load_config(p, ["megatron.moe.routing_replay=on"])
+    with pytest.raises(ValueError, match="algorithm.is_correction.level: .* write token or seq, or off"):
+        load_config(p, ["algorithm.is_correction.level=yes"])
     with pytest.raises(ValueError, match="run_name: expected a string, got False"):
         load_config(p, ["run_name=off"])
 
@@ -167,3 +172,37 @@ def test_every_numeric_key_refuses_inf_nan_lists_and_strings_by_name(bad):
         with pytest.raises(ValueError, match=re.escape(key)) as e:
             load_config(cfg, [f"{key}={bad}"])
         assert not re.search(r"\b[A-Z]\w*(Error|Exception)\b", str(e.value)), (key, str(e.value))
+
+
+def test_method_numbers_as_users_write_them_and_float32s_range():
+    """issue 55: a method parameter accepts what the typed keys accept -- YAML 1.1 reads ``1e-3``
+    (an exponent without a dot) as a string -- and every float parameter must fit float32, the
+    computation's dtype, named at load: past 3.4e38 it overflows to inf, a non-zero value below
+    1.2e-38 underflows to 0 (PAEC's softness 1e-320 made every masked entropy NaN)."""
+    paec = "{beta: 1e-3, rho_min: 2.0, top_p: 0.9, mask: product, softness: 0.0, anchor_steps: 2}"
+    cfg = load_config(REPO / "configs/cpu_tiny.yaml", ["algorithm.loss=paec", f"algorithm.loss_params={paec}"])
+    assert cfg.algorithm.loss_params["beta"] == 0.001 and isinstance(cfg.algorithm.loss_params["beta"], float)
+    cfg = load_config(REPO / "configs/cpu_tiny_hapo_ablate_plr.yaml", ["algorithm.estimator_params.alpha=2E-1"])
+    assert cfg.algorithm.estimator_params["alpha"] == 0.2
+    for sets, named in [
+        (["algorithm.estimator=eapo_entropic", "algorithm.estimator_params={kappa: 1.0e+39}"], "kappa = 1e+39"),
+        (["algorithm.loss=stare", "algorithm.loss_params={w_max: 1.0e+300}"], "w_max = 1e+300"),
+        (["algorithm.estimator=pepo", "algorithm.estimator_params={temperature: 1.0e-320}"], "temperature = 1e-320"),
+        (["algorithm.loss=paec", f"algorithm.loss_params={paec.replace('softness: 0.0', 'softness: 1.0e-320')}"],
+         "softness = 1e-320"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(named) + " is outside what float32 .* holds"):
+            load_config(REPO / "configs/cpu_tiny.yaml", sets)
+    with pytest.raises(ValueError, match=r"upper must be a finite number or null, got inf \(null, not .inf, means no"):
+        load_config(REPO / "configs/cpu_tiny_rsi_s.yaml", ["algorithm.loss_params.upper=.inf"])
+    with pytest.raises(ValueError, match="beta must be a finite number, got 'abc'"):
+        load_config(REPO / "configs/cpu_tiny.yaml", ["algorithm.loss=paec",
+                                                     f"algorithm.loss_params={paec.replace('1e-3', 'abc')}"])
+
+
+@pytest.mark.parametrize("spelled", ["PRIME", "EP-GRPO", "Papo"])
+def test_refused_methods_as_the_papers_spell_them_get_the_reason(spelled):
+    with pytest.raises(ValueError, match=f"advantage estimator '{spelled}' is not implemented, by design: "):
+        load_config(REPO / "configs/cpu_tiny.yaml", [f"algorithm.estimator={spelled}"])
+    with pytest.raises(ValueError, match=f"policy loss '{spelled}' is not implemented, by design: "):
+        load_config(REPO / "configs/cpu_tiny.yaml", [f"algorithm.loss={spelled}"])

@@ -67,8 +67,9 @@ CASES = [
      "hapo'?: alpha must be a finite number, got \\(0.2,\\)"),
     (["train", "--config", CFG, "--set", "algorithm.estimator_params={alpha: 0.2, phi: 2.0, eps: -1}"],
      "eps must be > 0"),
-    (["train", "--config", CFG, "--set", "algorithm.estimator_params={alpha: 0.2, phi: '2'}"],
-     "phi must be a finite number, got '2'"),
+    # a string that is no number (one that is, '2' or 1e-3, reads as the number, as typed keys do: issue 55)
+    (["train", "--config", CFG, "--set", "algorithm.estimator_params={alpha: 0.2, phi: 'two'}"],
+     "phi must be a finite number, got 'two'"),
     (["train", "--config", CFG, "--set", "algorithm.estimator_params={alpha: .nan, phi: 2.0}"],
      "alpha must be a finite number, got nan"),
     (["train", "--config", CFG, "--set", "warmup.lr=.inf"], "warmup.lr: expected a finite number, got inf"),

@@ -19,7 +19,7 @@ from .dapo import DynamicSamplingBuffer, informative_groups, overlong_penalty
 from .entropy import check_finite, entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from .fused import fused_logprobs_entropy, fused_token_loss
 from .vocab_parallel import vocab_parallel_logprobs_entropy
-from .losses import AGGREGATIONS, LOSSES, ROW_LOCAL_LOSSES, aggregate, compute_policy_loss, default_normalizer, head_signals_top_p, k3_kl, list_losses, loss_observe, loss_resume, loss_step_state
+from .losses import AGGREGATIONS, LOSSES, ROW_LOCAL_LOSSES, aggregate, compute_policy_loss, default_normalizer, head_signals_top_p, k3_kl, list_losses, loss_observe, loss_resume, loss_step_state, CheckpointStateError, check_loss_state
 from .quadrants import (
     QUADRANTS,
     SPLITS,
@@ -40,6 +40,6 @@ __all__ = [
     "SPLITS", "check_split", "entropy_cut", "group_token_entropy_stats", "hapo_credit", "outcome_polarity",
     "split_quadrants",
     "informative_groups", "k3_kl", "list_estimators", "list_losses", "logprobs_and_entropy",
-    "logprobs_from_logits", "head_signals_top_p", "loss_observe", "loss_resume", "loss_step_state", "normalize_quadrants", "overlong_penalty", "quadrant_entropy_change",
+    "logprobs_from_logits", "head_signals_top_p", "loss_observe", "loss_resume", "loss_step_state", "CheckpointStateError", "check_loss_state", "normalize_quadrants", "overlong_penalty", "quadrant_entropy_change",
     "quadrant_masks", "quadrant_metrics", "run_estimator",
 ]

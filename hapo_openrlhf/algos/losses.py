@@ -25,7 +25,8 @@ a loss that takes them (``head_signals_top_p``; ``algos.nucleus.sharded_nucleus_
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Mapping
 
 import torch
 
@@ -74,6 +75,41 @@ OBSERVERS: dict[str, Any] = {}
 # note says what changed), or a ValueError naming a change that cannot be applied and how to apply it.
 # Trainers call ``loss_resume``.
 RESUMERS: dict[str, Any] = {}
+# name -> check(persisted) -> None: a stateful loss's persisted state as a checkpoint holds it, checked
+# at restore (types, finiteness, ranges); a damaged one raises CheckpointStateError naming the key, and the
+# trainer falls back to an older checkpoint. Trainers call ``check_loss_state``.
+STATE_CHECKS: dict[str, Any] = {}
+
+
+class CheckpointStateError(ValueError):
+    """A checkpoint's trainer or method state is damaged (the resume falls back to an older one)."""
+
+
+def check_number(where: str, value: Any, *, none: bool = False, nan: bool = False, lo: float | None = None,
+                 hi: float | None = None) -> None:
+    """A persisted number: a real (not a bool, not a string), finite unless ``nan`` allows NaN,
+    inside [lo, hi] where given; None where ``none`` allows it. Raises CheckpointStateError."""
+    if value is None and none:
+        return
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok and math.isnan(value):
+        ok = nan
+    elif ok:
+        ok = math.isfinite(value) and (lo is None or value >= lo) and (hi is None or value <= hi)
+    if not ok:
+        rng = f" in [{lo}, {hi}]" if lo is not None or hi is not None else ""
+        raise CheckpointStateError(f"{where} must be a finite number{rng}{' or null' if none else ''}, got {value!r}")
+
+
+def check_loss_state(name: str | None, persisted: Any) -> None:
+    """``name``'s persisted state as a checkpoint holds it (``STATE_CHECKS``); any mapping for a loss
+    without a check. Raises CheckpointStateError naming the key."""
+    if not isinstance(persisted, Mapping):
+        raise CheckpointStateError(f"trainer.loss_state must be a mapping, got {persisted!r}")
+    if persisted and name in STATE_CHECKS:
+        STATE_CHECKS[name](persisted)
+
+
 # name -> the method's own metric keys (``stare/...``) its loss returns beside ``actor/...``:
 # the actors report them per micro-batch, and every rank must know the keys up front
 METHOD_METRICS: dict[str, tuple[str, ...]] = {}

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 
 from .groups import masked_mean
-from .losses import (LOSSES, METHOD_METRICS, OBSERVERS, RESUMERS, STATEFUL, _check_clip, _ppo_metrics, _ppo_terms, _weighted,
+from .losses import (LOSSES, METHOD_METRICS, OBSERVERS, RESUMERS, STATE_CHECKS, STATEFUL, CheckpointStateError, _check_clip, _ppo_metrics, _ppo_terms, _weighted,
                      aggregate, default_normalizer)
 
 MASKS = ("nucleus_entropy", "top2_gap", "product")
@@ -90,9 +90,26 @@ def resume(old, new, persisted):
                              f"measured over {new['anchor_steps']} steps ({seen} seen so far)"]
 
 
+def check_state(persisted) -> None:
+    """The anchor as a checkpoint holds it: the steps' masked entropies seen so far (finite, >= 0)
+    and H0 once fixed (finite, >= 0), nothing else."""
+    from .losses import check_number
+
+    unknown = sorted(set(persisted) - {"anchor", "anchor_steps"})
+    if unknown:
+        raise CheckpointStateError(f"paec state has unknown key(s) {unknown}")
+    seen = persisted.get("anchor_steps", [])
+    if not isinstance(seen, (list, tuple)):
+        raise CheckpointStateError(f"paec state anchor_steps must be a list of entropies, got {seen!r}")
+    for i, h in enumerate(seen):
+        check_number(f"paec state anchor_steps[{i}]", h, lo=0.0)
+    check_number("paec state anchor", persisted.get("anchor"), none=True, lo=0.0)
+
+
 STATEFUL["paec"] = step_state
 OBSERVERS["paec"] = observe
 RESUMERS["paec"] = resume
+STATE_CHECKS["paec"] = check_state
 METHOD_METRICS["paec"] = ("paec/masked_entropy", "paec/mask_mean", "paec/penalty", "paec/below_floor")
 
 

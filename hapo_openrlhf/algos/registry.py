@@ -75,8 +75,10 @@ class Registry:
         return sorted(self._entries)
 
     def get(self, name: str) -> Entry:
-        if name in self._refused:
-            raise ValueError(f"{self.kind} {name!r} is not implemented, by design: {self._refused[name]}")
+        spelled = _registry_spelling(name)  # as the papers write them: "PRIME", "EP-GRPO"
+        if name in self._refused or (spelled in self._refused and spelled not in self._entries):
+            key = name if name in self._refused else spelled
+            raise ValueError(f"{self.kind} {name!r} is not implemented, by design: {self._refused[key]}")
         if name not in self._entries:
             hint = difflib.get_close_matches(str(name), self._entries, n=1)
             extra = f"; did you mean {hint[0]!r}?" if hint else ""
@@ -84,6 +86,25 @@ class Registry:
                 f"unknown {self.kind} {name!r}{extra} (registered: {', '.join(self.names())})"
             )
         return self._entries[name]
+
+    def coerce_params(self, name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` with a string a number-typed parameter can be read as turned into that
+        number: YAML 1.1 reads ``1e-3`` (an exponent without a dot) as a string, where the typed
+        config keys accept it. Anything else is left for :meth:`check_params` to judge."""
+        out = dict(params)
+        if name not in self._entries:
+            return out
+        sig = inspect.signature(self._entries[name].fn)
+        for key, value in params.items():
+            if key not in sig.parameters or not isinstance(value, str):
+                continue
+            kinds = {t.strip() for t in str(sig.parameters[key].annotation).split("|")}
+            if "float" in kinds:
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    pass
+        return out
 
     def check_params(self, name: str, params: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` for parameters the function does not take or rejects."""
@@ -105,12 +126,24 @@ class Registry:
         return entry.fn(**{k: v for k, v in kwargs.items() if k in entry.accepts})
 
 
+# float32's range: the losses and estimators compute in the tensors' dtype (float32 at most on the
+# GPU paths), where a larger value overflows to inf and a smaller non-zero one underflows to 0
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
+
+def _registry_spelling(name: Any) -> str:
+    """A method's name as the registry spells it: lower case, ``-`` as ``_`` ("EP-GRPO" -> "ep_grpo")."""
+    return str(name).strip().lower().replace("-", "_")
+
+
 def _check_types(what: str, fn: Callable[..., Any], params: Mapping[str, Any]) -> None:
     """Every numeric parameter (annotated ``float`` / ``int``) is a finite real number (or
     None where the annotation allows it), and every ``eps`` is > 0, before any function
     sees it: a list, a string, a bool, inf or NaN is a named error, not a ``TypeError``
     inside ``float()`` or a run that trains on nonsense (``eps=-1`` would flip the sign of
-    every normalised advantage)."""
+    every normalised advantage). A float parameter must also fit float32 (the tensors'
+    dtype): past 3.4e38 it overflows to inf, a non-zero one below 1.2e-38 underflows to 0
+    (a PAEC ``softness`` of 1e-320 made every masked entropy NaN, and the run trained PPO)."""
     import math
 
     sig = inspect.signature(fn)
@@ -122,9 +155,13 @@ def _check_types(what: str, fn: Callable[..., Any], params: Mapping[str, Any]) -
         if value is None and "None" in kinds:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{what}: {key} must be a finite number, got {value!r}")
+            none = " (null, not .inf, means no bound)" if "None" in kinds else ""
+            raise ValueError(f"{what}: {key} must be a finite number{' or null' if none else ''}, got {value!r}{none}")
         if "float" not in kinds and not isinstance(value, int):
             raise ValueError(f"{what}: {key} must be an integer, got {value!r}")
+        if "float" in kinds and not (value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
+            raise ValueError(f"{what}: {key} = {value!r} is outside what float32 (the computation's dtype) holds: "
+                             f"|{key}| must be 0 or between 1.2e-38 and 3.4e38")
         if key == "eps" and not value > 0:
             raise ValueError(f"{what}: eps must be > 0 (it keeps a division by the group's spread finite), "
                              f"got {value!r}")

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch
 
 from .groups import masked_mean
-from .losses import LOSSES, METHOD_METRICS, RESUMERS, STATEFUL, _check_clip, _ppo_metrics, _ppo_terms, _weighted, aggregate
+from .losses import LOSSES, METHOD_METRICS, RESUMERS, STATE_CHECKS, STATEFUL, CheckpointStateError, _check_clip, _ppo_metrics, _ppo_terms, _weighted, aggregate
 
 VARIANTS, SELECTIONS = ("O1", "C2"), ("micro_batch", "batch")
 
@@ -156,8 +156,27 @@ def resume(old, new, persisted):
     return out, notes
 
 
+def check_state(persisted) -> None:
+    """The controller as a checkpoint holds it: W >= 1 and M in (0, 1] (as the controller keeps
+    them), finite and float32-sized; the gate true or false; the last entropy a number (NaN before
+    the first finite one)."""
+    from .losses import check_number
+
+    for key, lo, hi in (("reweight_w", 1.0, 3.4e38), ("reweight_m", 1.2e-38, 1.0)):
+        if key in persisted:
+            check_number(f"stare state {key}", persisted[key], lo=lo, hi=hi)
+    if "gate_on" in persisted and not isinstance(persisted["gate_on"], bool):
+        raise CheckpointStateError(f"stare state gate_on must be true or false, got {persisted['gate_on']!r}")
+    if "current_ent" in persisted:
+        check_number("stare state current_ent", persisted["current_ent"], nan=True, lo=0.0)
+    for key in ("threshold_pos", "threshold_neg"):
+        if key in persisted:
+            raise CheckpointStateError(f"stare state {key} is a step's value, never checkpointed")
+
+
 STATEFUL["stare"] = step_state
 RESUMERS["stare"] = resume
+STATE_CHECKS["stare"] = check_state
 METHOD_METRICS["stare"] = ("stare/gate_on", "stare/reweight_w", "stare/reweight_m", "stare/positive_reweight_frac",
                            "stare/negative_reweight_frac", "stare/mean_weight")
 

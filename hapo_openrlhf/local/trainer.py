@@ -8,12 +8,16 @@ metrics -> (atomic) checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +57,41 @@ class TrainState:
     # optimizer steps taken (one per PPO epoch of each RL step): eapo_entropic's kappa schedule reads it,
     # so a resume that changes optim.ppo_epochs continues the schedule from the steps actually taken
     optimizer_steps: int = 0
+
+
+CheckpointStateError = algos.CheckpointStateError  # a damaged state: the resume falls back to an older checkpoint
+
+
+def checked_train_state(trainer: Any, ckpt: Path, config: dict) -> TrainState:
+    """The trainer state a checkpoint holds, every field checked -- types, finiteness, ranges, the
+    step against the checkpoint's own step -- before anything is restored from it; a damaged one
+    raises :class:`CheckpointStateError` naming the key (the resume then tries an older checkpoint).
+    A checkpoint from before ``optimizer_steps`` gets its steps x its own config's PPO epochs."""
+    if not isinstance(trainer, dict):
+        raise CheckpointStateError(f"its trainer state is {type(trainer).__name__}, not a mapping")
+    t = dict(trainer)
+    if "optimizer_steps" not in t and isinstance(t.get("step"), int):
+        t["optimizer_steps"] = t["step"] * int(config.get("optim", {}).get("ppo_epochs", 1))
+    known = {f.name for f in dataclasses.fields(TrainState)}
+    unknown = sorted(set(t) - known)
+    if unknown:
+        raise CheckpointStateError(f"trainer state has unknown key(s) {unknown}")
+    for key in ("step", "consumed_prompts", "skipped_steps", "consecutive_skips", "optimizer_steps"):
+        v = t.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise CheckpointStateError(f"trainer.{key} must be an integer >= 0, got {v!r}")
+    if not isinstance(t.get("warmup_done", False), bool):
+        raise CheckpointStateError(f"trainer.warmup_done must be true or false, got {t['warmup_done']!r}")
+    for key in ("eval_before", "loss_state"):
+        if not isinstance(t.get(key, {}), dict):
+            raise CheckpointStateError(f"trainer.{key} must be a mapping, got {t[key]!r}")
+    for k, v in t.get("eval_before", {}).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise CheckpointStateError(f"trainer.eval_before.{k} must be a finite number, got {v!r}")
+    m = re.fullmatch(r"step_(\d+)", Path(ckpt).name)
+    if m and int(m.group(1)) != t["step"]:
+        raise CheckpointStateError(f"trainer.step {t['step']} is not the checkpoint's own step {int(m.group(1))}")
+    return TrainState(**t)
 
 
 @dataclass
@@ -114,7 +153,14 @@ class LocalTrainer:
                 log.warning("skipping checkpoint %s: cannot be loaded (%s)", ckpt, e)
                 tried.append(f"{ckpt}: cannot be loaded ({e})")
                 continue
-            self._restore(ckpt, shard, meta)
+            try:  # its trainer and method state, before anything is restored from it
+                state = checked_train_state(shard.get("trainer"), ckpt, meta.get("config", {}))
+                algos.check_loss_state(self._saved_loss(meta), state.loss_state)
+            except CheckpointStateError as e:
+                log.warning("skipping checkpoint %s: %s", ckpt, e)
+                tried.append(f"{ckpt}: {e}")
+                continue
+            self._restore(ckpt, shard, meta, state)
             return ckpt
         if tried:
             raise ValueError("--resume: no checkpoint under " + str(self.ckpt_root) + " can be used; tried, newest "
@@ -122,7 +168,11 @@ class LocalTrainer:
         log.warning("--resume: no complete checkpoint under %s; starting fresh", self.ckpt_root)
         return None
 
-    def _restore(self, ckpt: Path, shard: dict, meta: dict) -> None:
+    @staticmethod
+    def _saved_loss(meta: dict) -> str | None:
+        return meta.get("config", {}).get("algorithm", {}).get("loss")
+
+    def _restore(self, ckpt: Path, shard: dict, meta: dict, state: "TrainState") -> None:
         changed = _config_diff(meta.get("config", {}), self.cfg.to_dict())
         if changed:
             log.warning("resuming %s with a changed config (applied from here on): %s", ckpt, ", ".join(changed))
@@ -138,10 +188,7 @@ class LocalTrainer:
         self._apply_optim_config()
         self.loss_rng.set_state(shard["loss_rng"])
         old = meta.get("config", {})
-        trainer = dict(shard["trainer"])
-        if "optimizer_steps" not in trainer:  # a checkpoint from before the counter: its own config's epochs
-            trainer["optimizer_steps"] = int(trainer["step"]) * int(old.get("optim", {}).get("ppo_epochs", 1))
-        self.state = TrainState(**trainer)
+        self.state = state
         # a stateful loss's state trains what this run's config says (applied, or refused by name)
         a, old_a = self.cfg.algorithm, old.get("algorithm", {})
         self.state.loss_state, notes = algos.loss_resume(old_a.get("loss"), old_a.get("loss_params"), a.loss,

@@ -63,3 +63,62 @@ def test_paec_anchor_steps_changed_after_the_anchor_is_fixed_is_refused(tmp_path
     assert "paec.anchor_steps changed 2 -> 3 at --resume" in line and "anchor_steps=2" in line
     assert (out / "metrics.jsonl").read_bytes() == before  # nothing lost, nothing written
     assert json.loads((out / "summary.json").read_text())  # the first run's result is intact
+
+
+def _tamper(ckpt: Path, edit) -> None:
+    """Rewrite a checkpoint's shard with ``edit(shard)`` applied and its manifest's size and CRC-32
+    updated: a checkpoint that verifies, holding a damaged state."""
+    import torch
+
+    from hapo_openrlhf.checkpoint import file_crc32, safe_torch_load
+
+    shard_path = ckpt / "rank_00000.pt" if (ckpt / "rank_00000.pt").exists() else next(ckpt.glob("*.pt"))
+    shard = safe_torch_load(shard_path)
+    edit(shard)
+    torch.save(shard, shard_path)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["files"][shard_path.name] = {"size": shard_path.stat().st_size, "crc32": file_crc32(shard_path)}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_damaged_trainer_or_method_state_falls_back_to_the_newest_good_checkpoint(tmp_path):
+    """A checkpoint whose files verify but whose STARE controller holds W "abc" (then NaN, 1e308,
+    then a trainer step of -5) is skipped with the key named, and the resume takes the older
+    checkpoint; metrics.jsonl is cut back only to that checkpoint's step, and no checkpoint is
+    deleted. With no good checkpoint left the resume stops, naming each."""
+    out = tmp_path / "run"
+    stare = ["algorithm.loss=stare", "algorithm.loss_params={reweight_w: 1.1, top_ratio: 0.2}"]
+    first = _train(out, "trainer.steps=2", "trainer.save_every=1", "trainer.keep_last=3", *stare)
+    assert first.returncode == 0, first.stderr[-3000:]
+    root = out / "checkpoints"
+    newest, older = root / "step_00000002", root / "step_00000001"
+    assert newest.is_dir() and older.is_dir()
+    cases = [(lambda s: s["trainer"]["loss_state"].__setitem__("reweight_w", "abc"), "stare state reweight_w"),
+             (lambda s: s["trainer"]["loss_state"].__setitem__("reweight_w", float("nan")), "stare state reweight_w"),
+             (lambda s: s["trainer"]["loss_state"].__setitem__("reweight_w", 1e308), "stare state reweight_w"),
+             (lambda s: s["trainer"].__setitem__("step", -5), "trainer.step must be an integer >= 0")]
+    for edit, named in cases:
+        import shutil
+
+        work = tmp_path / "case"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(out, work)
+        _tamper(work / "checkpoints" / "step_00000002", edit)
+        res = _train(work, "trainer.steps=2", "trainer.save_every=1", "trainer.keep_last=3", *stare, resume=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "skipping checkpoint" in res.stderr and named in res.stderr, res.stderr[-2000:]
+        assert "resumed from" in res.stderr and "step_00000001" in res.stderr
+        assert [r["step"] for r in records(work) if "reward/mean" in r] == [1, 2]  # step 2 trained again
+        assert (work / "checkpoints" / "step_00000001").is_dir()
+    # every checkpoint damaged (the warm start's step 0 too): the resume stops and names each; nothing is
+    # deleted or truncated
+    everyone = sorted(root.glob("step_*"))
+    assert [d.name for d in everyone] == ["step_00000000", "step_00000001", "step_00000002"]
+    _tamper(newest, cases[0][0])
+    for d in everyone[:-1]:
+        _tamper(d, lambda s: s["trainer"].__setitem__("consumed_prompts", "x"))
+    before = (out / "metrics.jsonl").read_bytes()
+    res = _train(out, "trainer.steps=3", "trainer.save_every=1", "trainer.keep_last=3", *stare, resume=True)
+    assert res.returncode == 2 and "no checkpoint under" in res.stderr
+    assert "stare state reweight_w" in res.stderr and "trainer.consumed_prompts" in res.stderr
+    assert (out / "metrics.jsonl").read_bytes() == before and all(d.is_dir() for d in everyone)

@@ -16,7 +16,7 @@ from pathlib import Path
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
-from ...algos.losses import loss_observe, loss_resume
+from ...algos.losses import CheckpointStateError, check_loss_state, loss_observe, loss_resume
 from ...local.logger import read_jsonl_records, record_line
 from ...preemption import Preempted, request_flag
 from . import routes
@@ -85,6 +85,11 @@ class HapoControllerMixin:
         # this run's config says when the resume changed the loss's parameters (or refused by name)
         a = self.args.hapo["algorithm"]
         saved = states.get("hapo_loss") or {}
+        try:  # the persisted state, checked before it trains (OpenRLHF chose the checkpoint: no fallback here)
+            check_loss_state(saved.get("name", a["loss"]), states.get("hapo_loss_state") or {})
+        except CheckpointStateError as e:
+            raise ValueError(f"the checkpoint of global step {states.get('global_step')} under {self.args.ckpt.path}: "
+                             f"{e}; move that checkpoint aside to resume from an older one") from None
         self.experience_maker.loss_state, notes = loss_resume(
             saved.get("name"), saved.get("params"), a["loss"], dict(a["loss_params"]),
             dict(states.get("hapo_loss_state") or {}))

@@ -40,7 +40,7 @@ class _FakeArgs:
                      "algorithm": {"loss": "ppo", "loss_params": {}},
                      "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4},
                      "openrlhf": {"train_batch_size": 16}, "optim": {"ppo_epochs": 2}}
-        self.ckpt = type("ckpt", (), {"save_steps": save_steps})()
+        self.ckpt = type("ckpt", (), {"save_steps": save_steps, "path": str(out)})()
 
 
 PPO = {"hapo_loss": {"name": "ppo", "params": {}}}  # what every save records of the loss
@@ -208,3 +208,12 @@ def test_a_resume_applies_a_changed_stare_w_and_counts_the_optimizer_steps_taken
     # a checkpoint from before the count: its RL steps at this run's rate
     t2, _, _ = _controller(tmp_path, monkeypatch, save_steps=1)
     assert t2._optimizer_steps == 16
+
+
+def test_a_damaged_loss_state_in_openrlhfs_checkpoint_is_named(tmp_path, monkeypatch):
+    import pytest as _pytest
+
+    bad = {"gate_on": True, "reweight_w": float("nan"), "reweight_m": 0.9}
+    with _pytest.raises(ValueError, match=r"global step 4 .*stare state reweight_w must be a finite number"):
+        _controller(tmp_path, monkeypatch, save_steps=1, resumed={
+            "hapo_loss_state": bad, "hapo_loss": {"name": "stare", "params": {}}})
