@@ -7,7 +7,6 @@ command lines, and by running the script with the interpreter swapped for `echo`
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -6,7 +6,6 @@ built without random initialisation carries the same tensor-parallel tags."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ._dist import init_megatron, load_hf_into, spawn
 from .test_convert import tiny_qwen2
