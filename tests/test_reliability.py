@@ -3,6 +3,7 @@ the real `hapo` command in a subprocess and must end with one `hapo: error:` lin
 the key, file or option, a non-zero exit, and no traceback (reliability issue)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,27 @@ def _files(tmp_path):
     run = tmp_path / "run_bad_step"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": "x"}\n{"step": 3}\n')
+    # issue 55: a final evaluation record with a string accuracy; a summary with a string value; a FIFO log
+    run = tmp_path / "run_str_accuracy"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n'
+                                       '{"step": 2, "eval/accuracy": "high", "eval/response_len": 9.0}\n')
+    run = tmp_path / "run_str_summary"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    (run / "summary.json").write_text(json.dumps({"before": {"eval/accuracy": 0.1},
+                                                  "after": {"eval/accuracy": 0.2, "eval/response_len": "long"}}))
+    # issue 55: hostile config.json values, named before anything is allocated from them
+    real = json.loads((REPO / "hapo_openrlhf/megatron/model_configs/qwen3-30b-a3b-base.json").read_text())
+    for name, change in (("dtype_model", {"torch_dtype": "float1024"}), ("neg_model", {"hidden_size": -96}),
+                         ("noheads_model", {"num_attention_heads": 0}), ("experts_model", {"num_experts": 10**6})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**real, **change}))
+        (d / "tokenizer.json").write_text("{}")
+    run = tmp_path / "run_fifo_log"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
     return tmp_path
 
 
@@ -85,6 +107,20 @@ CASES = [
     (["eval", "--model", "{tmp}/badcfg_model", "--template", "tiny"], "config.json .* is unreadable or not JSON"),
     (["eval", "--model", "{tmp}/hint_model"], "hapo.json .* is unreadable or not JSON"),
     (["report", "{tmp}/run_bad_step"], "metrics.jsonl:2: corrupt line \\('step' must be an integer"),
+    (["eval", "--model", "{tmp}/dtype_model", "--template", "tiny"],
+     "dtype_model/config.json: torch_dtype must be one of .*, got 'float1024'"),
+    (["eval", "--model", "{tmp}/neg_model", "--template", "tiny"],
+     "neg_model/config.json: hidden_size must be a positive integer, got -96"),
+    (["eval", "--model", "{tmp}/noheads_model", "--template", "tiny"],
+     "noheads_model/config.json: num_attention_heads must be a positive integer, got 0"),
+    (["eval", "--model", "{tmp}/experts_model", "--template", "tiny", "--engine", "hf"],
+     "experts_model/config.json: the model it describes has 226592.25B parameters, .* GiB in fp32, more than"),
+    (["report", "{tmp}/run_str_accuracy"], "run_str_accuracy/metrics.jsonl, the evaluation record of step 2: "
+                                           "eval/accuracy must be a number, got 'high'"),
+    (["report", "{tmp}/run_str_summary"], "run_str_summary/summary.json: after.eval/response_len must be a number, "
+                                          "got 'long'"),
+    (["report", "{tmp}/run_fifo_log"], "run_fifo_log/metrics.jsonl \\(a run's metrics log\\) is a FIFO, not a "
+                                       "regular file"),
     # sizes checked at load, before any allocation or draw (issue 42)
     (["train", "--config", CFG, "--set", "data.synthetic.eval_size=1000000000000"],
      "data.synthetic.eval_size must be in \\[1, 1000000\\], got 1000000000000"),

@@ -130,9 +130,67 @@ def check_local_model(model_path: str) -> None:
                          f"model (an interrupted save?)")
     from ..jsonfile import check_safetensors, read_json_object
 
-    read_json_object(p / "config.json", "the model's config")
+    meta = read_json_object(p / "config.json", "the model's config")
     for f in sorted(p.glob("*.safetensors")):
         check_safetensors(f)
+    check_model_config(meta, p / "config.json")
+
+
+# config.json fields that size a model: each a positive integer where present
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_local_experts",
+             "num_experts_per_tok", "moe_intermediate_size")
+DTYPES = ("float32", "float16", "bfloat16", "float64", "auto")
+
+
+def check_model_config(meta: dict, where: Path) -> None:
+    """A model's ``config.json`` values checked before anything is allocated from them: the sizes
+    positive integers, the heads consistent, the dtype one torch has, and the model buildable by
+    transformers' own class (on the meta device: nothing allocated). Each problem names the file
+    and key."""
+    for key in SIZE_KEYS:
+        v = meta.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{where}: {key} must be a positive integer, got {v!r}")
+    heads, kv = meta.get("num_attention_heads"), meta.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if heads and meta.get("hidden_size") and not meta.get("head_dim") and meta["hidden_size"] % heads:
+        raise ValueError(f"{where}: hidden_size {meta['hidden_size']} is not a multiple of num_attention_heads {heads} "
+                         f"(and no head_dim is given)")
+    for key in ("torch_dtype", "dtype"):
+        v = meta.get(key)
+        if v is not None and v not in DTYPES:
+            raise ValueError(f"{where}: {key} must be one of {list(DTYPES)}, got {v!r}")
+    if "model_type" in meta:  # (without one, transformers' own loader names what is missing)
+        meta_parameter_count(where)
+
+
+def meta_parameter_count(where: Path) -> int:
+    """The parameters of the model ``where`` (a config.json) describes, counted on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(where.parent))
+        with torch.device("meta"):
+            return sum(t.numel() for t in AutoModelForCausalLM.from_config(cfg).parameters())
+    except Exception as e:  # noqa: BLE001 - whatever transformers refuses in the config is the finding
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{where}: transformers cannot build the model it describes ({first})") from None
+
+
+def check_fits_in_memory(model_path: str, bytes_per_param: int = 4) -> None:
+    """The Hugging Face engine loads the model in fp32 into this process: refuse, before any
+    allocation, a local model larger than the memory it may use."""
+    where = Path(model_path).expanduser() / "config.json"
+    if not looks_local(model_path) or not where.is_file():
+        return
+    n = meta_parameter_count(where)
+    mem, why = _memory_limit()
+    if n * bytes_per_param > mem:
+        raise ValueError(f"{where}: the model it describes has {n / 1e9:.2f}B parameters, "
+                         f"{n * bytes_per_param / 2**30:.1f} GiB in fp32, more than {why} ({mem / 2**30:.1f} GiB)")
 
 
 def make_engine(kind: str, model_path: str, **kw) -> Engine:
@@ -149,5 +207,6 @@ def make_engine(kind: str, model_path: str, **kw) -> Engine:
     if kind == "vllm":
         return VLLMEngine(model_path, **kw)
     if kind == "hf":
+        check_fits_in_memory(model_path)
         return HFEngine(model_path, device="cuda" if torch.cuda.is_available() else "cpu")
     raise ValueError(f"unknown engine {kind!r}; expected auto, hf or vllm")

@@ -16,8 +16,12 @@ def read_jsonl_records(path: Path) -> list[dict]:
     dropped with a warning; a corrupt line before the end -- not JSON, not an object, or a
     ``step`` that is not a non-negative integer -- is an error naming file and line. A
     non-finite metric, written as ``"nan"`` / ``"inf"`` / ``"-inf"`` (JSON has no literal for
-    it; :func:`metric_value`), is read back as that float."""
-    lines = path.read_text(errors="replace").splitlines()
+    it; :func:`metric_value`), is read back as that float. The read is bounded as every other
+    file the project reads (``jsonfile.read_small_bytes``): a regular file of at most
+    :data:`MAX_METRICS_BYTES` (a FIFO would block, ``/dev/zero`` would fill memory)."""
+    from ..jsonfile import read_small_bytes
+
+    lines = read_small_bytes(path, "a run's metrics log", MAX_METRICS_BYTES).decode("utf-8", "replace").splitlines()
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
     out = []
     for i, ln in enumerate(lines):
@@ -40,6 +44,8 @@ def read_jsonl_records(path: Path) -> list[dict]:
 
 
 NONFINITE = ("nan", "inf", "-inf")
+# a 900-step paper run logs ~2 MB; a league's longest run far less
+MAX_METRICS_BYTES = 512 * 2**20
 
 
 def metric_value(v):

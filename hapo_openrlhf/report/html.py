@@ -22,6 +22,18 @@ def _href(rel) -> str:
     return html.escape(quote(Path(rel).as_posix(), safe="/"), quote=True)
 
 
+def _number(where: Path, key: str, value) -> float:
+    """A metric the report prints: a number (JSON's, or the "nan" / "inf" a run log writes for a
+    non-finite one); anything else is an error naming the file and key."""
+    from ..local.logger import NONFINITE
+
+    if isinstance(value, str) and value in NONFINITE:
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
 def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     out = Path(out_dir)
     pngs = plot_runs(run_dirs, out)
@@ -33,9 +45,13 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
             b, a = s.get("before"), s.get("after")
             if not (isinstance(b, dict) and isinstance(a, dict)):
                 raise ValueError(f"{summary}: 'before' and 'after' must be JSON objects of metrics")
-            rows.append(f"<tr><td>{html.escape(d.name)}</td><td>{b.get('eval/accuracy', float('nan')):.3f}</td>"
-                        f"<td>{a.get('eval/accuracy', float('nan')):.3f}</td>"
-                        f"<td>{b.get('eval/response_len', 0):.1f}</td><td>{a.get('eval/response_len', 0):.1f}</td></tr>")
+            vals = {f"{side}.{k}": _number(summary, f"{side}.{k}", part.get(k, default))
+                    for side, part in (("before", b), ("after", a))
+                    for k, default in (("eval/accuracy", float("nan")), ("eval/response_len", 0))}
+            rows.append(f"<tr><td>{html.escape(d.name)}</td><td>{vals['before.eval/accuracy']:.3f}</td>"
+                        f"<td>{vals['after.eval/accuracy']:.3f}</td>"
+                        f"<td>{vals['before.eval/response_len']:.1f}</td>"
+                        f"<td>{vals['after.eval/response_len']:.1f}</td></tr>")
         samples = sorted((d / "samples").glob("step_*.jsonl"))
         for f in samples[:1] + samples[-1:] if len(samples) > 1 else samples:
             page = render_token_credit(f, out / "token_credit" / f"{d.name}_{f.stem}.html")

@@ -117,7 +117,8 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         save(fig, f"method_{prefix}")
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, recs in runs:
-        pts = [(r["eval/response_len"], r["eval/accuracy"]) for r in recs if "eval/accuracy" in r]
+        pts = [(_eval_number(name, r, "eval/response_len"), _eval_number(name, r, "eval/accuracy"))
+               for r in recs if "eval/accuracy" in r]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=name)
             ax.annotate("start", pts[0], fontsize=7)
@@ -127,3 +128,13 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     save(fig, "accuracy_vs_tokens")
     return written
 
+
+
+def _eval_number(run: str, rec: dict, key: str) -> float:
+    """An evaluation record's metric as the accuracy plot needs it; a missing or non-numeric one is
+    an error naming the run's metrics log, the step and the key."""
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{run}/metrics.jsonl, the evaluation record of step {rec.get('step')}: {key} must be a "
+                         f"number, got {v!r}" + (" (missing)" if key not in rec else ""))
+    return float(v)
