@@ -14,6 +14,13 @@ names and paths). Later invocations:
   reported;
 * seeds and variants first run later are recorded with their time (``seeds_added``,
   ``variants_added``), and the report says so.
+
+The registration is written before the first job runs (not when it ends: a runner stopped during
+the warm start leaves it), holds the code that runs it (``code``: the package's version, a
+sha256 of its sources, and the git commit where there is one), and is marked
+``recorded_after_runs`` when finished runs predate it -- whatever the manifest's history, so a
+manifest moved aside (the runner's own advice for a damaged one) cannot launder a comparison
+added after the results into a pre-registered one: the finished runs' directories are older.
 """
 
 from __future__ import annotations
@@ -68,18 +75,63 @@ def read_manifest_for_update(path: Path) -> dict[str, Any]:
     return m
 
 
-def register(previous: dict[str, Any], exp, variants: list[str], path: Path) -> dict[str, Any]:
-    """The manifest fields that record the pre-registration (new, or checked and extended)."""
+def code_identity() -> dict[str, Any]:
+    """What code runs the experiment: hapo-openrlhf's version, a sha256 over its Python sources
+    (path and content, sorted), and the git commit (with ``dirty``) when the package is a checkout."""
+    import subprocess
+    from importlib import metadata
+
+    pkg = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    out: dict[str, Any] = {"sources_sha256": h.hexdigest()}
+    try:
+        out["version"] = metadata.version("hapo-openrlhf")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        head = subprocess.run(["git", "-C", str(pkg), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(pkg), "status", "--porcelain", "--", "."], capture_output=True,
+                                   text=True, timeout=10)
+            out["git_commit"] = head.stdout.strip()
+            out["git_dirty"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def _stamp(t: str) -> float:
+    import calendar
+
+    return float(calendar.timegm(time.strptime(t, "%Y-%m-%dT%H:%M:%SZ")))
+
+
+def register(previous: dict[str, Any], exp, variants: list[str], path: Path,
+             finished: dict[str, float] | None = None) -> dict[str, Any]:
+    """The manifest fields that record the pre-registration (new, or checked and extended).
+    ``finished``: each finished run's name -> when it finished (its summary's mtime): runs that
+    finished before the registration mark it ``recorded_after_runs``."""
     t = now()
+    finished = finished or {}
     settings = {v: fingerprint(exp.runs[(v, exp.seeds[0])].config) for v in variants}
     warm = fingerprint(exp.warm_jobs()[0].config)
     comps = [dict(c) for c in exp.comparisons]
     reg = previous.get("registration")
     if reg is None:
-        reg = {"at": t, "comparisons": comps, "seeds": list(exp.seeds), "settings": settings, "warm_start": warm}
-        if previous.get("jobs"):  # a manifest from before registration records: runs exist already
+        reg = {"at": t, "comparisons": comps, "seeds": list(exp.seeds), "settings": settings, "warm_start": warm,
+               "code": code_identity()}
+        before = sorted(n for n in finished if not n.startswith("warm_start"))
+        if previous.get("jobs") or before:  # runs exist already: this registration follows them
             reg["recorded_after_runs"] = True
+            if before:
+                reg["runs_before_registration"] = before
         return {"registration": reg, "comparisons_added": [], "seeds_added": {}, "variants_added": {}}
+    before = sorted(n for n, when in finished.items() if not n.startswith("warm_start") and when < _stamp(reg["at"]))
+    if before and not reg.get("recorded_after_runs"):  # a registration written after its results
+        reg["recorded_after_runs"] = True
+        reg["runs_before_registration"] = before
     changed = [v for v, fp in settings.items() if reg["settings"].get(v, fp) != fp]
     if reg.get("warm_start", warm) != warm:
         changed.insert(0, "the warm start")

@@ -78,8 +78,29 @@ def _run_job(job: Job) -> dict[str, Any]:
         runlock.release(job.out)
 
 
+def _die_with_the_runner() -> None:
+    """Linux: this worker gets SIGKILL when the runner that started it dies (``prctl``'s
+    ``PR_SET_PDEATHSIG``), so a runner killed with -9 leaves no worker training on, holding its
+    run's lock; a runner already gone by now ends the worker too."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the runner died before the call took effect
+        os._exit(1)
+
+
 def _worker_loop(conn) -> None:
-    """A worker process: run the jobs the parent sends, one at a time, until it sends None."""
+    """A worker process: run the jobs the parent sends, one at a time, until it sends None (or
+    the runner dies: :func:`_die_with_the_runner`)."""
+    _die_with_the_runner()
     while True:
         job = conn.recv()
         if job is None:
@@ -269,7 +290,11 @@ def _run_locked(exp: Experiment, suites: list[str], on_event) -> dict[str, Any]:
     previous = read_manifest_for_update(manifest_path)
     manifest = {**exp.manifest(), "suites_run": sorted(set(previous.get("suites_run", [])) | set(suites)),
                 "jobs": previous.get("jobs", {})}
-    manifest.update(register(previous, exp, variants, manifest_path))
+    finished = {name: (j.out / "summary.json").stat().st_mtime for j in warm + [j for js in runs.values() for j in js]
+                if (name := j.name) in results}
+    manifest.update(register(previous, exp, variants, manifest_path, finished))
+    exp.output_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(manifest_path, manifest)  # the registration, before the first job starts
     t_start = time.perf_counter()
     emit = on_event or (lambda kind, info: None)
     emit("plan", {"jobs": len(warm) + sum(map(len, runs.values())), "reused": len(results)})

@@ -210,6 +210,10 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
     if shared is not None and not _is_int(shared):
         raise _err(path, f"warm_start_seed must be an integer (one warm start shared by every seed) or absent "
                          f"(a warm start per seed), got {shared!r}")
+    if shared is not None and shared in seeds:
+        raise _err(path, f"warm_start_seed {shared} is also an RL seed: the shared warm start (the base model) "
+                         f"must be trained with a seed no RL run uses, or that run's seed would be the base "
+                         f"model's too; choose another warm_start_seed")
     # each config is resolved and validated once; the per-seed copies differ only in the seed
     # (range-checked above) and in the names and paths derived from it
     warm_cfg = _resolve(_merge(read_raw(base_file), common), {

@@ -318,3 +318,90 @@ def test_twenty_thousand_seeds_resolve_into_their_own_jobs(tmp_path):
         assert c["model"]["path"] == str((tmp_path / "o" / "warm_start" / f"seed_{s}" / "final_model").resolve())
         assert c["optim"]["lr"] == (1e-3 if v == "b" else exp.runs[("a", 1)].config["optim"]["lr"])
     assert exp.runs[("a", 0)].config["model"] is not exp.runs[("a", 1)].config["model"]
+
+
+# ------------------------------------------------------------------ issue 55: registration that cannot be laundered
+def test_a_registration_after_finished_runs_is_marked_whatever_the_manifests_history(tmp_path):
+    """The manifest moved aside (the runner's advice for a damaged one): the finished runs'
+    directories predate the new registration, which is marked recorded_after_runs with those runs
+    named -- a comparison added after the results cannot pass as pre-registered. A registration
+    whose time is later than a finished run (an edited manifest) is marked the same way. Each
+    registration records the code that runs it."""
+    body = {"variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]}, "comparisons": [{"a": "a", "b": "b"}],
+            "seeds": [1]}
+    exp = load_experiment(_exp(tmp_path, body), output_dir=str(tmp_path / "o"))
+    path = tmp_path / "o" / "experiment.json"
+    fresh = register({}, exp, ["a", "b"], path, finished={})["registration"]
+    assert "recorded_after_runs" not in fresh
+    code = fresh["code"]
+    assert re.fullmatch(r"[0-9a-f]{64}", code["sources_sha256"]) and code["version"] == "0.1.0"
+    assert re.fullmatch(r"[0-9a-f]{40}", code.get("git_commit", "0" * 40))
+    moved = register({}, exp, ["a", "b"], path, finished={"a/seed_1": 1.0, "warm_start/seed_1": 0.5})["registration"]
+    assert moved["recorded_after_runs"] is True and moved["runs_before_registration"] == ["a/seed_1"]
+    assert comparison_sets({"comparisons": [{"a": "a", "b": "b"}], "registration": moved}) == \
+        ([{"a": "a", "b": "b"}], [], None)  # no pre-registration time claimed
+    edited = {"registration": {**fresh, "at": "2030-01-01T00:00:00Z"}}
+    later = register(edited, exp, ["a", "b"], path, finished={"b/seed_1": time.time()})["registration"]
+    assert later["recorded_after_runs"] is True and later["runs_before_registration"] == ["b/seed_1"]
+    ok = register({"registration": fresh}, exp, ["a", "b"], path, finished={"b/seed_1": time.time() + 60})
+    assert "recorded_after_runs" not in ok["registration"]
+
+
+def test_the_registration_is_written_before_the_first_job_runs(tmp_path, monkeypatch):
+    """A runner stopped during the warm start still leaves its registration."""
+    from hapo_openrlhf.experiment import runner
+
+    body = {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1], "warm_start_seed": 7}
+    exp = load_experiment(_exp(tmp_path, body), output_dir=str(tmp_path / "o"), overrides=TINY)
+    seen = {}
+
+    def stop(self, job):
+        seen["manifest"] = json.loads((tmp_path / "o" / "experiment.json").read_text())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner._Workers, "submit", stop)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(exp, ["s"])
+    reg = seen["manifest"]["registration"]
+    assert reg["seeds"] == [1] and set(reg["settings"]) == {"a"} and "sources_sha256" in reg["code"]
+
+
+def test_a_shared_warm_start_seed_that_is_also_an_rl_seed_is_refused(tmp_path):
+    body = {"variants": {"a": {}}, "suites": {"s": ["a"]}, "seeds": [1, 2], "warm_start_seed": 2}
+    with pytest.raises(ValueError, match="warm_start_seed 2 is also an RL seed"):
+        load_experiment(_exp(tmp_path, body), output_dir=str(tmp_path / "o"))
+
+
+def test_a_runner_killed_with_sigkill_takes_its_workers_with_it(tmp_path):
+    """kill -9 of the runner: its worker (training a run, holding the run's lock) dies with it
+    (PR_SET_PDEATHSIG) instead of training on as an orphan; a rerun then finds the run free."""
+    p = _exp(tmp_path, {"variants": {"a": {"override": {"trainer": {"steps": 40}}}}, "suites": {"s": ["a"]},
+                        "seeds": [1], "workers": 1})
+    out = tmp_path / "out"
+    args = ["experiment", "s", "--config", str(p), "--output-dir", str(out), *_sets(TINY)]
+    runner = subprocess.Popen([sys.executable, "-m", "hapo_openrlhf", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    lock = out / "runs" / "a" / "seed_1" / ".hapo.lock"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert runner.poll() is None and time.time() < deadline
+            try:
+                pid = json.loads(lock.read_text())["pid"]
+                break
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.1)
+        runner.send_signal(signal.SIGKILL)
+        runner.wait(timeout=30)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"the worker {pid} outlived its runner")
+    finally:
+        runner.kill()
