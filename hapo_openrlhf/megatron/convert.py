@@ -38,6 +38,8 @@ global layers ``s * L/pp ... (s+1) * L/pp - 1`` as local ``0 ... L/pp - 1``.
 
 from __future__ import annotations
 
+import re
+
 from typing import Mapping
 
 import torch
@@ -116,17 +118,39 @@ def te_norm_names(moe: bool = False) -> dict[str, str]:
     return {k: v for k, v in TE_NORM_NAMES.items() if not (moe and k.startswith("pre_mlp_layernorm"))}
 
 
-def to_spec(sd: Mapping[str, torch.Tensor], spec: str, moe: bool = False) -> dict[str, torch.Tensor]:
+# experts: megatron-core's SequentialMLP (the local spec) keys each expert's module
+# (local_experts.{j}.linear_fc1.weight); its TEGroupedMLP (the TE spec: one grouped GEMM per
+# projection) keys each GEMM's weight of one TE GroupedLinear (linear_fc1.weight{j})
+_PER_EXPERT = re.compile(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_PER_GEMM = re.compile(r"^(.*mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+
+
+def to_grouped_gemm_names(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """SequentialMLP's expert names -> TEGroupedMLP's (the rest unchanged)."""
+    return {(_PER_EXPERT.sub(r"\1\3.weight\2", k)): v for k, v in sd.items()}
+
+
+def to_sequential_names(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """TEGroupedMLP's expert names -> SequentialMLP's (the rest unchanged)."""
+    return {(_PER_GEMM.sub(r"\1local_experts.\3.\2.weight", k)): v for k, v in sd.items()}
+
+
+def to_spec(sd: Mapping[str, torch.Tensor], spec: str, moe: bool = False,
+            grouped_gemm: bool = True) -> dict[str, torch.Tensor]:
     """A Megatron state dict in the local spec's names, renamed for ``spec`` (``moe``: a mixture
-    of experts' layers, :func:`te_norm_names`)."""
+    of experts' layers, :func:`te_norm_names`; on the TE spec its experts in TEGroupedMLP's names
+    unless ``grouped_gemm`` is off)."""
     _check_spec(spec)
+    if spec == "local":
+        return dict(sd)
     names = te_norm_names(moe)
-    return dict(sd) if spec == "local" else {_rename_layer_key(k, names): v for k, v in sd.items()}
+    out = {_rename_layer_key(k, names): v for k, v in sd.items()}
+    return to_grouped_gemm_names(out) if moe and grouped_gemm else out
 
 
 def to_local_names(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Megatron state dict of either spec in the local spec's names (what the converters read)."""
-    return {_rename_layer_key(k, _FROM_TE): v for k, v in sd.items()}
+    return to_sequential_names({_rename_layer_key(k, _FROM_TE): v for k, v in sd.items()})
 
 
 def spec_of(sd: Mapping[str, object]) -> str:
@@ -136,7 +160,7 @@ def spec_of(sd: Mapping[str, object]) -> str:
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp_rank: int = 0, pp: int = 1,
                    pp_rank: int = 0, vocab_multiple: int = 128, spec: str = "local", ep: int = 1,
-                   ep_rank: int = 0) -> dict[str, torch.Tensor]:
+                   ep_rank: int = 0, grouped_gemm: bool = True) -> dict[str, torch.Tensor]:
     """The Megatron state dict of one (TP rank, PP stage, EP rank) from a Hugging Face state dict
     of a supported family (refused by name otherwise, before any tensor is touched), named for
     the layer ``spec`` (``local`` or ``te``). MoE experts: ``moe.hf_layer_to_megatron`` (either
@@ -187,7 +211,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, *, tp: int = 1, tp
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [split(hf[p + "mlp.gate_proj.weight"], 0), split(hf[p + "mlp.up_proj.weight"], 0)])
         out[m + "mlp.linear_fc2.weight"] = split(hf[p + "mlp.down_proj.weight"], 1)
-    return to_spec(out, spec, moe=fam.moe)
+    return to_spec(out, spec, moe=fam.moe, grouped_gemm=grouped_gemm)
 
 
 def megatron_to_hf(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], hf_config, *, tp: int,

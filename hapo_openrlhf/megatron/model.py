@@ -62,15 +62,18 @@ ATTENTIONS = ("flash", "local")
 LAYER_SPECS = ("local", "te")
 
 
-def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = False, num_experts: int | None = None):
+def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = False, num_experts: int | None = None,
+               grouped_gemm: bool = True):
     """The transformer-layer spec: megatron-core's local spec with its ``core_attention``
     replaced by :class:`~hapo_openrlhf.megatron.attention.FlashCoreAttention`
     (``attention="flash"``) or left as Megatron's ``DotProductAttention``
     (``"local"``: [S, S] scores, explicit mask; for comparison); or the Transformer Engine
     spec (``spec="te"``; needs transformer-engine on CUDA). ``qk_norm``: RMSNorm over
     head_dim on queries and keys (Qwen3). ``num_experts``: every layer's MLP a megatron-core
-    ``MoELayer`` with ``SequentialMLP`` experts (the local spec's linears, or TE's with
-    ``spec="te"``: a ``TENorm`` before the router, no grouped GEMM)."""
+    ``MoELayer``: on the local spec ``SequentialMLP`` experts (one module and two GEMMs per
+    expert); with ``spec="te"`` a ``TENorm`` before the router and ``TEGroupedMLP`` experts (one
+    TE ``GroupedLinear`` per projection: one grouped GEMM for all of a rank's experts), or TE
+    linears in a ``SequentialMLP`` with ``grouped_gemm=False`` (for comparison)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"megatron.attention must be one of {ATTENTIONS}, got {attention!r}")
     if spec not in LAYER_SPECS:
@@ -80,7 +83,7 @@ def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = Fa
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, num_experts=num_experts,
-                                                              moe_grouped_gemm=False)
+                                                              moe_grouped_gemm=bool(num_experts) and grouped_gemm)
         except (ImportError, AssertionError) as e:
             raise RuntimeError(f"megatron.layer_spec: te needs transformer-engine ({e}); use layer_spec: local") from e
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -103,7 +106,7 @@ def layer_spec(attention: str = "flash", spec: str = "local", qk_norm: bool = Fa
 def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, params_dtype=torch.float32,
                     vocab_multiple: int = 128, attention: str = "flash", spec: str = "local", head: str = "auto",
                     ep: int = 1, moe: dict | None = None, freeze_router: bool = False, routing_replay: bool = False,
-                    **overrides):
+                    grouped_gemm: bool = True, **overrides):
     """A GPTModel stage for this rank, for any supported family (``hf_config.model_type``:
     ``families``; Llama 3's RoPE scaling through megatron-core's own); load weights with
     ``model.load_state_dict(hf_to_megatron(...), strict=False)`` (only ``_extra_state``
@@ -143,7 +146,7 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
     factor = llama3_rope_factor(hf_config)
     model = GPTModel(
         config=cfg, transformer_layer_spec=layer_spec(attention, spec, qk_norm=cfg.qk_layernorm,
-                                                      num_experts=cfg.num_moe_experts),
+                                                      num_experts=cfg.num_moe_experts, grouped_gemm=grouped_gemm),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_multiple),
         max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
         rotary_base=rope_theta(hf_config), share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),

@@ -26,6 +26,11 @@ speaks the checkpoint's names (:func:`hf_layer_to_megatron` accepts either).
     decoder.layers.{l}.mlp.experts.local_experts.{j}.linear_fc1.weight [2I/tp, H]  [gate_r; up_r]
     decoder.layers.{l}.mlp.experts.local_experts.{j}.linear_fc2.weight [H, I/tp]
 
+The TE spec's ``TEGroupedMLP`` (one grouped GEMM per projection) holds the same tensors as the
+GEMMs of two TE ``GroupedLinear`` modules, ``mlp.experts.linear_fc1.weight{j}`` and
+``linear_fc2.weight{j}`` (``convert.to_grouped_gemm_names`` / ``to_sequential_names``; the
+converters speak SequentialMLP's names).
+
 **Token dispatch** is a collective over the expert-parallel group in every MoE layer of every
 forward: the ranks of a group must run the same number of micro-batches (the actor must even
 them out before it trains a MoE model), and the ``allgather`` dispatcher also needs the same
@@ -248,7 +253,9 @@ class ExpertStream:
         # (stage, EP rank) -> the global rank that sends those experts
         self.owner = {(s, e): r for r, (s, e, t, d) in enumerate(table) if t == 0 and d == table[dst][3]}
         self.etp, self.etp_group = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
-        self.sd = {k: v for k, v in model.state_dict(keep_vars=True).items()
+        from .convert import to_sequential_names  # TEGroupedMLP's per-GEMM names as SequentialMLP's
+
+        self.sd = {k: v for k, v in to_sequential_names(model.state_dict(keep_vars=True)).items()
                    if ".local_experts." in k and not k.endswith("_extra_state")}
         self.ref = next(model.parameters())
 

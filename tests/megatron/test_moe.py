@@ -167,7 +167,7 @@ def _both_real(am):
 def _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out, spec="local"):
     from megatron.core import parallel_state as ps
 
-    from hapo_openrlhf.megatron.convert import megatron_to_hf
+    from hapo_openrlhf.megatron.convert import megatron_to_hf, to_sequential_names
     from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.moe import to_checkpoint_names
     from hapo_openrlhf.megatron.schedule import allreduce_tp_replicated_grads, logprobs_and_entropy
@@ -191,7 +191,8 @@ def _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out, spec="local"):
     m = _both_real(am[rows]).float()
     ((lp * w_lp[rows] * m).sum() + (en * w_en[rows] * m).sum()).backward()
     allreduce_tp_replicated_grads(model)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    # TEGroupedMLP's per-GEMM names (the TE spec) as SequentialMLP's, which the merge below reads
+    grads = to_sequential_names({n: p.grad.detach().clone() for n, p in model.named_parameters()})
     everyone = [None] * world
     dist.all_gather_object(everyone, (dp_rank, ep_rank, tp_rank, lp.detach(), en.detach(), grads))
     if rank != 0:
@@ -228,6 +229,59 @@ def _te_worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out):
     """:func:`_worker` on Transformer Engine's spec (the stand-in; fresh interpreters) with
     sequence parallelism at TP > 1."""
     _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out, spec="te")
+
+
+def _grouped_gemm_worker(rank, world, ep, out):
+    """TEGroupedMLP (one TE GroupedLinear per projection) against SequentialMLP of TE linears on
+    the same weights and rows: log-probs, entropy and every gradient (the same tensors under
+    each one's names), on this rank."""
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron.convert import to_sequential_names
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
+
+    from ._dist import load_hf_into
+
+    init_megatron(ep=ep)
+    ep_rank, dp, dp_rank = ps.get_expert_model_parallel_rank(), ps.get_data_parallel_world_size(), \
+        ps.get_data_parallel_rank()
+    hf = tiny_moe()
+    ids, am, w_lp, w_en = _batch()
+    rows = slice(dp_rank * len(ids) // dp, (dp_rank + 1) * len(ids) // dp)
+    got = {}
+    for grouped in (True, False):
+        model = build_gpt_model(hf.config, ep=ep, moe={"dispatcher": "alltoall"}, perform_initialization=False,
+                                spec="te", grouped_gemm=grouped)
+        experts = type(model.decoder.layers[0].mlp.experts).__name__
+        load_hf_into(model, hf, ep=ep, ep_rank=ep_rank, spec="te", grouped_gemm=grouped)
+        lp, en = logprobs_and_entropy(model, ids[rows], am[rows], vocab_size=259, temperature=T, chunk_size=5,
+                                      layout="thd")
+        m = _both_real(am[rows]).float()
+        ((lp * w_lp[rows] * m).sum() + (en * w_en[rows] * m).sum()).backward()
+        grads = to_sequential_names({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        got[grouped] = (experts, lp.detach(), en.detach(), grads)
+    (k1, lp1, en1, g1), (k0, lp0, en0, g0) = got[True], got[False]
+    assert (k1, k0) == ("TEGroupedMLP", "SequentialMLP"), (k1, k0)
+    torch.testing.assert_close(lp1, lp0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(en1, en0, rtol=1e-6, atol=1e-6)
+    assert set(g1) == set(g0) and any(".local_experts." in n for n in g1)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-6, atol=1e-6, msg=lambda msg, n=n: f"{n}: {msg}")
+    if rank == 0:
+        torch.save({"ok": True, "n": len(g0)}, out)
+
+
+@pytest.mark.parametrize("world, ep", [(1, 1), (2, 2)], ids=["ep1", "ep2"])
+def test_grouped_gemm_experts_equal_sequential_ones_on_the_te_spec(tmp_path, world, ep):
+    """The TE spec's experts are megatron-core's TEGroupedMLP (TE 2.20.2's GroupedLinear, the
+    stand-in), the local spec's SequentialMLP: equal log-probs, entropy and gradients at EP=1 and
+    EP=2 on the stand-in, from the same Hugging Face weights."""
+    from ._dist import spawn_te
+
+    out = tmp_path / "ok.pt"
+    spawn_te("tests.megatron.test_moe:_grouped_gemm_worker", world, world, ep, str(out))
+    assert torch.load(out)["ok"]
 
 
 @pytest.mark.parametrize("world, tp, ep, dispatcher", [(4, 2, 2, "alltoall"), (2, 2, 1, "allgather")],

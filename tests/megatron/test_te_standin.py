@@ -224,6 +224,7 @@ def _literal(node) -> bool:
     ("LayerNorm", "transformer_engine/pytorch/module/layernorm.py", ("__init__",)),
     ("DotProductAttention", "transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py",
      ("__init__", "forward")),
+    ("GroupedLinear", "transformer_engine/pytorch/module/grouped_linear.py", ("__init__", "forward")),
 ])
 def test_the_stand_in_layers_take_te_arguments_with_te_defaults(name, path, methods):
     """Every argument megatron-core's TE extension passes reaches a parameter of that name: the
@@ -270,6 +271,37 @@ def test_the_stand_in_registers_te_parameter_names_and_parallel_tags():
             e = m.get_extra_state()
             assert e.dtype == torch.uint8 and e.numel() == 0
             m.set_extra_state(e)
+
+
+def test_the_stand_in_grouped_linear_is_te_s_per_gemm_layout_and_product():
+    """TE 2.20.2's GroupedLinear as the stand-in mirrors it: one ``weight{i}`` (``bias{i}``) per
+    GEMM, registered under those names (read from TE's source), the parallel tags TE sets, a
+    column / row mode that only shrinks the shapes; the product: the input's rows split by
+    ``m_splits``, block i through GEMM i (an empty block included)."""
+    src = ast.unparse(_te_source("transformer_engine/pytorch/module/grouped_linear.py"))
+    assert "self.register_parameter(f'weight{i}'," in src and "self.register_parameter(f'bias{i}'," in src
+    assert "tensor=getattr(self, f'weight{i}'), is_parallel=True, dim=1 if self.parallel_mode == 'row' else 0" in src
+    g = torch.Generator().manual_seed(1)
+    with te_stub() as te:
+        cpu = dict(device="cpu", params_dtype=torch.float32)
+        lin = te.pytorch.GroupedLinear(3, 8, 6, bias=True, **cpu)
+        assert [n for n, _ in lin.named_parameters()] == ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]
+        with torch.no_grad():
+            for p in lin.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        x = torch.randn(7, 8, generator=g)
+        splits = [3, 0, 4]
+        want = torch.cat([torch.nn.functional.linear(b, getattr(lin, f"weight{i}"), getattr(lin, f"bias{i}"))
+                          for i, b in enumerate(torch.split(x, splits))])
+        torch.testing.assert_close(lin(x, splits), want)
+        torch.testing.assert_close(lin(x, torch.tensor(splits)), want)
+        col = te.pytorch.GroupedLinear(2, 8, 6, bias=False, parallel_mode="column", tp_size=2, **cpu)
+        row = te.pytorch.GroupedLinear(2, 8, 6, bias=False, parallel_mode="row", tp_size=2, **cpu)
+        assert col.weight0.shape == (3, 8) and row.weight1.shape == (6, 4)
+        assert (col.weight0.partition_dim, row.weight1.partition_dim) == (0, 1)
+        assert lin.get_extra_state().numel() == 0
+        with pytest.raises(ValueError, match="does not match number of GEMMs"):
+            lin(x, [7])
 
 
 def test_the_stand_in_layers_compute_what_te_computes_at_tp1():
@@ -327,8 +359,12 @@ def test_what_the_layer_stand_in_does_not_cover_is_refused_by_name():
         with pytest.raises(NotImplementedError, match="fp8"):
             with te.pytorch.fp8_autocast(enabled=True):
                 pass
-        with pytest.raises(NotImplementedError, match="GroupedLinear"):
-            te.pytorch.GroupedLinear(2, 8, 8)
+        with pytest.raises(NotImplementedError, match="single_grouped_weight"):
+            te.pytorch.GroupedLinear(2, 8, 8, single_grouped_weight=True, **cpu)
+        with pytest.raises(NotImplementedError, match="fuse_wgrad_accumulation"):
+            te.pytorch.GroupedLinear(2, 8, 8, fuse_wgrad_accumulation=True, **cpu)
+        with pytest.raises(ValueError, match="doesn't support bias when TP > 1"):
+            te.pytorch.GroupedLinear(2, 8, 8, tp_size=2, **cpu)
         with pytest.raises(NotImplementedError, match="op fuser"):
             te.pytorch.ops.Sequential()
         with pytest.raises(NotImplementedError, match="fp8 extra state"):

@@ -26,8 +26,9 @@ depends on is the part of TE that megatron-core's TE layer spec
 ``tests/megatron/test_te_standin.py`` checks those names against the wheel's source. What
 the stand-in cannot prove is listed in docs/megatron.md ("Transformer Engine"): TE's CUDA
 kernels (cuDNN / flash attention, fused norms, GEMMs, userbuffer overlap), fp8 / fp4 and their
-scaling state, TE's RNG tracker, ``fuse_wgrad_accumulation``, the op fuser and grouped GEMM --
-each refused here by name when asked for.
+scaling state, TE's RNG tracker, ``fuse_wgrad_accumulation`` and the op fuser -- each refused
+here by name when asked for. ``pytorch.GroupedLinear`` (grouped GEMM, megatron-core's
+``TEGroupedMLP``) is mirrored with per-GEMM parameters, its kernel as a loop of GEMMs.
 """
 
 __version__ = "2.20.2"

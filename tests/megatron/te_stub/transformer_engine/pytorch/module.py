@@ -289,8 +289,94 @@ class LayerNorm(_Norm):
 
 
 class GroupedLinear(TransformerEngineBaseModule):
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("the Transformer Engine stand-in has no GroupedLinear (grouped GEMM)")
+    """TE 2.20.2's ``GroupedLinear`` (``pytorch/module/grouped_linear.py``): ``num_gemms`` linears
+    ``weight{i}`` [out, in] (``bias{i}``), the input's rows split by ``m_splits`` and each block
+    through its own GEMM (TE: one grouped GEMM kernel; here a loop of ``F.linear``), no TP
+    communication inside (megatron-core's MoE dispatcher handles it; a column / row mode only
+    shrinks the shapes). Per-GEMM parameters only: the single grouped weight / bias (TE's
+    experimental ``NVTE_GROUPED_LINEAR_SINGLE_PARAM``), fp8, userbuffers and delayed wgrad are refused."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, sequence_parallel: bool = False,
+                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1,
+                 get_rng_state_tracker: Optional[Callable] = None, rng_tracker_name: Optional[str] = None,
+                 init_method: Optional[Callable] = None, bias: bool = True, return_bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, parallel_mode: Optional[str] = None,
+                 device="cuda", ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
+                 ub_name: Optional[str] = None, delay_wgrad_compute: bool = False, save_original_input: bool = False,
+                 single_grouped_weight: bool = False, single_grouped_bias: bool = False, name: Optional[str] = None,
+                 use_grouped_tensor: Optional[bool] = None) -> None:
+        super().__init__(name)
+        _refuse(fuse_wgrad_accumulation=fuse_wgrad_accumulation, delay_wgrad_compute=delay_wgrad_compute,
+                single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias,
+                use_grouped_tensor=bool(use_grouped_tensor))
+        if ub_overlap_rs or ub_overlap_ag:
+            raise ValueError("GroupedLinear doesn't support Userbuffer overlap.")
+        self.params_dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias, self.return_bias = bias, return_bias
+        self.apply_bias = bias and not return_bias
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+        self.save_original_input = save_original_input
+        self.fp8_meta = {"fp8_checkpoint": False}
+        self.tp_size = tp_size if tp_group is None else torch.distributed.get_world_size(tp_group)
+        if self.tp_size > 1 and bias:
+            raise ValueError("GroupedLinear doesn't support bias when TP > 1. "
+                             "Because the TP communication is handled outside of this module.")
+        assert parallel_mode in GemmParallelModes, f"parallel_mode {parallel_mode!r} not supported"
+        self.parallel_mode = parallel_mode
+        if parallel_mode == "column":
+            self.out_features = self.out_features // self.tp_size
+        elif parallel_mode == "row":
+            self.in_features = self.in_features // self.tp_size
+        self.sequence_parallel = (self.tp_size > 1) and sequence_parallel
+        for i in range(num_gemms):
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.empty(
+                self.out_features, self.in_features, device=device, dtype=self.params_dtype)),
+                init_fn=init_method, get_rng_state_tracker=get_rng_state_tracker, fp8_meta_index=1 + 3 * i)
+            if bias:
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.empty(
+                    self.out_features, device=device, dtype=self.params_dtype)), init_fn=init_method_constant(0.0))
+            else:
+                setattr(self, f"bias{i}", torch.Tensor().to(dtype=self.params_dtype, device=device))
+        self.reset_parameters(defer_init=torch.device(device).type == "meta")
+
+    def reset_parameters(self, defer_init=False):
+        super().reset_parameters(defer_init=defer_init)
+        self.set_tensor_parallel_attributes(defer_init=defer_init)
+
+    def set_tensor_parallel_attributes(self, defer_init=False) -> None:
+        if defer_init:
+            return
+        for i in range(self.num_gemms):
+            set_tensor_model_parallel_attributes(getattr(self, f"weight{i}"), True,
+                                                 1 if self.parallel_mode == "row" else 0, 1)
+            if self.use_bias:
+                b = getattr(self, f"bias{i}")
+                if self.parallel_mode == "row":
+                    setattr(b, "sequence_parallel", self.sequence_parallel)
+                elif self.parallel_mode == "column":
+                    set_tensor_model_parallel_attributes(b, True, 0, 1)
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """Without fp8: nothing to set up (megatron-core calls it before loading a state dict)."""
+
+    def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: Optional[bool] = None, out=None,
+                dgrad_out=None):
+        _refuse(out=out is not None, dgrad_out=dgrad_out is not None)
+        splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else [int(m) for m in m_splits]
+        if len(splits) != self.num_gemms:
+            raise ValueError(f"Shape of splits tensor (({len(splits)},)) does not match number of GEMMs "
+                             f"({self.num_gemms}).")
+        x = inp.reshape(-1, inp.shape[-1])
+        parts = []
+        for i, block in enumerate(torch.split(x, splits)):
+            b = getattr(self, f"bias{i}") if self.apply_bias else None
+            parts.append(F.linear(block, getattr(self, f"weight{i}"), b))
+        out = torch.cat(parts) if parts else x.new_zeros(0, self.out_features)
+        out = out.view(*inp.shape[:-1], self.out_features)
+        if self.return_bias:
+            return out, [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return out
 
 
 class Fp8Padding(torch.nn.Module):
