@@ -152,6 +152,19 @@ def check_tp_peers_share_a_node(tp_group) -> None:
                            f"pipeline_parallel so each replica's TP group lands on one node")
 
 
+def _host_values(rows: list[list[Any]]) -> list[list[float]]:
+    """Rows of 0-d tensors (on the device) and numbers as Python floats, read from the device in
+    one transfer (each ``float(t)`` would wait for the GPU on its own: one sync per metric and
+    micro-batch, twelve more a micro-batch for STARE's six metrics)."""
+    if not rows:
+        return []
+    flat = [v for r in rows for v in r]
+    dev = next((v.device for v in flat if torch.is_tensor(v)), torch.device("cpu"))
+    vals = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(()) for v in flat])
+    it = iter(vals.tolist())
+    return [[next(it) for _ in r] for r in rows]
+
+
 def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     """Zero-pad ``t`` [B, S] on the left to ``width`` columns (masked out by the attention mask)."""
     return torch.nn.functional.pad(t, (width - t.shape[1], 0))
@@ -491,13 +504,14 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                 sched.step()
         stats = {"actor_grad_norm": norm, "actor_lr": lr}
         if out:  # last stage: the step's loss and the token-weighted PPO statistics (this replica)
-            tokens = sum(float(o["tokens"]) for o in out)
-            stats["_loss_sum"] = sum(float(o["policy_loss"]) for o in out)  # without the KL term, as upstream logs it
-            stats["_tokens"] = tokens
-            for k in ("ppo_clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio", "is_ratio_mean", "is_ratio_max", "kl",
-                      "logprobs_diff", *METHOD_METRICS.get(self.loss_fn.name, ())):
-                if k in out[0]:
-                    stats["_w_" + k] = sum(float(o[k]) * float(o["tokens"]) for o in out)
+            keys = [k for k in ("ppo_clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio", "is_ratio_mean",
+                                "is_ratio_max", "kl", "logprobs_diff", *METHOD_METRICS.get(self.loss_fn.name, ()))
+                    if k in out[0]]
+            rows = _host_values([[o["tokens"], o["policy_loss"], *(o[k] for k in keys)] for o in out])
+            stats["_loss_sum"] = sum(r[1] for r in rows)  # without the KL term, as upstream logs it
+            stats["_tokens"] = sum(r[0] for r in rows)
+            for j, k in enumerate(keys):
+                stats["_w_" + k] = sum(r[2 + j] * r[0] for r in rows)
         return stats
 
     @staticmethod
@@ -573,8 +587,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                            group=ps.get_pipeline_model_parallel_group())
         if self.dp_size > 1:
             dist.all_reduce(vec, group=ps.get_data_parallel_group())
-        vec = vec.cpu().view(-1, 2)
-        status = {k: float(v[0] / v[1]) if float(v[1]) > 0 else 0.0 for k, v in zip(keys, vec)}
+        pairs = vec.view(-1, 2).tolist()  # one read of the step's sums
+        status = {k: a / b if b > 0 else 0.0 for k, (a, b) in zip(keys, pairs)}
         status.update(last)
         status["actor_skipped_steps"] = float(self.grad_guard.skipped)  # the same on every rank
         if self.moe:  # router entropy, expert load, dropped routings over every rank (moe.reduce_route_stats)

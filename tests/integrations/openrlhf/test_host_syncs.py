@@ -125,6 +125,8 @@ def _megatron_worker(rank, port, args, model_dir, exp, out_dir, big):
     lp = actor.forward(exp.sequences, exp.action_mask, exp.attention_mask)
     actor.pop_behaviour(fingerprint(exp.sequences, exp.attention_mask))
     exp.action_log_probs = lp - 0.1 * exp.advantages
+    if args.hapo["algorithm"]["loss"] == "stare":  # what the experience maker sends a stateful loss
+        actor.set_loss_state({"gate_on": True, "reweight_w": 1.1, "reweight_m": 0.9})
     actor.append(exp)
     inner = Counter(big)
     fb = schedule.forward_backward
@@ -151,15 +153,19 @@ def _megatron_worker(rank, port, args, model_dir, exp, out_dir, big):
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None and os.environ.get("HAPO_REQUIRE_MEGATRON") != "1",
                     reason="megatron-core not installed (the megatron extra)")
-def test_megatron_actor_micro_batch_host_syncs_and_full_vocabulary_tensors(tmp_path):
+@pytest.mark.parametrize("loss", ["ppo", "stare"])
+def test_megatron_actor_micro_batch_host_syncs_and_full_vocabulary_tensors(tmp_path, loss):
+    """``stare``: STARE's micro-batch selection (issue 54) adds exactly one host read (its k, the
+    ceiling of P times the candidates' count) per micro-batch, from algos/stare.py."""
     from tests.megatron._dist import start
 
     from .test_megatron_actor import _args, _experiences, _free_port
 
     chunk, vocab, padded = 24, 8000, 8064  # Megatron pads the vocabulary to a multiple of 128
+    method = ["algorithm.loss=stare", "algorithm.loss_params={variant: C2, top_ratio: 0.2}"] if loss == "stare" else []
     cfg, args = _args(tmp_path, ["openrlhf.actor_gpus_per_node=1", "openrlhf.train_batch_size=4",
                                  "openrlhf.micro_train_batch_size=4", "openrlhf.packing_samples=true",
-                                 f"algorithm.entropy_chunk_size={chunk}", "rollout.top_p=1.0"])
+                                 f"algorithm.entropy_chunk_size={chunk}", "rollout.top_p=1.0", *method])
     model_dir = _model_dir(tmp_path / "model", vocab)
     exp = _experiences(1, seed=11)[0]
     assert int(exp.attention_mask.sum()) > chunk  # a [T, V] tensor would be counted
@@ -171,10 +177,12 @@ def test_megatron_actor_micro_batch_host_syncs_and_full_vocabulary_tensors(tmp_p
     # what remains in the micro-batch: megatron-core's unfused RoPE (q and k, each layer: upstream's,
     # with apply_rope_fusion off) and, without flash-attn, the per-sequence SDPA loop's boundaries
     allowed = ("megatron/core/models/common/embeddings/rope_utils.py", "hapo_openrlhf/megatron/attention.py")
-    assert all(w.startswith(allowed) for w in got["where"]), got["where"]
-    assert sum(mb_syncs.values()) <= MEGATRON_MICRO_BATCH_SYNCS, mb_syncs
+    stare = {w: n for w, n in got["where"].items() if w.startswith("hapo_openrlhf/algos/stare.py")}
+    assert all(w.startswith(allowed) for w in got["where"] if w not in stare), got["where"]
+    assert sum(stare.values()) == (1 if loss == "stare" else 0), stare  # one tolist: both candidate counts
+    assert sum(mb_syncs.values()) <= MEGATRON_MICRO_BATCH_SYNCS + sum(stare.values()), mb_syncs
     assert sum(mb_big.values()) == 0, mb_big  # the fused head: no [T, V] tensor
-    assert sum(step_syncs.values()) <= MEGATRON_STEP_SYNCS, (step_syncs, got["step_where"])
+    assert sum(step_syncs.values()) <= MEGATRON_STEP_SYNCS + sum(stare.values()), (step_syncs, got["step_where"])
 
 
 def test_deepspeed_actor_micro_batch_host_syncs_and_full_vocabulary_tensors():
@@ -207,5 +215,7 @@ def test_deepspeed_actor_micro_batch_host_syncs_and_full_vocabulary_tensors():
 # ceilings: the counts measured when this test was written (docs/performance.md, "Host syncs")
 # (before: 23 in the Megatron micro-batch, 69 in its step, 7 in the DeepSpeed micro-batch)
 MEGATRON_MICRO_BATCH_SYNCS = 10  # 2 layers: 8 from upstream's RoPE, 2 from the SDPA loop without flash-attn
-MEGATRON_STEP_SYNCS = 57  # + the step: megatron-core's optimizer and clipping, the guard's flags, the status
+# + the step: megatron-core's optimizer and clipping, the guard's flags, the status (57 until issue 54 read the
+# step's loss statistics and the status in one transfer each: 41; a method's own metrics then add none)
+MEGATRON_STEP_SYNCS = 41
 DEEPSPEED_MICRO_BATCH_SYNCS = 2  # transformers' mask handling
