@@ -46,7 +46,7 @@ def _experiment_file(repo: Path, out: Path, variants: list[str]) -> Path:
         if "config" in v:
             v["config"] = str((cfg_dir / v["config"]).resolve())
     spec["run_config"] = str((cfg_dir / spec["run_config"]).resolve())
-    spec.update(output_dir=str(out), workers=1, threads_per_worker=1, seeds=[101], warm_start_seed=101)
+    spec.update(output_dir=str(out), workers=1, threads_per_worker=1, seeds=[101], warm_start_seed=100)  # the warm start is trained with a seed no RL run uses (the experiment rule)
     spec["suites"] = {"cost": variants}
     spec["comparisons"] = []
     path = out.with_suffix(".yaml")

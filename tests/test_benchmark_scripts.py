@@ -117,12 +117,12 @@ def test_chain_cost_script_times_runs_and_compares_two_directories(tmp_path):
         res = subprocess.run([*cmd, "--out", str(out), *extra], capture_output=True, text=True, timeout=600, cwd=REPO)
         assert res.returncode == 0, res.stderr[-2000:]
         got = json.loads(res.stdout.strip().splitlines()[-1])
-        assert set(got["jobs_s"]) == {"warm_start/seed_101", "grpo/seed_101"} and got["jobs_s"]["grpo/seed_101"] > 0
+        assert set(got["jobs_s"]) == {"warm_start/seed_100", "grpo/seed_101"} and got["jobs_s"]["grpo/seed_101"] > 0
     assert (tmp_path / "b" / "runs.1" / "grpo").is_dir() and (tmp_path / "b" / "runs" / "grpo").is_dir()
     cmp = subprocess.run([sys.executable, str(REPO / "benchmarks" / "chain_cost.py"), "--compare", str(tmp_path / "a"),
                           str(tmp_path / "b")], capture_output=True, text=True, timeout=120, cwd=REPO)
     ratios = json.loads(cmp.stdout)["ratio_head_over_base"]
-    assert set(ratios) == {"warm_start/seed_101", "grpo/seed_101"} and all(r > 0 for r in ratios.values())
+    assert set(ratios) == {"warm_start/seed_100", "grpo/seed_101"} and all(r > 0 for r in ratios.values())
 
 
 def test_nucleus_metric_script_reports_ratios_and_agreement():

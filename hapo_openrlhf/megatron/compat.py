@@ -114,3 +114,19 @@ def fill_known_gaps() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def aux_loss_token_factor() -> str:
+    """How megatron-core's router weights a micro-batch's load-balancing loss under
+    ``calculate_per_token_loss`` (``TopKRouter.attach_and_log_load_balancing_loss``), read from its
+    source: ``"local"`` -- x the rank's routed tokens (0.16: with sequence parallelism each TP
+    rank's shard, summed over TP by the router weight's gradient all-reduce) -- or ``"tp_cp"`` --
+    x the rank's routed tokens x the TP x CP group's size (0.19, which counts the step's tokens
+    per TP rank in ``finalize_model_grads``): TP x CP times the former, which
+    ``moe.scaled_aux_loss`` divides back out (hapo divides by the step's tokens itself)."""
+    import inspect
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    src = inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
+    return "tp_cp" if "tp_cp_group.size()" in src.split("calculate_per_token_loss", 1)[-1] else "local"

@@ -116,7 +116,9 @@ def scaled_aux_loss(config, normaliser: float | None, *, training: bool):
     losses divide -- and restored afterwards. The step's load-balancing term is then ``coeff`` x
     the token-weighted mean over its micro-batches of megatron-core's own per-micro-batch loss,
     summed over layers: what megatron-core's training adds when every token is in the loss.
-    Forward-only passes (old log-probs, the reference) add none."""
+    megatron-core 0.19 weights each micro-batch's loss by TP x CP times more tokens under
+    sequence parallelism than 0.16 (``compat.aux_loss_token_factor``): that factor is divided out
+    too. Forward-only passes (old log-probs, the reference) add none."""
     coeff = getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0
     if not (training and getattr(config, "num_moe_experts", None) and coeff):
         yield
@@ -126,7 +128,14 @@ def scaled_aux_loss(config, normaliser: float | None, *, training: bool):
     if normaliser is None or not normaliser > 0:
         raise ValueError(f"a load-balancing loss (moe_aux_loss_coeff {coeff}) needs forward_backward's "
                          f"aux_loss_normaliser > 0 (the step's real tokens over DP), got {normaliser!r}")
-    config.moe_aux_loss_coeff = coeff / float(normaliser)
+    from .compat import aux_loss_token_factor
+
+    factor = 1.0
+    if aux_loss_token_factor() == "tp_cp":  # megatron-core 0.19: x TP x CP more tokens per micro-batch
+        from megatron.core import parallel_state as ps
+
+        factor = float(ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size())
+    config.moe_aux_loss_coeff = coeff / (float(normaliser) * factor)
     try:
         yield
     finally:
