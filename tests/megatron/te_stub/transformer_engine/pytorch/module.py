@@ -31,6 +31,19 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     setattr(tensor, "partition_stride", stride)
 
 
+def _parallel_shape(layer, tp_group, tp_size: int, parallel_mode, sequence_parallel: bool) -> None:
+    """TE's linears: the TP size (the group's, when one is given), the mode, the features a column
+    / row mode divides by it, and sequence parallelism only at TP > 1."""
+    layer.tp_size = tp_size if tp_group is None else torch.distributed.get_world_size(tp_group)
+    assert parallel_mode in GemmParallelModes, f"parallel_mode {parallel_mode!r} not supported"
+    layer.parallel_mode = parallel_mode
+    if parallel_mode == "column":
+        layer.out_features = layer.out_features // layer.tp_size
+    elif parallel_mode == "row":
+        layer.in_features = layer.in_features // layer.tp_size
+    layer.sequence_parallel = (layer.tp_size > 1) and sequence_parallel
+
+
 @dataclass
 class _ParameterInitMeta:
     init_fn: Optional[Callable] = None
@@ -98,14 +111,7 @@ class _LinearBase(TransformerEngineBaseModule):
         self.apply_bias = bias and not return_bias
         self.get_rng_state_tracker = get_rng_state_tracker
         self.tp_group = tp_group
-        self.tp_size = tp_size if tp_group is None else torch.distributed.get_world_size(tp_group)
-        assert parallel_mode in GemmParallelModes, f"parallel_mode {parallel_mode} not supported"
-        self.parallel_mode = parallel_mode
-        if parallel_mode == "column":
-            self.out_features = self.out_features // self.tp_size
-        elif parallel_mode == "row":
-            self.in_features = self.in_features // self.tp_size
-        self.sequence_parallel = (self.tp_size > 1) and sequence_parallel
+        _parallel_shape(self, tp_group, tp_size, parallel_mode, sequence_parallel)
         self.weight_names, self.bias_names = ["weight"], ["bias"]
         self._weight_kw = dict(init_fn=init_method, get_rng_state_tracker=get_rng_state_tracker, fp8_meta_index=1)
         self._dtype, self._device = params_dtype, device
@@ -318,17 +324,10 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         self.save_original_input = save_original_input
         self.fp8_meta = {"fp8_checkpoint": False}
-        self.tp_size = tp_size if tp_group is None else torch.distributed.get_world_size(tp_group)
+        _parallel_shape(self, tp_group, tp_size, parallel_mode, sequence_parallel)
         if self.tp_size > 1 and bias:
             raise ValueError("GroupedLinear doesn't support bias when TP > 1. "
                              "Because the TP communication is handled outside of this module.")
-        assert parallel_mode in GemmParallelModes, f"parallel_mode {parallel_mode!r} not supported"
-        self.parallel_mode = parallel_mode
-        if parallel_mode == "column":
-            self.out_features = self.out_features // self.tp_size
-        elif parallel_mode == "row":
-            self.in_features = self.in_features // self.tp_size
-        self.sequence_parallel = (self.tp_size > 1) and sequence_parallel
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.empty(
                 self.out_features, self.in_features, device=device, dtype=self.params_dtype)),
