@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -249,6 +250,8 @@ def _doctor(args) -> int:
         return 0 if summary["ok"] else 1
     if not args.config:
         raise ValueError("hapo doctor needs --config CONFIG (or --gpu-smoke)")
+    if args.gpu_gb is not None and not (math.isfinite(args.gpu_gb) and args.gpu_gb > 0):
+        raise ValueError(f"--gpu-gb must be a positive number of GB (one GPU's memory), got {args.gpu_gb}")
     from .config import load_config
 
     checks = run_checks(load_config(args.config, args.set), static=args.static, output_dir=args.output_dir,

@@ -81,6 +81,8 @@ CASES = [
     (["submit", CFG, "--dry-run", "--cpus-per-task", "0"], "--cpus-per-task must be an integer >= 1"),
     (["submit", CFG, "--dry-run", "--ray-port", "99999"], "--ray-port must be an integer in 1024..65535"),
     (["doctor"], "hapo doctor needs --config"),
+    (["doctor", "--config", CFG, "--gpu-gb", "nan"], "--gpu-gb must be a positive number of GB"),
+    (["doctor", "--config", CFG, "--gpu-gb", "-3"], "--gpu-gb must be a positive number of GB .*got -3.0"),
     # hostile values that used to reach an internal exception (TypeError, OverflowError, ...)
     (["train", "--config", CFG, "--set", "trainer.threads=-1"], "trainer.threads must be >= 0"),
     (["train", "--config", CFG, "--set", "trainer.sample_every=-1"], "trainer.sample_every must be >= 0"),

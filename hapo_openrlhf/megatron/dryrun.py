@@ -286,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU (default 80)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    import math
     import warnings
+
+    if not (math.isfinite(args.gpu_gb) and args.gpu_gb > 0):
+        ap.error(f"--gpu-gb must be a positive number of GB (one GPU's memory), got {args.gpu_gb}")
 
     warnings.filterwarnings("ignore")  # megatron-core's notices about Apex / Transformer Engine
     from ..config import load_config
