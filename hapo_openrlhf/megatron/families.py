@@ -153,6 +153,20 @@ def family_of(hf_config) -> Family:
     return fam
 
 
+def check_moe_layout(hf_config, tp: int, ep: int) -> list[str]:
+    """What keeps a MoE config from splitting ``tp`` x ``ep`` ways (empty for a dense family)."""
+    moe = moe_of(hf_config)
+    if moe is None:
+        return [f"expert parallel size {ep} needs a mixture-of-experts model"] if ep != 1 else []
+    problems = []
+    if ep < 1 or moe.num_experts % ep:
+        problems.append(f"num_experts {moe.num_experts} is not divisible by expert parallel size {ep}")
+    if moe.ffn % tp:
+        problems.append(f"moe_intermediate_size {moe.ffn} is not divisible by tensor parallel size {tp} "
+                        f"(expert tensor parallelism is TP)")
+    return problems
+
+
 def check_actor_family(hf_config, megatron: Mapping[str, Any] | None = None) -> Family:
     """:func:`family_of`, and whether the Megatron policy actor can lay the model out under
     ``megatron`` (the run config's ``megatron`` section as a dict; the defaults when None): a
@@ -160,8 +174,6 @@ def check_actor_family(hf_config, megatron: Mapping[str, Any] | None = None) -> 
     ``tensor_parallel`` ways, and at TP > 1 it needs ``sequence_parallel`` (which needs Transformer
     Engine's spec; the config loader checks that); a dense model takes no ``expert_parallel``.
     One line per problem, before any weight is read."""
-    from .moe import check_moe_layout
-
     fam = family_of(hf_config)
     m = dict(megatron or {})
     tp, ep = int(m.get("tensor_parallel", 1)), int(m.get("expert_parallel", 1))

@@ -44,7 +44,7 @@ from typing import Mapping
 
 import torch
 
-from .families import moe_of
+from .families import check_moe_layout, moe_of  # noqa: F401  (check_moe_layout: importable from here as before)
 
 # megatron-core router settings that are safe for RL, and where each default comes from
 # (docs/megatron.md, "Mixture of experts")
@@ -57,20 +57,6 @@ ROUTER_DEFAULTS = {
     "moe_token_dispatcher_type": "alltoall",
 }
 DISPATCHERS = ("alltoall", "allgather")
-
-
-def check_moe_layout(hf_config, tp: int, ep: int) -> list[str]:
-    """What keeps a MoE config from splitting ``tp`` x ``ep`` ways (empty for a dense family)."""
-    moe = moe_of(hf_config)
-    if moe is None:
-        return [f"expert parallel size {ep} needs a mixture-of-experts model"] if ep != 1 else []
-    problems = []
-    if ep < 1 or moe.num_experts % ep:
-        problems.append(f"num_experts {moe.num_experts} is not divisible by expert parallel size {ep}")
-    if moe.ffn % tp:
-        problems.append(f"moe_intermediate_size {moe.ffn} is not divisible by tensor parallel size {tp} "
-                        f"(expert tensor parallelism is TP)")
-    return problems
 
 
 def moe_config_kwargs(hf_config, *, ep: int = 1, dispatcher: str = "alltoall", aux_loss_coeff: float = 0.0,

@@ -242,13 +242,13 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
 
 
 def _upstream_resolver():
-    """``train.upstream_option`` (OpenRLHF's own parser) when OpenRLHF's CLI imports (it
+    """``upstream_cli.upstream_option`` (OpenRLHF's own parser) when OpenRLHF's CLI imports (it
     imports vLLM and flash-attn at module level), else None."""
     import importlib.util
 
     if importlib.util.find_spec("openrlhf") is None:
         return None
-    from .train import upstream_option, upstream_parser
+    from .upstream_cli import upstream_option, upstream_parser
 
     try:
         upstream_parser()
