@@ -19,7 +19,7 @@ from .dapo import DynamicSamplingBuffer, informative_groups, overlong_penalty
 from .entropy import check_finite, entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from .fused import fused_logprobs_entropy, fused_token_loss
 from .vocab_parallel import vocab_parallel_logprobs_entropy
-from .losses import AGGREGATIONS, LOSSES, ROW_LOCAL_LOSSES, aggregate, compute_policy_loss, default_normalizer, head_signals_top_p, k3_kl, list_losses, loss_observe, loss_resume, loss_step_state, CheckpointStateError, check_loss_state
+from .losses import AGGREGATIONS, LOSSES, aggregate, compute_policy_loss, default_normalizer, head_signals_top_p, k3_kl, list_losses, loss_observe, loss_resume, loss_step_state, CheckpointStateError, check_loss_state
 from .quadrants import (
     QUADRANTS,
     SPLITS,
@@ -34,7 +34,7 @@ from .quadrants import (
 
 __all__ = [
     "vocab_parallel_logprobs_entropy",
-    "AGGREGATIONS", "ESTIMATORS", "LOSSES", "ROW_LOCAL_LOSSES", "QUADRANTS", "AdvantageInputs", "AdvantageOutput",
+    "AGGREGATIONS", "ESTIMATORS", "LOSSES", "QUADRANTS", "AdvantageInputs", "AdvantageOutput",
     "DynamicSamplingBuffer", "aggregate", "check_finite", "compute_advantages", "compute_policy_loss",
     "default_normalizer", "entropy_from_logits", "fused_logprobs_entropy", "fused_token_loss", "entropy_threshold", "group_mean_std", "hapo_multiplier",
     "SPLITS", "check_split", "entropy_cut", "group_token_entropy_stats", "hapo_credit", "outcome_polarity",

@@ -33,6 +33,8 @@ import torch
 from .groups import masked_mean as _mmean
 from .is_correction import is_correction_weights
 from .registry import Registry
+from .surrogate import (AGGREGATIONS, K3_MAX, aggregate, check_clip, default_normalizer, k3_kl,  # noqa: F401 - the losses' API
+                        ppo_metrics, ppo_terms, weighted)
 
 LOSSES = Registry(
     "policy loss",
@@ -54,31 +56,26 @@ LOSSES = Registry(
         "top2_gap",
     ),
     required=("token_weight",),
+    # what a loss may declare beside its function, in its one registration (``Registry.register``):
+    #   step_state(params, persisted, *, entropy, response_mask, old_logprobs, advantages, loss_mask) ->
+    #     (loss_state for this step's loss calls, the state to checkpoint, metrics): a loss that keeps
+    #     state across steps (STARE's controller); trainers call ``loss_step_state``.
+    #   observe(params, persisted, metrics) -> persisted: its update after a step from the step's
+    #     reported metrics (PAEC's anchor); trainers call ``loss_observe``.
+    #   resume(old_params, new_params, persisted) -> (persisted, notes): its answer to a resume whose
+    #     config changed its parameters -- the state made to train what the new config says (each note
+    #     says what changed), or a ValueError naming a change that cannot be applied; ``loss_resume``.
+    #   check_state(persisted) -> None: its persisted state as a checkpoint holds it, checked at restore
+    #     (types, finiteness, ranges); a damaged one raises CheckpointStateError naming the key and the
+    #     trainer falls back to an older checkpoint; ``check_loss_state``.
+    #   metrics: its own metric keys (``stare/...``) beside ``actor/...``: the actors report them per
+    #     micro-batch, and every rank must know the keys up front.
+    #   row_local: its value on whole rows, with the global normaliser, sums over row blocks to the whole
+    #     batch's loss (each token's term depends on its own row only), so it can run inside the fused
+    #     head's forward (``algos.fused.fused_token_loss``); kl_cov and clip_cov select tokens over the
+    #     whole batch, so they cannot.
+    hooks=("step_state", "observe", "resume", "check_state", "metrics", "row_local"),
 )
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# losses whose value on whole rows, with the global normaliser, sums over row blocks
-# to the whole batch's loss (each token's term depends on its own row only): they can
-# run inside the fused head's forward (``algos.fused.fused_token_loss``). kl_cov and
-# clip_cov select tokens over the whole batch, so they cannot.
-ROW_LOCAL_LOSSES = frozenset({"ppo", "entro_reg"})
-
-
-# name -> step_state(params, persisted, *, entropy, response_mask, old_logprobs, advantages, loss_mask) ->
-# (loss_state for this step's loss calls, the state to checkpoint, metrics): the losses
-# that keep state across steps (STARE's controller). Trainers call ``loss_step_state``.
-STATEFUL: dict[str, Any] = {}
-# name -> observe(params, persisted, metrics) -> persisted: a stateful loss's update after a
-# step from the step's reported metrics (PAEC's anchor). Trainers call ``loss_observe``.
-OBSERVERS: dict[str, Any] = {}
-# name -> resume(old_params, new_params, persisted) -> (persisted, notes): a stateful loss's answer to a
-# resume whose config changed its parameters -- the state made to train what the new config says (each
-# note says what changed), or a ValueError naming a change that cannot be applied and how to apply it.
-# Trainers call ``loss_resume``.
-RESUMERS: dict[str, Any] = {}
-# name -> check(persisted) -> None: a stateful loss's persisted state as a checkpoint holds it, checked
-# at restore (types, finiteness, ranges); a damaged one raises CheckpointStateError naming the key, and the
-# trainer falls back to an older checkpoint. Trainers call ``check_loss_state``.
-STATE_CHECKS: dict[str, Any] = {}
 
 
 class CheckpointStateError(ValueError):
@@ -102,33 +99,31 @@ def check_number(where: str, value: Any, *, none: bool = False, nan: bool = Fals
 
 
 def check_loss_state(name: str | None, persisted: Any) -> None:
-    """``name``'s persisted state as a checkpoint holds it (``STATE_CHECKS``); any mapping for a loss
-    without a check. Raises CheckpointStateError naming the key."""
+    """``name``'s persisted state as a checkpoint holds it (its registered ``check_state``); any mapping
+    for a loss without a check. Raises CheckpointStateError naming the key."""
     if not isinstance(persisted, Mapping):
         raise CheckpointStateError(f"trainer.loss_state must be a mapping, got {persisted!r}")
-    if persisted and name in STATE_CHECKS:
-        STATE_CHECKS[name](persisted)
-
-
-# name -> the method's own metric keys (``stare/...``) its loss returns beside ``actor/...``:
-# the actors report them per micro-batch, and every rank must know the keys up front
-METHOD_METRICS: dict[str, tuple[str, ...]] = {}
+    entry = LOSSES.find(name)
+    if persisted and entry is not None and entry.check_state is not None:
+        entry.check_state(persisted)
 
 
 def loss_step_state(name: str, params: dict, persisted: dict | None, **batch: Any) -> tuple[dict | None, dict, dict]:
     """Once per step, before the loss: what ``name``'s calls get as ``loss_state`` this step,
     the state to checkpoint, and metrics; (None, {}, {}) for a loss without state."""
-    if name not in STATEFUL:
+    entry = LOSSES.get(name)
+    if entry.step_state is None:
         return None, {}, {}
-    return STATEFUL[name]({**LOSSES.get(name).defaults, **params}, persisted or {}, **batch)
+    return entry.step_state({**entry.defaults, **params}, persisted or {}, **batch)
 
 
 def loss_observe(name: str, params: dict, persisted: dict | None, metrics: dict) -> dict:
     """After a step: ``name``'s persisted state updated from the step's metrics (unchanged
     for a loss without an observer)."""
-    if name not in OBSERVERS:
+    entry = LOSSES.get(name)
+    if entry.observe is None:
         return dict(persisted or {})
-    return OBSERVERS[name]({**LOSSES.get(name).defaults, **params}, persisted or {}, metrics)
+    return entry.observe({**entry.defaults, **params}, persisted or {}, metrics)
 
 
 def loss_resume(old_name: str | None, old_params: dict | None, name: str, params: dict,
@@ -136,15 +131,15 @@ def loss_resume(old_name: str | None, old_params: dict | None, name: str, params
     """A checkpoint's persisted loss state for a resume under (``name``, ``params``), saved under
     (``old_name``, ``old_params``): unchanged when nothing changed; a loss that changed starts
     without the old one's state; a stateful loss whose parameters changed applies them
-    (``RESUMERS``) or refuses by name. Returns (state, notes naming what the resume does)."""
+    (its registered ``resume``) or refuses by name. Returns (state, notes naming what the resume does)."""
     persisted = dict(persisted or {})
     if old_name is not None and old_name != name:
         return {}, ([f"algorithm.loss {old_name} -> {name}: the checkpoint's {old_name} state is not used"]
                     if persisted else [])
-    if name not in RESUMERS or not persisted:
+    entry = LOSSES.get(name)
+    if entry.resume is None or not persisted:
         return persisted, []
-    defaults = LOSSES.get(name).defaults
-    return RESUMERS[name]({**defaults, **(old_params or {})}, {**defaults, **params}, persisted)
+    return entry.resume({**entry.defaults, **(old_params or {})}, {**entry.defaults, **params}, persisted)
 
 
 def head_signals_top_p(name: str, params: dict) -> float | None:
@@ -157,46 +152,6 @@ def head_signals_top_p(name: str, params: dict) -> float | None:
 
 def list_losses() -> list[str]:
     return LOSSES.names()
-
-
-def default_normalizer(response_mask: torch.Tensor, aggregation: str) -> float:
-    """The local normaliser; pass the sum over micro-batches/ranks for split == whole."""
-    m = response_mask.bool()
-    if aggregation == "token-mean":
-        return float(m.sum())
-    if aggregation in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        return float(m.any(-1).sum())
-    raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
-
-
-def aggregate(
-    loss_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    aggregation: str,
-    normalizer: float | None = None,
-    norm_constant: float | None = None,
-) -> torch.Tensor:
-    """Reduce a token loss to a scalar.
-
-    token-mean: sum(loss*m) / N_tokens.  seq-mean-token-mean: sum_i mean_t(loss_i) / N_seqs
-    (sequences with no valid token contribute 0 and are not counted).
-    seq-mean-token-sum-norm (Dr. GRPO): sum_i sum_t(loss_i) / norm_constant / N_seqs, with
-    norm_constant a fixed budget (default T).
-    """
-    m = mask_BT.to(loss_BT.dtype)
-    if normalizer is None:
-        normalizer = default_normalizer(mask_BT, aggregation)
-    # a tensor normaliser (OpenRLHF hands one over, on the device) stays one: no host sync
-    normalizer = normalizer.clamp(min=1.0) if isinstance(normalizer, torch.Tensor) else max(float(normalizer), 1.0)
-    if aggregation == "token-mean":
-        return (loss_BT * m).sum() / normalizer
-    if aggregation == "seq-mean-token-mean":
-        per_seq = (loss_BT * m).sum(-1) / m.sum(-1).clamp(min=1)
-        return per_seq.sum() / normalizer
-    if aggregation == "seq-mean-token-sum-norm":
-        const = float(norm_constant if norm_constant is not None else mask_BT.shape[-1])
-        return (loss_BT * m).sum() / const / normalizer
-    raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
 
 
 def compute_policy_loss(
@@ -254,53 +209,7 @@ def compute_policy_loss(
     return loss, {k: float(v) for k, v in metrics.items()}
 
 
-K3_MAX = 10.0  # verl's kl_penalty "low_var_kl" / "k3": the estimate is clamped to [-10, 10]
-
-
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0,
-    as verl computes it: the log-ratio clamped to [-20, 20], the estimate to at most
-    ``K3_MAX`` (where the clamp binds the token's KL gradient is zero)."""
-    d = (ref_logprobs - logprobs).clamp(-20, 20)
-    return (d.exp() - d - 1).clamp(max=K3_MAX)
-
-
-def _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip):
-    log_ratio = (logprobs - old_logprobs).clamp(-20, 20)
-    ratio = log_ratio.exp()
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
-    pg = torch.maximum(pg1, pg2)
-    clipped = pg2 > pg1
-    if dual_clip is not None:
-        pg3 = -advantages * dual_clip
-        lower = (advantages < 0) & (pg > pg3)
-        pg = torch.where(advantages < 0, torch.minimum(pg, pg3), pg)
-        clipped = clipped | lower
-    return pg, ratio, log_ratio, clipped
-
-
-def _weighted(pg: torch.Tensor, token_weight: torch.Tensor | None) -> torch.Tensor:
-    """The per-token policy term times the mismatch-correction weight (None: unchanged)."""
-    return pg if token_weight is None else pg * token_weight
-
-
-def _ppo_metrics(ratio, log_ratio, clipped, mask) -> dict[str, float]:
-    return {
-        "actor/clip_frac": _mmean(clipped.float(), mask).detach(),
-        "actor/ratio_mean": _mmean(ratio.detach(), mask),
-        "actor/approx_kl": _mmean((-log_ratio).detach(), mask),
-    }
-
-
-def _check_clip(p) -> None:
-    if not (0 <= p["eps_low"] < 1 and p["eps_high"] >= 0):
-        raise ValueError(f"clip eps_low must be in [0, 1) and eps_high >= 0, got {p['eps_low']}, {p['eps_high']}")
-    if p.get("dual_clip") is not None and p["dual_clip"] <= 1:
-        raise ValueError(f"dual_clip must be > 1 (paper value 3), got {p['dual_clip']}")
-
-
-@LOSSES.register("ppo", validate=_check_clip)
+@LOSSES.register("ppo", validate=check_clip, row_local=True)
 def ppo(
     *,
     logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
@@ -308,12 +217,12 @@ def ppo(
 ):
     """PPO clipped surrogate; eps_high > eps_low is DAPO's clip-higher, dual_clip bounds
     the loss of negative-advantage tokens at -A * c (Ye et al. 2020)."""
-    pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
-    loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
-    return loss, _ppo_metrics(ratio, log_ratio, clipped, response_mask)
+    pg, ratio, log_ratio, clipped = ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
+    loss = aggregate(weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
+    return loss, ppo_metrics(ratio, log_ratio, clipped, response_mask)
 
 
-@LOSSES.register("entro_reg", validate=_check_clip)
+@LOSSES.register("entro_reg", validate=check_clip, row_local=True)
 def entro_reg(
     *,
     logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
@@ -324,10 +233,10 @@ def entro_reg(
     the mismatch weight reweights the PPO term only."""
     if entropy is None:
         raise ValueError("entro_reg needs `entropy` (current policy, with grad) of shape [B, T]")
-    pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
-    pg_loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
+    pg, ratio, log_ratio, clipped = ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
+    pg_loss = aggregate(weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
     ent = aggregate(entropy, response_mask, aggregation, normalizer, norm_constant)
-    metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
+    metrics = ppo_metrics(ratio, log_ratio, clipped, response_mask)
     metrics["actor/entropy_bonus"] = ent.detach()
     return pg_loss - beta * ent, metrics
 
@@ -357,13 +266,13 @@ def kl_cov(
         chosen[flat_idx[torch.topk(cov, k).indices]] = True
     chosen = chosen.view_as(valid)
     pg = torch.where(chosen, pg_kl, pg)
-    loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
-    metrics = _ppo_metrics(ratio, log_ratio, torch.zeros_like(chosen), response_mask)
+    loss = aggregate(weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
+    metrics = ppo_metrics(ratio, log_ratio, torch.zeros_like(chosen), response_mask)
     metrics["actor/kl_cov_frac"] = _mmean(chosen.float(), response_mask).detach()
     return loss, metrics
 
 
-@LOSSES.register("clip_cov", validate=_check_clip)
+@LOSSES.register("clip_cov", validate=check_clip)
 def clip_cov(
     *,
     logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
@@ -372,7 +281,7 @@ def clip_cov(
 ):
     """Clip-Cov (Cui et al. 2025): PPO clip, then detach a random clip_ratio (at least one)
     of the not-already-clipped tokens whose cov(A, logp) lies in (cov_lb, cov_ub)."""
-    pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, None)
+    pg, ratio, log_ratio, clipped = ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, None)
     m = response_mask.bool()
     a, lp = advantages.detach(), logprobs.detach()
     cov = (a - a[m].mean()) * (lp - lp[m].mean())
@@ -388,7 +297,7 @@ def clip_cov(
         drop[idx[perm.to(idx.device)]] = True
     drop = drop.view_as(m)
     pg = torch.where(drop, torch.zeros_like(pg), pg)
-    loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
-    metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
+    loss = aggregate(weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
+    metrics = ppo_metrics(ratio, log_ratio, clipped, response_mask)
     metrics["actor/clip_cov_frac"] = _mmean(drop.float(), response_mask).detach()
     return loss, metrics

@@ -32,8 +32,8 @@ from typing import Any, Mapping
 import torch
 
 from .groups import masked_mean
-from .losses import (LOSSES, METHOD_METRICS, OBSERVERS, RESUMERS, STATE_CHECKS, STATEFUL, CheckpointStateError, _check_clip, _ppo_metrics, _ppo_terms, _weighted,
-                     aggregate, default_normalizer)
+from .losses import LOSSES, CheckpointStateError, check_number
+from .surrogate import aggregate, check_clip, default_normalizer, ppo_metrics, ppo_terms, weighted
 
 MASKS = ("nucleus_entropy", "top2_gap", "product")
 UNPUBLISHED = ("beta", "rho_min", "top_p", "mask", "softness")
@@ -93,8 +93,6 @@ def resume(old, new, persisted):
 def check_state(persisted) -> None:
     """The anchor as a checkpoint holds it: the steps' masked entropies seen so far (finite, >= 0)
     and H0 once fixed (finite, >= 0), nothing else."""
-    from .losses import check_number
-
     unknown = sorted(set(persisted) - {"anchor", "anchor_steps"})
     if unknown:
         raise CheckpointStateError(f"paec state has unknown key(s) {unknown}")
@@ -106,20 +104,13 @@ def check_state(persisted) -> None:
     check_number("paec state anchor", persisted.get("anchor"), none=True, lo=0.0)
 
 
-STATEFUL["paec"] = step_state
-OBSERVERS["paec"] = observe
-RESUMERS["paec"] = resume
-STATE_CHECKS["paec"] = check_state
-METHOD_METRICS["paec"] = ("paec/masked_entropy", "paec/mask_mean", "paec/penalty", "paec/below_floor")
-
-
 def _check(p: Mapping[str, Any]) -> None:
     missing = [k for k in UNPUBLISHED if k not in p]
     if missing:
         raise ValueError(f"paec: {', '.join(missing)} must be set: Yang et al. (arXiv 2606.08543) do not publish "
                          f"them, so there is no default (mask: one of {MASKS}; softness: 0 for the hard top (1 - rho) "
                          f"selection); the values are the run's own, not the paper's")
-    _check_clip(p)
+    check_clip(p)
     if p["mask"] not in MASKS:
         raise ValueError(f"paec.mask must be one of {MASKS}, got {p['mask']!r}")
     if isinstance(p["anchor_steps"], bool) or not isinstance(p["anchor_steps"], int) or p["anchor_steps"] < 1:
@@ -131,7 +122,9 @@ def _check(p: Mapping[str, Any]) -> None:
             raise ValueError(f"paec.{key} must be {want}, got {p[key]!r}")
 
 
-@LOSSES.register("paec", validate=_check)
+@LOSSES.register("paec", validate=_check, step_state=step_state, observe=observe, resume=resume,
+                 check_state=check_state,
+                 metrics=("paec/masked_entropy", "paec/mask_mean", "paec/penalty", "paec/below_floor"))
 def paec(*, logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
          entropy=None, nucleus_entropy=None, top2_gap=None, token_weight=None, loss_state=None,
          beta: float, rho_min: float, top_p: float, mask: str, softness: float, rho: float = 0.8,
@@ -140,8 +133,8 @@ def paec(*, logprobs, old_logprobs, advantages, response_mask, aggregation, norm
     if entropy is None or nucleus_entropy is None or top2_gap is None:
         raise ValueError("paec needs `entropy` (current policy, with grad) and the head's `nucleus_entropy` and "
                          "`top2_gap` ([B, T], detached)")
-    pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
-    loss = aggregate(_weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
+    pg, ratio, log_ratio, clipped = ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
+    loss = aggregate(weighted(pg, token_weight), response_mask, aggregation, normalizer, norm_constant)
     m = position_mask(nucleus_entropy, top2_gap, response_mask, mask=mask, rho=rho, softness=softness)
     m = m.to(entropy.dtype)
     h_bar = (m * entropy).sum() / m.sum().clamp(min=1e-12)
@@ -150,7 +143,7 @@ def paec(*, logprobs, old_logprobs, advantages, response_mask, aggregation, norm
     if h_low is not None and beta:
         share = default_normalizer(response_mask, aggregation) / max(float(normalizer), 1.0) if normalizer is not None else 1.0
         penalty = beta * torch.relu(h_low - h_bar) ** 2 * share
-    metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
+    metrics = ppo_metrics(ratio, log_ratio, clipped, response_mask)
     metrics.update({"paec/masked_entropy": h_bar.detach(), "paec/mask_mean": masked_mean(m.detach(), response_mask),
                     "paec/penalty": penalty.detach(),
                     "paec/below_floor": (h_bar.detach() < (math.inf if h_low is None else h_low)).float()

@@ -21,6 +21,20 @@ class Entry:
     params: tuple[str, ...]  # keyword-only parameters a config may set
     defaults: Mapping[str, Any]
     accepts: frozenset[str]  # every parameter name the function takes
+    # what a method declares beside its function, in the same registration (the hooks its registry
+    # names; the policy losses' are described in ``algos/losses.py``): state kept across steps, its
+    # update, resume and restore check, its own metric keys, and whether it is row-local
+    step_state: Callable[..., Any] | None = None
+    observe: Callable[..., Any] | None = None
+    resume: Callable[..., Any] | None = None
+    check_state: Callable[..., Any] | None = None
+    metrics: tuple[str, ...] = ()
+    row_local: bool = False
+
+    @property
+    def stateful(self) -> bool:
+        """The method keeps state across steps (the trainers build it each step and checkpoint it)."""
+        return self.step_state is not None or self.observe is not None
 
 
 class Registry:
@@ -31,8 +45,10 @@ class Registry:
     parameter a config may set.
     """
 
-    def __init__(self, kind: str, fixed: tuple[str, ...], required: tuple[str, ...] = ()):
+    def __init__(self, kind: str, fixed: tuple[str, ...], required: tuple[str, ...] = (),
+                 hooks: tuple[str, ...] = ()):
         self.kind = kind
+        self.hooks = hooks  # the Entry fields a registration may set beside the function
         self.fixed = fixed
         # trainer-supplied arguments every registered function must take (e.g. every policy
         # loss must apply the rollout/training mismatch weight): checked at registration
@@ -40,7 +56,16 @@ class Registry:
         self._entries: dict[str, Entry] = {}
         self._refused: dict[str, str] = {}  # name -> why it is not implemented (algos/unpublished.py)
 
-    def register(self, name: str, validate: Callable[[Mapping[str, Any]], None] | None = None):
+    def register(self, name: str, validate: Callable[[Mapping[str, Any]], None] | None = None, **hooks: Any):
+        """Register ``name``: the function, its parameters' check, and everything else the method
+        declares (``hooks``: this registry's named fields of :class:`Entry`), in one statement."""
+        unknown = sorted(set(hooks) - set(self.hooks))
+        if unknown:
+            raise TypeError(f"{self.kind} {name!r}: unknown registration field(s) {unknown}; "
+                            f"a {self.kind} may declare {list(self.hooks)}")
+        if "metrics" in hooks:
+            hooks["metrics"] = tuple(hooks["metrics"])
+
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
@@ -57,7 +82,7 @@ class Registry:
             if missing:
                 raise TypeError(f"{self.kind} {name!r} must take the keyword argument(s) {missing} "
                                 f"(every {self.kind} applies them; see its module docstring)")
-            self._entries[name] = Entry(name, fn, validate, tuple(params), defaults, accepts)
+            self._entries[name] = Entry(name, fn, validate, tuple(params), defaults, accepts, **hooks)
             return fn
 
         return deco
@@ -73,6 +98,10 @@ class Registry:
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def find(self, name: Any) -> Entry | None:
+        """``name``'s entry, or None where nothing is registered under it (no error)."""
+        return self._entries.get(name) if isinstance(name, str) else None
 
     def get(self, name: str) -> Entry:
         spelled = _registry_spelling(name)  # as the papers write them: "PRIME", "EP-GRPO"

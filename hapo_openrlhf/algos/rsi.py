@@ -28,7 +28,8 @@ from typing import Any, Mapping
 import torch
 
 from .groups import masked_mean
-from .losses import LOSSES, METHOD_METRICS, _check_clip, _ppo_metrics, _ppo_terms, _weighted, aggregate
+from .losses import LOSSES
+from .surrogate import aggregate, check_clip, ppo_metrics, ppo_terms, weighted
 
 
 def relative_surprisal(logprobs: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
@@ -44,32 +45,30 @@ def _check(p: Mapping[str, Any]) -> None:
         raise ValueError(f"rsi_s: {' and '.join(missing)} must be set: Lv et al. (arXiv 2606.31575) publish the "
                          f"relative surprisal index but not its interval bounds, so there is no default "
                          f"(upper: null means no upper bound); the values are the run's own, not the paper's")
-    _check_clip(p)
+    check_clip(p)
     if not p["lower"] >= 0:
         raise ValueError(f"rsi_s.lower must be >= 0 (the index s / H is never negative), got {p['lower']!r}")
     if p["upper"] is not None and not p["upper"] >= p["lower"]:
         raise ValueError(f"rsi_s.upper must be >= rsi_s.lower ({p['lower']!r}) or null, got {p['upper']!r}")
 
 
-@LOSSES.register("rsi_s", validate=_check)
+@LOSSES.register("rsi_s", validate=_check, metrics=("rsi/kept_frac", "rsi/index_mean"))
 def rsi_s(*, logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
           entropy=None, token_weight=None, lower: float, upper: float | None, eps_low: float = 0.2,
           eps_high: float = 0.2, dual_clip: float | None = None):
     """The host surrogate over the tokens with lower <= s / H <= upper (current policy)."""
     if entropy is None:
         raise ValueError("rsi_s needs `entropy` (the current policy's, [B, T]) for its index s / H")
-    pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
+    pg, ratio, log_ratio, clipped = ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
     rsi = relative_surprisal(logprobs, entropy)
     valid = response_mask.bool()
     keep = valid & (rsi >= lower) & (rsi <= (math.inf if upper is None else upper))
     if normalizer is not None and aggregation == "token-mean":
         kept, n = keep.sum(), valid.sum()
         normalizer = normalizer * torch.where(n > 0, kept / n.clamp(min=1), torch.ones((), device=n.device))
-    loss = aggregate(_weighted(pg, token_weight), keep, aggregation, normalizer, norm_constant)
-    metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
+    loss = aggregate(weighted(pg, token_weight), keep, aggregation, normalizer, norm_constant)
+    metrics = ppo_metrics(ratio, log_ratio, clipped, response_mask)
     metrics["rsi/kept_frac"] = masked_mean(keep.float(), response_mask)
     metrics["rsi/index_mean"] = masked_mean(torch.where(torch.isfinite(rsi), rsi, torch.zeros_like(rsi)), keep)
     return loss, metrics
 
-
-METHOD_METRICS["rsi_s"] = ("rsi/kept_frac", "rsi/index_mean")

@@ -30,7 +30,8 @@ from typing import Any, Mapping
 import torch
 
 from .groups import masked_mean
-from .losses import LOSSES, METHOD_METRICS, RESUMERS, STATE_CHECKS, STATEFUL, CheckpointStateError, _check_clip, _ppo_metrics, _ppo_terms, _weighted, aggregate
+from .losses import LOSSES, CheckpointStateError, check_number
+from .surrogate import aggregate, check_clip, ppo_metrics, ppo_terms, weighted
 
 VARIANTS, SELECTIONS = ("O1", "C2"), ("micro_batch", "batch")
 
@@ -160,8 +161,6 @@ def check_state(persisted) -> None:
     """The controller as a checkpoint holds it: W >= 1 and M in (0, 1] (as the controller keeps
     them), finite and float32-sized; the gate true or false; the last entropy a number (NaN before
     the first finite one)."""
-    from .losses import check_number
-
     for key, lo, hi in (("reweight_w", 1.0, 3.4e38), ("reweight_m", 1.2e-38, 1.0)):
         if key in persisted:
             check_number(f"stare state {key}", persisted[key], lo=lo, hi=hi)
@@ -174,15 +173,8 @@ def check_state(persisted) -> None:
             raise CheckpointStateError(f"stare state {key} is a step's value, never checkpointed")
 
 
-STATEFUL["stare"] = step_state
-RESUMERS["stare"] = resume
-STATE_CHECKS["stare"] = check_state
-METHOD_METRICS["stare"] = ("stare/gate_on", "stare/reweight_w", "stare/reweight_m", "stare/positive_reweight_frac",
-                           "stare/negative_reweight_frac", "stare/mean_weight")
-
-
 def _check(p: Mapping[str, Any]) -> None:
-    _check_clip(p)
+    check_clip(p)
     if p["variant"] not in VARIANTS or p["selection"] not in SELECTIONS:
         raise ValueError(f"stare.variant must be one of {VARIANTS} and stare.selection one of {SELECTIONS}, "
                          f"got {p['variant']!r}, {p['selection']!r}")
@@ -197,7 +189,9 @@ def _check(p: Mapping[str, Any]) -> None:
             raise ValueError(f"stare.{key} must be {want}, got {p[key]!r}")
 
 
-@LOSSES.register("stare", validate=_check)
+@LOSSES.register("stare", validate=_check, step_state=step_state, resume=resume, check_state=check_state,
+                 metrics=("stare/gate_on", "stare/reweight_w", "stare/reweight_m", "stare/positive_reweight_frac",
+                          "stare/negative_reweight_frac", "stare/mean_weight"))
 def stare(*, logprobs, old_logprobs, advantages, response_mask, aggregation, normalizer=None, norm_constant=None,
           token_weight=None, loss_state=None, variant: str = "O1", selection: str = "micro_batch",
           top_ratio: float = 0.1, reweight_w: float = 1.1, reweight_m: float = 0.9, target_entropy: float = 0.3,
@@ -207,14 +201,14 @@ def stare(*, logprobs, old_logprobs, advantages, response_mask, aggregation, nor
     batch thresholds); without one, the configured W and M with the gate on."""
     ctl = dict(loss_state or {})
     gate, W, M = bool(ctl.get("gate_on", True)), float(ctl.get("reweight_w", reweight_w)), float(ctl.get("reweight_m", reweight_m))
-    pg, ratio, log_ratio, clipped = _ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
+    pg, ratio, log_ratio, clipped = ppo_terms(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
     if selection == "batch" and "threshold_pos" not in ctl:
         raise ValueError("stare.selection='batch' needs the step's thresholds (stare_thresholds) in loss_state")
     omega, l_pos, l_neg = stare_omega(-(logprobs if selection == "micro_batch" else old_logprobs).detach(), advantages,
                                       response_mask, variant=variant, ratio=top_ratio, gate=gate, w=W, m=M,
                                       thresholds=ctl if selection == "batch" else None)
-    loss = aggregate(_weighted(pg, token_weight) * omega, response_mask, aggregation, normalizer, norm_constant)
-    metrics = _ppo_metrics(ratio, log_ratio, clipped, response_mask)
+    loss = aggregate(weighted(pg, token_weight) * omega, response_mask, aggregation, normalizer, norm_constant)
+    metrics = ppo_metrics(ratio, log_ratio, clipped, response_mask)
     metrics.update({"stare/gate_on": float(gate), "stare/reweight_w": W, "stare/reweight_m": M,
                     "stare/positive_reweight_frac": masked_mean(l_pos.float(), response_mask),
                     "stare/negative_reweight_frac": masked_mean(l_neg.float(), response_mask),

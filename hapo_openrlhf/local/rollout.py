@@ -158,7 +158,7 @@ def fused_policy_loss(model, rollout: Rollout, loss_of, *, temperature: float, c
 
     ``loss_of(logp_kR, ent_kR, rows: slice)`` returns the loss of rows ``rows`` (already
     masked like ``policy_forward``'s outputs, normalised by the global normaliser); the
-    loss must be row-local (``algos.losses.ROW_LOCAL_LOSSES``). Log-probs and entropy
+    loss must be row-local (registered ``row_local``). Log-probs and entropy
     come back detached and masked, for metrics.
     """
     mask = rollout.response_mask_BR

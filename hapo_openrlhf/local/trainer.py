@@ -374,7 +374,7 @@ class LocalTrainer:
         # losses that take `entropy` (EntroReg) need the current policy's entropy with grad
         needs_entropy = "entropy" in algos.LOSSES.get(a.loss).accepts
         signals_top_p = algos.head_signals_top_p(a.loss, a.loss_params)  # PAEC's nucleus entropy, top-two gap
-        in_forward = cfg.model.fused_head and cfg.model.fused_loss_in_forward and a.loss in algos.ROW_LOCAL_LOSSES
+        in_forward = cfg.model.fused_head and cfg.model.fused_loss_in_forward and algos.LOSSES.get(a.loss).row_local
         self.model.train()
         sums: dict[str, float] = {}
         epochs, total = cfg.optim.ppo_epochs, 0.0

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hapo_openrlhf.algos import aggregate, compute_policy_loss, default_normalizer, k3_kl, list_losses
+from hapo_openrlhf.algos import LOSSES, aggregate, compute_policy_loss, default_normalizer, k3_kl, list_losses
 
 M = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
@@ -155,3 +155,43 @@ def test_non_finite_loss_is_a_clear_error():
     lp = torch.tensor([[float("nan")]])
     with pytest.raises(FloatingPointError, match="non-finite policy loss"):
         compute_policy_loss("ppo", lp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1))
+
+
+def test_a_method_is_registered_in_one_statement_with_what_it_declares():
+    """Issue 56: the registry entry carries a method's step state, observer, resume, restore check,
+    metric keys and row-locality (no side table beside it); a field the registry does not know is
+    refused at registration, naming the fields it takes."""
+    from hapo_openrlhf.algos.registry import Registry
+
+    e = {n: LOSSES.get(n) for n in LOSSES.names()}
+    assert {n for n, x in e.items() if x.stateful} == {"stare", "paec"}
+    assert {n for n, x in e.items() if x.observe} == {"paec"}
+    assert {n for n, x in e.items() if x.resume} == {"stare", "paec"} == {n for n, x in e.items() if x.check_state}
+    assert {n for n, x in e.items() if x.row_local} == {"ppo", "entro_reg"}
+    assert e["rsi_s"].metrics == ("rsi/kept_frac", "rsi/index_mean") and e["ppo"].metrics == ()
+    assert e["stare"].metrics[0] == "stare/gate_on" and "paec/penalty" in e["paec"].metrics
+    assert LOSSES.find("no_such_loss") is None and LOSSES.find(None) is None
+    reg = Registry("policy loss", fixed=("logprobs",), hooks=("metrics",))
+    with pytest.raises(TypeError, match=r"unknown registration field\(s\) \['observe'\].*may declare \['metrics'\]"):
+        reg.register("x", observe=lambda *a: {})
+    reg.register("y", metrics=["y/a"])(lambda *, logprobs: logprobs)
+    assert reg.get("y").metrics == ("y/a",) and not reg.get("y").stateful
+
+
+def test_the_surrogate_building_blocks_are_public_and_no_method_imports_a_private_name():
+    """The host surrogate's pieces live in algos/surrogate.py under public names, and no algos
+    module imports an underscored name from another module (issue 56)."""
+    import ast
+    from pathlib import Path
+
+    import hapo_openrlhf.algos as algos_pkg
+    from hapo_openrlhf.algos import surrogate
+
+    for name in ("ppo_terms", "ppo_metrics", "weighted", "check_clip", "aggregate", "default_normalizer", "k3_kl"):
+        assert callable(getattr(surrogate, name))
+    private = []
+    for path in Path(algos_pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                private += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+    assert private == [], private

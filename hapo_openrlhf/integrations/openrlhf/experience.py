@@ -146,7 +146,7 @@ def step_loss_state(experiences: Sequence[Any], result: dict[str, Any], algorith
     behaviour entropy and, for a batch-wide selection, the behaviour surprisal -- after the
     advantages, before any actor trains. Returns (state for the actors, state to
     checkpoint, metrics); (None, {}, {}) for a loss without state."""
-    if algorithm["loss"] not in algos.losses.STATEFUL:
+    if not algos.LOSSES.get(algorithm["loss"]).stateful:
         return None, {}, {}
     inp = result["inputs"]
     old = _pad_cat([e.action_log_probs.float() for e in experiences], inp.response_mask.shape[1])

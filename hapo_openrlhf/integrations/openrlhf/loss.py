@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ...algos.losses import LOSSES, METHOD_METRICS, STATEFUL, compute_policy_loss, head_signals_top_p
+from ...algos.losses import LOSSES, compute_policy_loss, head_signals_top_p
 
 DUMP_ENV = "HAPO_OPENRLHF_DUMP_DIR"
 
@@ -62,14 +62,14 @@ class HapoPolicyLoss(nn.Module):
         # set by the DeepSpeed actor around each training step: the experience's info dict, where
         # upstream's training_step collects per-micro-batch metrics (token-weighted 0-d tensors)
         self.info_sink: dict | None = None
-        # a stateful loss's state for this step (STARE's controller: algos.losses.STATEFUL),
+        # a stateful loss's state for this step (STARE's controller: its registered step_state),
         # stepped once per step by the experience maker and sent with set_loss_state
         self.loss_state: dict | None = None
         self._calls = 0
 
     def method_metrics(self) -> dict[str, Any]:
         """The last call's method-specific metrics (``stare/...``), beside upstream's."""
-        return {k: self.last_metrics[k] for k in METHOD_METRICS.get(self.name, ())}
+        return {k: self.last_metrics[k] for k in LOSSES.get(self.name).metrics}
 
     def forward(
         self,
@@ -100,7 +100,7 @@ class HapoPolicyLoss(nn.Module):
                                    "not provide them")
             n = action_mask.shape[1]
             extra["nucleus_entropy"], extra["top2_gap"] = (t[:, -n:] for t in self.pending_signals)
-        if self.name in STATEFUL:
+        if LOSSES.get(self.name).stateful:
             if self.loss_state is None:
                 raise RuntimeError(f"loss {self.name!r}: this step's controller state has not reached the actor "
                                    f"(the experience maker sends it with set_loss_state before training)")

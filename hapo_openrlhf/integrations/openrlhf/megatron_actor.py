@@ -72,7 +72,7 @@ from openrlhf.trainer.ppo_utils.experience import (
 from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-from ...algos.losses import METHOD_METRICS
+from ...algos.losses import LOSSES
 from ...fsguard import claim, remove_owned
 from ...grad_guard import SkipGuard
 from .actor import BehaviourEntropyStore, loss_from_config
@@ -505,7 +505,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         stats = {"actor_grad_norm": norm, "actor_lr": lr}
         if out:  # last stage: the step's loss and the token-weighted PPO statistics (this replica)
             keys = [k for k in ("ppo_clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio", "is_ratio_mean",
-                                "is_ratio_max", "kl", "logprobs_diff", *METHOD_METRICS.get(self.loss_fn.name, ()))
+                                "is_ratio_max", "kl", "logprobs_diff", *LOSSES.get(self.loss_fn.name).metrics)
                     if k in out[0]]
             rows = _host_values([[o["tokens"], o["policy_loss"], *(o[k] for k in keys)] for o in out])
             stats["_loss_sum"] = sum(r[1] for r in rows)  # without the KL term, as upstream logs it
@@ -566,8 +566,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                 keys = ("ppo_clip_ratio", "ppo_kl") + (
                     ("vllm_kl", "is_filter_ratio", "is_ratio_mean", "is_ratio_max")
                     if self.loss_fn.is_correction.enabled else ()) + (
-                    ("kl", "logprobs_diff") if args.algo.kl.use_loss else ()) + METHOD_METRICS.get(
-                    self.loss_fn.name, ())  # a method's own metrics (stare/...): the same keys on every rank
+                    ("kl", "logprobs_diff") if args.algo.kl.use_loss else ()) + LOSSES.get(
+                    self.loss_fn.name).metrics  # a method's own metrics (stare/...): the same keys on every rank
                 for key in keys:
                     s = sums.setdefault(key, [0.0, 0.0])
                     s[0] += st.get("_w_" + key, 0.0)
