@@ -6,13 +6,12 @@ from .advantages import (
     AdvantageInputs,
     AdvantageOutput,
     compute_advantages,
-    hapo_credit,
-    hapo_multiplier,
     list_estimators,
     outcome_polarity,
     run_estimator,
     split_quadrants,
 )
+from .hapo import hapo_credit, hapo_multiplier
 from . import eapo, less, paec, pepo, rsi, stare, unpublished  # noqa: F401 - register the competitors (one module a family)
 from .groups import group_mean_std, group_token_entropy_stats
 from .dapo import DynamicSamplingBuffer, informative_groups, overlong_penalty

@@ -1,4 +1,7 @@
-"""Advantage estimators, registered by name.
+"""Advantage estimators, registered by name: the inputs and outputs every estimator shares, the
+sequence-level baselines (GRPO, Dr. GRPO, W-REINF) and the token-level baselines of HAPO's paper
+(the quadrant masks, EntroAdv, Forking). HAPO itself is ``algos/hapo.py``; the competing methods
+have a module each.
 
 Shape legend: B sequences (G per prompt), T response tokens, K groups.
 Every estimator takes one ``AdvantageInputs`` plus keyword-only parameters
@@ -14,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .groups import group_mean_std, group_token_entropy_stats
+from .groups import group_mean_std
 from .groups import masked_mean as _masked_mean
 from .quadrants import DEFAULT_QUANTILE, check_split, entropy_cut, entropy_threshold, normalize_quadrants, quadrant_masks
 from .registry import Registry
@@ -101,7 +104,8 @@ def grpo_sequence_advantage(inputs: AdvantageInputs, eps: float = 1e-6, std_norm
     return centred / (std + eps)
 
 
-def _broadcast(adv_B: torch.Tensor, inputs: AdvantageInputs) -> torch.Tensor:
+def broadcast_to_tokens(adv_B: torch.Tensor, inputs: AdvantageInputs) -> torch.Tensor:
+    """A sequence advantage [B] on every valid response token [B,T] (0 on padding)."""
     return adv_B.unsqueeze(-1) * inputs.mask
 
 
@@ -128,126 +132,13 @@ def split_quadrants(
 @ESTIMATORS.register("grpo")
 def grpo(inputs: AdvantageInputs, *, eps: float = 1e-6) -> AdvantageOutput:
     """GRPO: group-normalised outcome reward broadcast to every response token."""
-    return AdvantageOutput(_broadcast(grpo_sequence_advantage(inputs, eps), inputs))
+    return AdvantageOutput(broadcast_to_tokens(grpo_sequence_advantage(inputs, eps), inputs))
 
 
 @ESTIMATORS.register("dr_grpo")
 def dr_grpo(inputs: AdvantageInputs) -> AdvantageOutput:
     """Dr. GRPO: A = r - mean_G r (no std division); pair with seq-mean-token-sum-norm."""
-    return AdvantageOutput(_broadcast(grpo_sequence_advantage(inputs, std_normalize=False), inputs))
-
-
-HAPO_FORMS = ("additive", "multiplicative")
-
-
-def _check_hapo(p: Mapping[str, Any]) -> None:
-    alpha, phi, form = float(p["alpha"]), float(p["phi"]), p["form"]
-    if form not in HAPO_FORMS:
-        raise ValueError(f"hapo.form must be one of {list(HAPO_FORMS)}, got {form!r}")
-    if not alpha >= 0 or alpha == float("inf"):
-        raise ValueError(f"hapo.alpha must be a finite number >= 0, got {alpha}")
-    if not phi > 0 or phi == float("inf"):
-        raise ValueError(f"hapo.phi must be a finite number > 0, got {phi}")
-    if form == "additive" and alpha >= phi:
-        raise ValueError(
-            f"hapo.alpha ({alpha:g}) must be < hapo.phi ({phi:g}): |A^h|/|A| lies in "
-            f"[1 - alpha/phi, 1 + alpha/phi] and alpha >= phi could zero or flip the advantage's "
-            f"sign (paper: alpha 0.2, phi 2; its sweep goes up to alpha 1.0)"
-        )
-    if form == "multiplicative" and alpha * phi >= 1:
-        raise ValueError(
-            f"hapo.alpha * hapo.phi = {alpha * phi:g} >= 1 with hapo.form: multiplicative: the "
-            f"multiplier 1 + alpha*c could reach 0 or flip the advantage's sign; choose alpha*phi < 1"
-        )
-    if p["normalize"] not in ("zscore", "mean_ratio"):
-        raise ValueError(f"hapo.normalize must be 'zscore' or 'mean_ratio', got {p['normalize']!r}")
-    if form == "additive" and p["normalize"] != "zscore":
-        raise ValueError("hapo.normalize: mean_ratio exists only for hapo.form: multiplicative "
-                         "(the published credit is the z-score)")
-    if p["base"] not in ("grpo", "dr_grpo"):
-        raise ValueError(f"hapo.base must be 'grpo' or 'dr_grpo', got {p['base']!r}")
-    normalize_quadrants(p["ablate"])
-    check_split(p["split"], p["quantile"], p["threshold"], "hapo.")
-
-
-def hapo_credit(inputs: AdvantageInputs, base_adv: torch.Tensor, phi: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The published entropy credit (arXiv 2604.11056v1, Eq. 6), detached, [B,T]:
-    clip((H - mu_H) / sigma_H, -|A|/phi, +|A|/phi), with mu_H, sigma_H over the valid
-    tokens of the token's group; sigma_H = 0 gives credit 0. Also returns the bool
-    [B,T] mask of tokens whose z-score reached the bound (|z| >= |A|/phi)."""
-    mu, sigma = group_token_entropy_stats(inputs.entropy, inputs.response_mask, inputs.group_index)
-    H = inputs.entropy.detach().float()
-    z = torch.where(sigma > 0, (H - mu) / sigma.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(H))
-    bound = base_adv.abs() / phi
-    credit = torch.maximum(torch.minimum(z, bound), -bound)
-    valid = inputs.response_mask.bool()
-    return torch.where(valid, credit, torch.zeros_like(credit)), valid & (z.abs() >= bound)
-
-
-def hapo_multiplier(inputs: AdvantageInputs, alpha: float, phi: float, normalize: str, eps: float):
-    """The pre-publication reconstruction (``form: multiplicative``): 1 + alpha * c with c
-    the group-normalised entropy clipped to [-phi, phi] (``zscore``) or H/mu_H clipped to
-    [0, phi] (``mean_ratio``), detached. Returns the multiplier [B,T] and the bool [B,T]
-    mask of tokens whose c reached a clip bound."""
-    mu, sigma = group_token_entropy_stats(inputs.entropy, inputs.response_mask, inputs.group_index)
-    H = inputs.entropy.detach().float()
-    if normalize == "zscore":
-        z = (H - mu) / (sigma + eps)
-        return 1.0 + alpha * z.clamp(-phi, phi), z.abs() >= phi
-    r = H / (mu + eps)
-    return 1.0 + alpha * (r.clamp(0.0, phi) - 1.0), (r <= 0) | (r >= phi)
-
-
-@ESTIMATORS.register("hapo", validate=_check_hapo)
-def hapo(
-    inputs: AdvantageInputs,
-    *,
-    alpha: float = 0.2,
-    phi: float = 2.0,
-    form: str = "additive",
-    normalize: str = "zscore",
-    ablate: tuple[str, ...] = (),
-    base: str = "grpo",
-    split: str = "group_mean",
-    quantile: float = DEFAULT_QUANTILE,
-    threshold: float | None = None,
-    eps: float = 1e-6,
-) -> AdvantageOutput:
-    """HAPO as published (``form: additive``): A^h = A + alpha * sign(A) * credit, with
-    credit = clip((H - mu_H)/sigma_H, -|A|/phi, +|A|/phi) over the token's group, so
-    |A^h|/|A| lies in [1 - alpha/phi, 1 + alpha/phi] (sign kept iff alpha < phi).
-    ``form: multiplicative`` is the earlier reconstruction A * (1 + alpha*clip(z, -phi, phi)).
-
-    ``ablate`` names quadrants whose tokens keep the plain base advantage; the quadrants
-    split entropy by ``split`` (group mean as published, batch ``quantile``, or ``value``).
-    """
-    seq_adv = grpo_sequence_advantage(inputs, eps, std_normalize=(base == "grpo"))
-    base_adv = _broadcast(seq_adv, inputs)
-    if form == "additive":
-        credit, saturated = hapo_credit(inputs, base_adv, phi)
-        adv = base_adv + alpha * torch.sign(base_adv) * credit
-    else:
-        mult, saturated = hapo_multiplier(inputs, alpha, phi, normalize, eps)
-        adv = base_adv * mult
-    ablated = normalize_quadrants(ablate)
-    if ablated:
-        masks, _ = split_quadrants(inputs, split, quantile, threshold)
-        keep_base = torch.zeros_like(inputs.response_mask, dtype=torch.bool)
-        for q in ablated:
-            keep_base |= masks[q]
-        adv = torch.where(keep_base, base_adv, adv)
-        saturated = saturated & ~keep_base
-    valid = inputs.response_mask.bool() & (base_adv != 0)
-    scale = (adv[valid] / base_adv[valid]).abs()
-    n = scale.numel()
-    metrics = {
-        "hapo/adv_scale_mean": float(scale.mean()) if n else 1.0,
-        "hapo/adv_scale_min": float(scale.min()) if n else 1.0,
-        "hapo/adv_scale_max": float(scale.max()) if n else 1.0,
-        "hapo/credit_saturated_frac": float(saturated[valid].float().mean()) if n else 0.0,
-    }
-    # padding may hold anything, even NaN entropy: it is 0 here whatever it held
-    return AdvantageOutput(torch.where(inputs.response_mask.bool(), adv, torch.zeros_like(adv)), metrics=metrics)
+    return AdvantageOutput(broadcast_to_tokens(grpo_sequence_advantage(inputs, std_normalize=False), inputs))
 
 
 def _check_quadrant(p: Mapping[str, Any]) -> None:
@@ -278,7 +169,7 @@ def quadrant(
     for q in normalize_quadrants(quadrants):
         keep |= masks[q]
     keep &= (seq_adv != 0).unsqueeze(-1)
-    adv = _broadcast(seq_adv, inputs) * keep
+    adv = broadcast_to_tokens(seq_adv, inputs) * keep
     n = max(int(inputs.response_mask.bool().sum()), 1)
     metrics = {"quadrant/train_token_frac": int(keep.sum()) / n,
                "quadrant/train_threshold": float(tau.float().mean())}
@@ -293,7 +184,7 @@ def w_reinf(
     correct = inputs.rewards >= correct_threshold
     r = inputs.rewards.float()
     seq = torch.where(correct, torch.full_like(r, lam), torch.full_like(r, -1.0))
-    return AdvantageOutput(_broadcast(seq.float(), inputs))
+    return AdvantageOutput(broadcast_to_tokens(seq.float(), inputs))
 
 
 @ESTIMATORS.register("entro_adv")
@@ -303,7 +194,7 @@ def entro_adv(
     """Entropy advantage (Cheng et al. 2025): A + min(alpha * detach(H), |A| / kappa)."""
     if kappa <= 1:
         raise ValueError(f"entro_adv.kappa must be > 1 to keep the sign of A, got {kappa}")
-    A = _broadcast(grpo_sequence_advantage(inputs, eps), inputs)
+    A = broadcast_to_tokens(grpo_sequence_advantage(inputs, eps), inputs)
     bonus = torch.minimum(alpha * inputs.entropy.detach().float(), A.abs() / kappa)
     adv = (A + bonus) * inputs.mask
     return AdvantageOutput(adv, metrics={"entro_adv/bonus_mean": float(_masked_mean(bonus, inputs.mask))})
@@ -319,7 +210,7 @@ def forking(
         raise ValueError(f"forking.rho must be in (0, 1], got {rho}")
     tau = entropy_threshold(inputs.entropy, inputs.response_mask, quantile=1.0 - rho)
     keep = inputs.response_mask.bool() & (inputs.entropy.detach() >= tau)
-    adv = _broadcast(grpo_sequence_advantage(inputs, eps), inputs) * keep
+    adv = broadcast_to_tokens(grpo_sequence_advantage(inputs, eps), inputs) * keep
     n = max(int(inputs.response_mask.bool().sum()), 1)
     return AdvantageOutput(
         adv,

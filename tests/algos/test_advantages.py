@@ -330,3 +330,16 @@ def test_hapo_ablated_quadrant_equals_grpo_on_its_tokens(x, q, split):
     full = compute_advantages("hapo", x)
     others = x.response_mask.bool() & ~masks[q]
     assert torch.allclose(adv[others], full[others])
+
+
+def test_hapo_has_its_own_module_naming_its_paper():
+    """Issue 56: HAPO is registered from algos/hapo.py, which opens with its paper (arXiv
+    2604.11056v1, Eq. 6-7) and its deviations; advantages.py holds the baselines."""
+    import inspect
+
+    from hapo_openrlhf.algos import ESTIMATORS, hapo
+
+    assert inspect.getmodule(ESTIMATORS.get("hapo").fn) is hapo
+    doc = hapo.__doc__
+    assert "2604.11056v1" in doc and "Eq. 6-7" in doc and "Deviations" in doc
+    assert inspect.getmodule(ESTIMATORS.get("grpo").fn).__name__.endswith("algos.advantages")
