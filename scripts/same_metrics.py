@@ -6,8 +6,8 @@ base commit (issue 56's redesign is checked against cc53e6b, the last commit bef
 For each case (``configs/cpu_tiny.yaml`` and one config of each stateful method: STARE's
 controller, PAEC's anchor, EAPO-entropic's kappa decay) it trains twice on this machine, once with
 the base commit's code (``git archive REV``, imported through PYTHONPATH) and once with this
-tree's, and compares the two ``metrics.jsonl`` line by line with the wall-clock fields
-(``time/...``) removed. Both runs use the same config file (this tree's) so that only the code
+tree's, and compares the two ``metrics.jsonl`` line by line, byte for byte (the keys' order included), with
+the wall-clock fields (``time/...``) removed. Both runs use the same config file (this tree's) so that only the code
 differs. Without ``--full`` the runs are cut to a few steps (warm-up 60, RL 12 with an evaluation
 and a checkpoint at 6): enough for every state to be built, checkpointed and observed; ``--full``
 trains each config at its shipped size (about 2 minutes a run). Exits 1 naming the first line and
@@ -58,9 +58,11 @@ def compare(name: str, before: list[dict], after: list[dict]) -> str | None:
     if len(before) != len(after):
         return f"{name}: {len(before)} lines at the base, {len(after)} now"
     for i, (b, a) in enumerate(zip(before, after)):
-        if json.dumps(b, sort_keys=True) == json.dumps(a, sort_keys=True):
+        if json.dumps(b) == json.dumps(a):  # byte for byte, the keys' order included
             continue
         keys = sorted(set(b) ^ set(a)) or [k for k in sorted(b) if b[k] != a[k]]
+        if not keys:
+            return f"{name}: line {i + 1} (step {b.get('step')}): the same values, in another key order"
         k = keys[0]
         return f"{name}: line {i + 1} (step {b.get('step')}) differs at {k}: base {b.get(k)!r}, now {a.get(k)!r}"
     return None

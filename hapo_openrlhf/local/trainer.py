@@ -24,6 +24,7 @@ import torch
 
 from .. import algos
 from ..algos.advantages import grpo_sequence_advantage
+from ..algos.step import after_update, before_update
 from ..algos.entropy import check_finite
 from ..algos.nucleus import metric_due
 from .. import runlock
@@ -338,31 +339,26 @@ class LocalTrainer:
             step=self.state.optimizer_steps,  # optimizer steps taken so far (one per PPO epoch)
             response_ids=ro.response_ids_BR,
         )
-        adv_out = algos.run_estimator(a.estimator, inputs, **a.estimator_params)
-        loss_mask = adv_out.loss_mask if adv_out.loss_mask is not None else mask
+        # the algorithm's step, as on every back end (algos/step.py): advantages, loss mask, quadrants
+        # and their metrics, and a stateful loss's state (STARE's controller) for this step
+        step = before_update(a, inputs, self.state.loss_state, old_logprobs=old_logp)
+        self.state.loss_state = step.persisted
+        metrics.update(step.metrics)
         seq_adv = grpo_sequence_advantage(inputs)
-        qmasks, tau = algos.split_quadrants(inputs, a.quadrant_split, a.quadrant_quantile, a.quadrant_threshold)
-        metrics.update(algos.quadrant_metrics(adv_out.advantages, ent, mask, tau,
-                                              polarity=algos.outcome_polarity(inputs)))
-        metrics.update(adv_out.metrics)
-        # the controller of a stateful loss (STARE) steps once, before the loss
-        loss_state, self.state.loss_state, state_metrics = algos.loss_step_state(
-            a.loss, a.loss_params, self.state.loss_state, entropy=ent, response_mask=mask, old_logprobs=old_logp,
-            advantages=adv_out.advantages, loss_mask=loss_mask)
-        metrics.update(state_metrics)
-        update = self._update(ro, old_logp, adv_out.advantages, loss_mask, loss_state)
+        qmasks = step.quadrant_masks
+        update = self._update(ro, old_logp, step.advantages, step.loss_mask, step.loss_state)
         self.state.optimizer_steps += cfg.optim.ppo_epochs
         metrics.update(update)
-        # ... and after the step, a loss that learns from it (PAEC's anchor) records what it saw
-        self.state.loss_state = algos.loss_observe(a.loss, a.loss_params, self.state.loss_state, update)
+        # ... and after the update, a loss that learns from it (PAEC's anchor) records what it saw
+        self.state.loss_state = after_update(a, self.state.loss_state, update)
         _, ent_after = self._behaviour(ro)
         metrics.update(algos.quadrant_entropy_change(qmasks, ent, ent_after))
-        metrics.update(self._rollout_metrics(batch, ent, ent_after, adv_out.advantages))
+        metrics.update(self._rollout_metrics(batch, ent, ent_after, step.advantages))
         self.state.step += 1
         t = cfg.trainer
         if t.sample_every and (self.state.step % t.sample_every == 0 or self.state.step == 1):
             dump_token_samples(self.out / "samples" / f"step_{self.state.step:08d}.jsonl", self.tok, ro,
-                               batch.rewards, ent, adv_out.advantages, seq_adv.unsqueeze(-1) * mask, qmasks,
+                               batch.rewards, ent, step.advantages, seq_adv.unsqueeze(-1) * mask, qmasks,
                                t.sample_count)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics

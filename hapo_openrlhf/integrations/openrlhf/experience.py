@@ -29,6 +29,8 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from ... import algos
 from ...algos.dapo import overlong_penalty
+from ...algos.step import before_update
+from ...config import AlgorithmConfig, from_dict
 from .actor import fingerprint
 from .loss import DUMP_ENV
 
@@ -52,7 +54,7 @@ def optimizer_steps_per_step(hapo_cfg: dict) -> int:
 
 
 def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: int,
-                        optimizer_step: int | None = None) -> dict[str, Any]:
+                        optimizer_step: int | None = None, persisted: dict | None = None) -> dict[str, Any]:
     """Fill ``advantages``/``returns`` (and narrow ``action_mask``) of OpenRLHF experiences in place.
 
     Each experience needs ``rewards`` [b], ``action_mask`` [b, A_i], ``index`` (the rollout
@@ -60,10 +62,13 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     generates them), ``response_length`` [b] and ``behaviour_entropy`` [b, A_i]; with
     ``nucleus_logmass`` [b, A_i] (a top-p rollout) the metrics get ``rollout/nucleus_logmass``.
     ``optimizer_step``: the optimizer steps taken before this batch (eapo_entropic's kappa
-    decay, ``AdvantageInputs.step``). Returns the estimator inputs/outputs (for dumps and
-    tests) and the batch metrics.
+    decay, ``AdvantageInputs.step``). ``persisted``: a stateful loss's checkpointed state.
+    The algorithm itself is ``algos.step.before_update``, as on every back end: this function
+    gathers its inputs from the experiences and spreads its output back over them. Returns the
+    estimator inputs and outputs (for dumps and tests), the batch metrics, and the loss state
+    for the actors (``loss_state``, None for a loss without one) and to checkpoint (``persisted``).
     """
-    a = hapo_cfg["algorithm"]
+    algorithm = from_dict(AlgorithmConfig, hapo_cfg["algorithm"], "algorithm")
     if not experiences:
         raise ValueError("no experiences to compute advantages for")
     widths = [e.action_mask.shape[1] for e in experiences]
@@ -82,9 +87,9 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     # the outcome (the quadrants' polarity) is the verifier's, before the overlong penalty
     correct = rewards > 0.5
     lengths = torch.cat([e.response_length.reshape(-1) for e in experiences])
-    ov = a["overlong"]
-    if ov["enable"]:
-        rewards = rewards + overlong_penalty(lengths, int(hapo_cfg["rollout"]["max_new_tokens"]), int(ov["cache_len"]))
+    ov = algorithm.overlong
+    if ov.enable:
+        rewards = rewards + overlong_penalty(lengths, int(hapo_cfg["rollout"]["max_new_tokens"]), int(ov.cache_len))
     mask = _pad_cat([e.action_mask for e in experiences], W, torch.bool)
     entropy = _pad_cat([e.behaviour_entropy.float() for e in experiences], W)
     if int(index.max()) + 1 != len(index) or len(index) % n_samples:
@@ -94,28 +99,21 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     inputs = algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=entropy,
                                    group_index=torch.div(index, n_samples, rounding_mode="floor"),
                                    correct=correct, response_ids=response_ids, step=optimizer_step)
+    has_old = all(getattr(e, "action_log_probs", None) is not None for e in experiences)
+    old = _pad_cat([e.action_log_probs.float() for e in experiences], W) if has_old else None
+    if old is None and algos.LOSSES.get(algorithm.loss).stateful:
+        raise RuntimeError(f"loss {algorithm.loss!r} steps its state from the behaviour log-probs, which some "
+                           f"experiences lack (action_log_probs)")
     # the estimator sees the rows in rollout order (the order the embedded trainer and verl
     # give it): LESS's clustering depends on the order of a group's responses
-    order = torch.argsort(index)
-    inv = torch.argsort(order)
-    in_order = algos.AdvantageInputs(rewards=rewards[order], response_mask=mask[order], entropy=entropy[order],
-                                     group_index=inputs.group_index[order], correct=correct[order],
-                                     response_ids=response_ids[order], step=optimizer_step)
-    out = algos.run_estimator(a["estimator"], in_order, **dict(a["estimator_params"]))
-    out.advantages = out.advantages[inv]
-    out.loss_mask = out.loss_mask[inv] if out.loss_mask is not None else None
-    loss_mask = out.loss_mask if out.loss_mask is not None else mask
-
-    _, tau = algos.split_quadrants(inputs, a["quadrant_split"], a["quadrant_quantile"], a["quadrant_threshold"])
-    metrics = algos.quadrant_metrics(out.advantages, entropy, mask, tau, polarity=algos.outcome_polarity(inputs))
-    metrics.update(out.metrics)
+    step = before_update(algorithm, inputs, persisted, old_logprobs=old, estimator_order=torch.argsort(index))
+    metrics = step.metrics
     metrics["entropy/behaviour_mean"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
     if all(getattr(e, "rollout_log_probs", None) is not None for e in experiences):  # the correction is on
         from ...algos.is_correction import mismatch_by_entropy
 
-        old = _pad_cat([e.action_log_probs.float() for e in experiences], W)
         rollout = _pad_cat([e.rollout_log_probs.float() for e in experiences], W)
-        metrics.update(mismatch_by_entropy(old, rollout, mask, entropy, tau))
+        metrics.update(mismatch_by_entropy(old, rollout, mask, entropy, step.threshold))
     lms = [getattr(e, "nucleus_logmass", None) for e in experiences]
     if any(lm is not None for lm in lms):  # a top-p rollout: the mean log P(nucleus) over response tokens
         if any(lm is None or lm.shape != e.action_mask.shape for lm, e in zip(lms, experiences)):
@@ -123,8 +121,8 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
         lm = _pad_cat([x.float() for x in lms], W)
         metrics["rollout/nucleus_logmass"] = float((lm * mask).sum() / mask.sum().clamp(min=1))
 
-    adv_rows = out.advantages.split(rows)
-    lm_rows = loss_mask.split(rows)
+    adv_rows = step.advantages.split(rows)
+    lm_rows = step.loss_mask.split(rows)
     for e, w, adv, lm in zip(experiences, widths, adv_rows, lm_rows, strict=True):
         e.advantages = adv[:, :w].to(torch.float32).contiguous()
         e.returns = e.advantages.clone()
@@ -136,23 +134,8 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
         e.rewards = r
         e.info["return"] = r.clone()
         e.kl = None
-    return {"inputs": inputs, "advantages": out.advantages, "loss_mask": loss_mask, "metrics": metrics}
-
-
-def step_loss_state(experiences: Sequence[Any], result: dict[str, Any], algorithm: dict,
-                    persisted: dict | None) -> tuple[dict | None, dict, dict]:
-    """A stateful loss's once-per-step update (STARE's controller, ``algos.loss_step_state``)
-    over the whole rollout batch -- every data-parallel rank's rows: the token-mean
-    behaviour entropy and, for a batch-wide selection, the behaviour surprisal -- after the
-    advantages, before any actor trains. Returns (state for the actors, state to
-    checkpoint, metrics); (None, {}, {}) for a loss without state."""
-    if not algos.LOSSES.get(algorithm["loss"]).stateful:
-        return None, {}, {}
-    inp = result["inputs"]
-    old = _pad_cat([e.action_log_probs.float() for e in experiences], inp.response_mask.shape[1])
-    return algos.loss_step_state(algorithm["loss"], dict(algorithm["loss_params"]), persisted,
-                                 entropy=inp.entropy, response_mask=inp.response_mask, old_logprobs=old,
-                                 advantages=result["advantages"], loss_mask=result["loss_mask"])
+    return {"inputs": inputs, "advantages": step.advantages, "loss_mask": step.loss_mask, "metrics": metrics,
+            "loss_state": step.loss_state, "persisted": step.persisted}
 
 
 class HapoExperienceMaker(RemoteExperienceMaker):
@@ -184,16 +167,10 @@ class HapoExperienceMaker(RemoteExperienceMaker):
         args = self.strategy.args
         # the optimizer steps before this batch (a resume restores the count of those taken)
         result = registry_advantages(experiences, args.hapo, args.rollout.n_samples_per_prompt,
-                                     optimizer_step=self._optimizer_steps)
-        state, self.loss_state, state_metrics = step_loss_state(experiences, result, args.hapo["algorithm"],
-                                                                self.loss_state)
-        if state is not None:  # every policy actor (every DP / TP / PP rank) trains this step with it
-            ray.get(self.actor_model_group.async_run_method(method_name="set_loss_state", state=state))
-            result["metrics"].update(state_metrics)
-            result["loss_state"] = state
-            for e in experiences:
-                for k, v in state_metrics.items():
-                    e.info[k] = torch.full((len(e.index),), float(v))
+                                     optimizer_step=self._optimizer_steps, persisted=self.loss_state)
+        self.loss_state = result["persisted"]
+        if result["loss_state"] is not None:  # every policy actor (every DP / TP / PP rank) trains this step with it
+            ray.get(self.actor_model_group.async_run_method(method_name="set_loss_state", state=result["loss_state"]))
         self._step += 1
         self._optimizer_steps += optimizer_steps_per_step(args.hapo)
         d = os.environ.get(DUMP_ENV)
@@ -211,7 +188,7 @@ class HapoExperienceMaker(RemoteExperienceMaker):
                                             "advantages": e.advantages[i][m].tolist()}) + "\n")
             with open(os.path.join(d, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": self._step, **result["metrics"]}) + "\n")
-            if "loss_state" in result:  # what the actors trained this step with
+            if result["loss_state"] is not None:  # what the actors trained this step with
                 with open(os.path.join(d, "loss_state.jsonl"), "a") as f:
                     f.write(json.dumps({"step": self._step, **result["loss_state"]}) + "\n")
         for e in experiences:

@@ -16,7 +16,9 @@ from pathlib import Path
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
-from ...algos.losses import CheckpointStateError, check_loss_state, loss_observe, loss_resume
+from ...algos.losses import CheckpointStateError, check_loss_state, loss_resume
+from ...algos.step import after_update
+from ...config import AlgorithmConfig, from_dict
 from ...local.logger import read_jsonl_records, record_line
 from ...preemption import Preempted, request_flag
 from . import routes
@@ -130,9 +132,8 @@ class HapoControllerMixin:
         The step limit's last step is checkpointed too (a requeue after it trains no more)."""
         stop = request_flag(self.args.hapo["output_dir"]).exists()
         if logs_dict:  # a loss that learns from the step it trained (PAEC's anchor), before the checkpoint
-            a = self.args.hapo["algorithm"]
-            self.experience_maker.loss_state = loss_observe(a["loss"], dict(a["loss_params"]),
-                                                            self.experience_maker.loss_state, logs_dict)
+            algorithm = from_dict(AlgorithmConfig, self.args.hapo["algorithm"], "algorithm")
+            self.experience_maker.loss_state = after_update(algorithm, self.experience_maker.loss_state, logs_dict)
         if logs_dict:  # this step's optimizer steps are taken
             self._optimizer_steps += optimizer_steps_per_step(self.args.hapo)
         if client_states is not None and self.experience_maker.loss_state:  # STARE's controller, checkpointed

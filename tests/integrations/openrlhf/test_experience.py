@@ -184,7 +184,6 @@ def test_the_stateful_losss_step_is_over_the_whole_batch(selection):
     batch-wide selection's thresholds are over all of it: rows spread over micro-batches
     give the one-batch result."""
     from hapo_openrlhf.algos.stare import stare_thresholds
-    from hapo_openrlhf.integrations.openrlhf.experience import step_loss_state
 
     rows, n = _rollout(seed=4), 4
     exps = _experiences(rows, [5, 3, 4])
@@ -192,10 +191,10 @@ def test_the_stateful_losss_step_is_over_the_whole_batch(selection):
     for e in exps:
         e.action_log_probs = -torch.rand(e.action_mask.shape, generator=g) * 3 * e.action_mask
     cfg = _cfg("grpo", {})
-    result = registry_advantages(exps, cfg, n)
-    algo = {**cfg["algorithm"], "loss": "stare",
-            "loss_params": {"selection": selection, "top_ratio": 0.2, "target_entropy": 0.9, "adaptive": True}}
-    state, persisted, metrics = step_loss_state(exps, result, algo, {"reweight_w": 1.2, "reweight_m": 0.8})
+    cfg["algorithm"].update(loss="stare", loss_params={"selection": selection, "top_ratio": 0.2, "target_entropy": 0.9,
+                                                       "adaptive": True})
+    result = registry_advantages(exps, cfg, n, persisted={"reweight_w": 1.2, "reweight_m": 0.8})
+    state, persisted, metrics = result["loss_state"], result["persisted"], result["metrics"]
     whole = _whole_batch(rows, n)
     mean = float(whole.entropy[whole.response_mask].mean())
     assert metrics["stare/batch_entropy"] == pytest.approx(mean)
@@ -214,7 +213,10 @@ def test_the_stateful_losss_step_is_over_the_whole_batch(selection):
             (want["threshold_pos"], want["threshold_neg"]))
     else:
         assert "threshold_pos" not in state
-    assert step_loss_state(exps, result, {**cfg["algorithm"], "loss": "ppo", "loss_params": {}}, None) == (None, {}, {})
+    cfg["algorithm"].update(loss="ppo", loss_params={})
+    plain = registry_advantages(_experiences(rows, [5, 3, 4]), cfg, n)
+    assert (plain["loss_state"], plain["persisted"]) == (None, {})
+    assert not any(k.startswith("stare/") for k in plain["metrics"])
 
 
 def test_eapo_kappa_decay_is_keyed_to_the_optimizer_steps_before_the_batch():
