@@ -38,8 +38,6 @@ global layers ``s * L/pp ... (s+1) * L/pp - 1`` as local ``0 ... L/pp - 1``.
 
 from __future__ import annotations
 
-import re
-
 from typing import Mapping
 
 import torch
@@ -47,6 +45,7 @@ import torch
 # the families (model_type -> what the layout needs) live in one module; re-exported here
 from .families import SUPPORTED_MODEL_TYPES, check_model_type, family_of  # noqa: F401
 from . import moe as moes
+from .moe import to_grouped_gemm_names, to_sequential_names  # noqa: F401 - the converters' API as before
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
@@ -116,23 +115,6 @@ def te_norm_names(moe: bool = False) -> dict[str, str]:
     ``pre_mlp_layernorm`` stays a norm of its own (the router and every expert read its output;
     megatron-core's TE spec builds a ``TENorm`` there), so only the input norm is renamed."""
     return {k: v for k, v in TE_NORM_NAMES.items() if not (moe and k.startswith("pre_mlp_layernorm"))}
-
-
-# experts: megatron-core's SequentialMLP (the local spec) keys each expert's module
-# (local_experts.{j}.linear_fc1.weight); its TEGroupedMLP (the TE spec: one grouped GEMM per
-# projection) keys each GEMM's weight of one TE GroupedLinear (linear_fc1.weight{j})
-_PER_EXPERT = re.compile(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-_PER_GEMM = re.compile(r"^(.*mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
-
-
-def to_grouped_gemm_names(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """SequentialMLP's expert names -> TEGroupedMLP's (the rest unchanged)."""
-    return {(_PER_EXPERT.sub(r"\1\3.weight\2", k)): v for k, v in sd.items()}
-
-
-def to_sequential_names(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """TEGroupedMLP's expert names -> SequentialMLP's (the rest unchanged)."""
-    return {(_PER_GEMM.sub(r"\1local_experts.\3.\2.weight", k)): v for k, v in sd.items()}
 
 
 def to_spec(sd: Mapping[str, torch.Tensor], spec: str, moe: bool = False,

@@ -28,7 +28,7 @@ speaks the checkpoint's names (:func:`hf_layer_to_megatron` accepts either).
 
 The TE spec's ``TEGroupedMLP`` (one grouped GEMM per projection) holds the same tensors as the
 GEMMs of two TE ``GroupedLinear`` modules, ``mlp.experts.linear_fc1.weight{j}`` and
-``linear_fc2.weight{j}`` (``convert.to_grouped_gemm_names`` / ``to_sequential_names``; the
+``linear_fc2.weight{j}`` (:func:`to_grouped_gemm_names` / :func:`to_sequential_names`; the
 converters speak SequentialMLP's names).
 
 **Token dispatch** is a collective over the expert-parallel group in every MoE layer of every
@@ -39,12 +39,31 @@ token count per micro-batch on each (fixed-shape padded rows; packed THD micro-b
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Mapping
 
 import torch
 
 from .families import check_moe_layout, moe_of  # noqa: F401  (check_moe_layout: importable from here as before)
+
+
+# experts: megatron-core's SequentialMLP (the local spec) keys each expert's module
+# (local_experts.{j}.linear_fc1.weight); its TEGroupedMLP (the TE spec: one grouped GEMM per
+# projection) keys each GEMM's weight of one TE GroupedLinear (linear_fc1.weight{j})
+_PER_EXPERT = re.compile(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_PER_GEMM = re.compile(r"^(.*mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+
+
+def to_grouped_gemm_names(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """SequentialMLP's expert names -> TEGroupedMLP's (the rest unchanged)."""
+    return {(_PER_EXPERT.sub(r"\1\3.weight\2", k)): v for k, v in sd.items()}
+
+
+def to_sequential_names(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """TEGroupedMLP's expert names -> SequentialMLP's (the rest unchanged)."""
+    return {(_PER_GEMM.sub(r"\1local_experts.\3.\2.weight", k)): v for k, v in sd.items()}
+
 
 # megatron-core router settings that are safe for RL, and where each default comes from
 # (docs/megatron.md, "Mixture of experts")
@@ -248,7 +267,6 @@ class ExpertStream:
         # (stage, EP rank) -> the global rank that sends those experts
         self.owner = {(s, e): r for r, (s, e, t, d) in enumerate(table) if t == 0 and d == table[dst][3]}
         self.etp, self.etp_group = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
-        from .convert import to_sequential_names  # TEGroupedMLP's per-GEMM names as SequentialMLP's
 
         self.sd = {k: v for k, v in to_sequential_names(model.state_dict(keep_vars=True)).items()
                    if ".local_experts." in k and not k.endswith("_extra_state")}

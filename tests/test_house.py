@@ -1,0 +1,90 @@
+"""The house's rules, measured from the code's own imports (issue 56; docs/architecture.md)."""
+
+import ast
+import sys
+from pathlib import Path
+
+import hapo_openrlhf
+
+ROOT = Path(hapo_openrlhf.__file__).parent
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (at the top or inside a function: a deferred
+    import still ties the two files together)."""
+    mods = {_module(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for mod, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    deps.add(sub if sub in mods else target)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[mod] = {d for d in deps if d in mods and d != mod}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 10_000))
+    try:
+        for v in graph:
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(old)
+    return out
+
+
+def test_no_import_circle():
+    assert _circles(_imports()) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_algos_imports_nothing_of_the_package_outside_it():
+    """The algorithm core stays pure torch: no module of algos/ imports another room."""
+    outside = {m: sorted(d for d in deps if not d.startswith("hapo_openrlhf.algos"))
+               for m, deps in _imports().items() if m.startswith("hapo_openrlhf.algos")}
+    assert {m: d for m, d in outside.items() if d} == {}
