@@ -603,6 +603,11 @@ class RunConfig:
                  "recomputes old log-probs with the actor, as OpenRLHF does: set rollout.old_logprobs: auto or forward "
                  "(vLLM's own log-probs enter through algorithm.is_correction)")
 
+    @property
+    def routing_replay(self) -> bool:
+        """Rollout routing replay is on: the Megatron actor replays the rollout's routed experts."""
+        return self.backend == "megatron" and self.megatron.moe.routing_replay == "r3"
+
     def _check_megatron(self) -> None:
         o, m = self.openrlhf, self.megatron
         world = o.actor_num_nodes * o.actor_gpus_per_node
@@ -660,6 +665,10 @@ def _to_plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_to_plain(x) for x in v]
     return v
+
+
+# what a config section is as plain data (dicts, lists): a checkpoint's record of it
+to_plain = _to_plain
 
 
 # ------------------------------------------------------------------ loading
@@ -747,6 +756,21 @@ def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
         return cls(**kwargs)
     except ValueError as e:
         raise ValueError(f"invalid config{' section ' + repr(prefix) if prefix else ''}: {e}") from None
+
+
+# the typed config per transported dict: each process rebuilds it once (``transported``)
+_TRANSPORTED: dict[int, tuple[Mapping[str, Any], RunConfig]] = {}
+
+
+def transported(data: Mapping[str, Any]) -> RunConfig:
+    """The typed :class:`RunConfig` from the plain dict that carries it across the Ray boundary
+    (``RunConfig.to_dict()``, OpenRLHF's ``args.hapo``): validated again, and rebuilt once per process
+    and dict. Every actor and the controller read typed fields from it; the dict is only transport."""
+    hit = _TRANSPORTED.get(id(data))
+    if hit is None or hit[0] is not data:
+        hit = (data, from_dict(RunConfig, data))
+        _TRANSPORTED[id(data)] = hit
+    return hit[1]
 
 
 def load_yaml(text: str, what: str) -> Any:

@@ -272,7 +272,7 @@ def check_model(cfg: RunConfig) -> Check:
 
                     from .megatron.families import check_actor_family
 
-                    check_actor_family(SimpleNamespace(**meta), cfg.to_dict()["megatron"])
+                    check_actor_family(SimpleNamespace(**meta), cfg.megatron)
             except ValueError as e:
                 return Check("model", FAIL, str(e), "re-copy or re-save the model directory, or choose a supported "
                                                     "model / back end")

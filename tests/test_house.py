@@ -88,3 +88,25 @@ def test_algos_imports_nothing_of_the_package_outside_it():
     outside = {m: sorted(d for d in deps if not d.startswith("hapo_openrlhf.algos"))
                for m, deps in _imports().items() if m.startswith("hapo_openrlhf.algos")}
     assert {m: d for m, d in outside.items() if d} == {}
+
+
+def test_the_config_crosses_ray_typed():
+    """The run config travels to the Ray actors as a plain dict (``args.hapo``), and every actor and
+    the controller rebuild the typed ``RunConfig`` from it (``config.transported``): outside the one
+    line that writes the transport, ``.hapo`` is only ever read through ``transported(...)``, and no
+    module of integrations/ or megatron/ indexes a config dict (``hapo_cfg[...]``, ``["megatron"]``)."""
+    import re
+
+    untyped = []
+    for room in ("integrations", "megatron"):
+        for path in (ROOT / room).rglob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#")[0]
+                if '"""' in line or "``" in line:
+                    continue  # docstrings
+                uses = re.findall(r"(\w+\()?[\w.]*\.hapo\b", code)
+                writes = re.match(r"\s*args\.hapo = \{\*\*cfg\.to_dict\(\)", code)
+                if (uses and not writes and any(u != "transported(" for u in uses)) or \
+                        re.search(r"hapo_cfg\[|\[\"(megatron|algorithm|rollout|optim|openrlhf)\"\]", code):
+                    untyped.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert untyped == []

@@ -204,7 +204,6 @@ def _start_rank(cfg, hf_config, rank: int, world: int, build: bool, tokens: int)
     from .setup import build_stage, init_parallel_state, load_hf_weights
 
     m = cfg.megatron
-    msec = cfg.to_dict()["megatron"]  # the section as the actor receives it (args.hapo["megatron"])
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -212,9 +211,9 @@ def _start_rank(cfg, hf_config, rank: int, world: int, build: bool, tokens: int)
         if not build or not _wanted(ranks):
             return ranks, None
         with torch.device("meta"):
-            model = build_stage(hf_config, msec, ranks, routing_replay=m.moe.routing_replay == "r3", cuda=False)
+            model = build_stage(hf_config, m, ranks, routing_replay=cfg.routing_replay, cuda=False)
         source = MetaCheckpoint(hf_config, torch.bfloat16)
-        load_hf_weights(model, source, hf_config, msec, ranks, what=cfg.model.path)
+        load_hf_weights(model, source, hf_config, m, ranks, what=cfg.model.path)
         ddp = wrap(model, distributed_optimizer=use_distributed_optimizer(m.distributed_optimizer, ranks.dp_size))
         opt = MegatronOptimizer(ddp, lr=cfg.optim.lr, sharding=m.optimizer_sharding)
         mem = _rank_memory(cfg, hf_config, ranks, model, ddp, opt, tokens)

@@ -33,7 +33,8 @@ three are constants in ``RotaryEmbedding._apply_scaling``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+
+from ..config import MegatronConfig
 
 
 @dataclass(frozen=True)
@@ -167,21 +168,21 @@ def check_moe_layout(hf_config, tp: int, ep: int) -> list[str]:
     return problems
 
 
-def check_actor_family(hf_config, megatron: Mapping[str, Any] | None = None) -> Family:
+def check_actor_family(hf_config, megatron: MegatronConfig | None = None) -> Family:
     """:func:`family_of`, and whether the Megatron policy actor can lay the model out under
-    ``megatron`` (the run config's ``megatron`` section as a dict; the defaults when None): a
+    ``megatron`` (the run config's ``megatron`` section; the defaults when None): a
     mixture of experts must split its experts ``expert_parallel`` ways and each expert's FFN
     ``tensor_parallel`` ways, and at TP > 1 it needs ``sequence_parallel`` (which needs Transformer
     Engine's spec; the config loader checks that); a dense model takes no ``expert_parallel``.
     One line per problem, before any weight is read."""
     fam = family_of(hf_config)
-    m = dict(megatron or {})
-    tp, ep = int(m.get("tensor_parallel", 1)), int(m.get("expert_parallel", 1))
+    m = megatron if megatron is not None else MegatronConfig()
+    tp, ep = m.tensor_parallel, m.expert_parallel
     problems = check_moe_layout(hf_config, tp, ep)
-    if not fam.moe and dict(m.get("moe") or {}).get("routing_replay", "off") != "off":
+    if not fam.moe and m.moe.routing_replay != "off":
         problems.append("megatron.moe.routing_replay replays a mixture of experts' routes, and this model is dense "
                         "(set routing_replay: off)")
-    if fam.moe and tp > 1 and not m.get("sequence_parallel", False):
+    if fam.moe and tp > 1 and not m.sequence_parallel:
         problems.append(f"a mixture of experts at tensor_parallel {tp} needs sequence parallelism "
                         f"(megatron.sequence_parallel: true, with layer_spec: te), or expert_parallel with "
                         f"tensor_parallel 1")

@@ -10,9 +10,12 @@ a layout the dry run starts is a layout the actor starts. The caller has initial
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
+
+if TYPE_CHECKING:
+    from ..config import MegatronConfig
 
 # tp-cp-ep-pp-dp: a data-parallel replica is TP x PP consecutive ranks, which is how OpenRLHF's
 # controller deals out data (its "duplicate actors"); expert parallelism is carved out of data
@@ -50,17 +53,16 @@ def init_parallel_state(tp: int, pp: int, ep: int = 1) -> Ranks:
                  expert_dp_size=ps.get_expert_data_parallel_world_size())
 
 
-def moe_settings(hf_config, m: Mapping[str, Any]) -> dict[str, Any] | None:
+def moe_settings(hf_config, m: MegatronConfig) -> dict[str, Any] | None:
     """``megatron.moe`` as ``build_gpt_model``'s router / dispatcher settings (None: a dense model)."""
     from .families import family_of
 
     if not family_of(hf_config).moe:
         return None
-    s = m.get("moe", {})
-    return {"dispatcher": s.get("dispatcher", "alltoall"), "aux_loss_coeff": float(s.get("aux_loss_coeff", 0.0))}
+    return {"dispatcher": m.moe.dispatcher, "aux_loss_coeff": float(m.moe.aux_loss_coeff)}
 
 
-def build_stage(hf_config, m: Mapping[str, Any], ranks: Ranks, *, routing_replay: bool = False, cuda: bool):
+def build_stage(hf_config, m: MegatronConfig, ranks: Ranks, *, routing_replay: bool = False, cuda: bool):
     """This rank's ``GPTModel`` stage for the ``megatron`` config section ``m``, parameters
     uninitialised (weights are loaded next, :func:`load_hf_weights`): created on the device in
     ``params_dtype`` with ``cuda``, else on the CPU -- or on whatever ``torch.device`` context
@@ -68,18 +70,17 @@ def build_stage(hf_config, m: Mapping[str, Any], ranks: Ranks, *, routing_replay
     from .model import build_gpt_model
 
     overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
-                 "recompute_num_layers": 1} if m["recompute"] else {}
+                 "recompute_num_layers": 1} if m.recompute else {}
     overrides.update(perform_initialization=False, use_cpu_initialization=not cuda,
-                     sequence_parallel=bool(m.get("sequence_parallel", False)))
+                     sequence_parallel=m.sequence_parallel)
     return build_gpt_model(hf_config, tp=ranks.tp, pp=ranks.pp, pp_rank=ranks.pp_rank,
-                           params_dtype=DTYPES[m["params_dtype"]], vocab_multiple=int(m["vocab_multiple"]),
-                           attention=m.get("attention", "flash"), spec=m.get("layer_spec", "local"),
-                           head=m.get("head", "auto"), ep=ranks.ep, moe=moe_settings(hf_config, m),
-                           freeze_router=bool(m.get("moe", {}).get("freeze_router", False)),
+                           params_dtype=DTYPES[m.params_dtype], vocab_multiple=m.vocab_multiple,
+                           attention=m.attention, spec=m.layer_spec, head=m.head, ep=ranks.ep,
+                           moe=moe_settings(hf_config, m), freeze_router=m.moe.freeze_router,
                            routing_replay=routing_replay, **overrides)
 
 
-def load_hf_weights(model, source: Mapping[str, torch.Tensor], hf_config, m: Mapping[str, Any], ranks: Ranks,
+def load_hf_weights(model, source: Mapping[str, torch.Tensor], hf_config, m: MegatronConfig, ranks: Ranks,
                     what: str) -> None:
     """Fill ``model`` with this rank's shard of the Hugging Face state ``source`` (a lazy
     name -> tensor mapping; the dry run's holds meta tensors of the checkpoint's shapes). Any
@@ -88,8 +89,8 @@ def load_hf_weights(model, source: Mapping[str, torch.Tensor], hf_config, m: Map
     from .convert import hf_to_megatron
 
     weights = hf_to_megatron(source, hf_config, tp=ranks.tp, tp_rank=ranks.tp_rank, pp=ranks.pp,
-                             pp_rank=ranks.pp_rank, vocab_multiple=int(m["vocab_multiple"]),
-                             spec=m.get("layer_spec", "local"), ep=ranks.ep, ep_rank=ranks.ep_rank)
+                             pp_rank=ranks.pp_rank, vocab_multiple=m.vocab_multiple,
+                             spec=m.layer_spec, ep=ranks.ep, ep_rank=ranks.ep_rank)
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as e:  # a shape mismatch: torch lists every one

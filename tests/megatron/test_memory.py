@@ -79,7 +79,7 @@ def test_the_qwen3_30b_a3b_config_is_a_layout_the_arithmetic_fits():
     m, o = cfg.megatron, cfg.openrlhf
     world = o.actor_num_nodes * o.actor_gpus_per_node
     dp = world // m.model_parallel_size
-    assert check_actor_family(qwen3_30b_a3b(), cfg.to_dict()["megatron"]).moe
+    assert check_actor_family(qwen3_30b_a3b(), cfg.megatron).moe
     e = estimate(qwen3_30b_a3b(), tp=m.tensor_parallel, pp=m.pipeline_parallel, ep=m.expert_parallel, dp=dp,
                  tokens=o.max_tokens_per_gpu)
     assert (world, m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, dp) == (16, 1, 1, 16, 16)

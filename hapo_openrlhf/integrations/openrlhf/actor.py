@@ -38,6 +38,7 @@ import torch
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from ...algos.entropy import entropy_from_logits
+from ...config import RunConfig, transported
 from ...algos.nucleus import metric_due, sharded_nucleus_logmass, sharded_nucleus_stats
 from .fused_head import install_fused_head
 from .loss import DUMP_ENV, HapoPolicyLoss, LossStateSink
@@ -55,13 +56,13 @@ def fingerprint(sequences: torch.Tensor, attention_mask: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def loss_from_config(hapo_cfg: dict) -> HapoPolicyLoss:
-    a = hapo_cfg["algorithm"]
-    isc = a.get("is_correction")
-    if isc is not None:  # "behaviour" picks the engine's log-probs (flags.engine_logprobs_mode), not the loss
-        isc = {k: v for k, v in isc.items() if k != "behaviour"}
-    return HapoPolicyLoss(a["loss"], dict(a["loss_params"]), a["aggregation"],
-                          norm_constant=float(hapo_cfg["rollout"]["max_new_tokens"]), is_correction=isc)
+def loss_from_config(cfg: RunConfig) -> HapoPolicyLoss:
+    """The actors' loss for the run config ``cfg`` (``config.transported(args.hapo)``)."""
+    a = cfg.algorithm
+    isc = a.is_correction  # "behaviour" picks the engine's log-probs (flags.engine_logprobs_mode), not the loss
+    isc = {"level": isc.level, "mode": isc.mode, "gating": isc.gating, "threshold": isc.threshold}
+    return HapoPolicyLoss(a.loss, dict(a.loss_params), a.aggregation,
+                          norm_constant=float(cfg.rollout.max_new_tokens), is_correction=isc)
 
 
 class BehaviourEntropyStore:
@@ -102,9 +103,9 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, LossStateSink, PolicyModel
 
         check_process_env()  # a misnamed socket interface fails here, not as a hang in the first collective
         super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
-        hapo_cfg = strategy.args.hapo
-        self._entropy_chunk = int(hapo_cfg["algorithm"]["entropy_chunk_size"])
-        self.loss_fn = loss_from_config(hapo_cfg)
+        cfg = transported(strategy.args.hapo)
+        self._entropy_chunk = cfg.algorithm.entropy_chunk_size
+        self.loss_fn = loss_from_config(cfg)
         self.trainer.actor_loss_fn = self.loss_fn
         # the token IS ratio's mean / max and a method's own metrics (stare/...) join upstream's
         step = self.trainer.training_step
@@ -118,13 +119,13 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, LossStateSink, PolicyModel
 
         self.trainer.training_step = training_step
         self.trainer.actor.register_forward_hook(self._training_forward_hook, with_kwargs=True)
-        self._install_grad_guard(int(hapo_cfg["optim"]["max_consecutive_skips"]))
+        self._install_grad_guard(cfg.optim.max_consecutive_skips)
         self._fused = False
-        self._nucleus_top_p = float(hapo_cfg["rollout"]["top_p"])
-        self._nucleus_every = int(hapo_cfg["rollout"]["nucleus_metric_every"])
+        self._nucleus_top_p = float(cfg.rollout.top_p)
+        self._nucleus_every = cfg.rollout.nucleus_metric_every
         # RL steps trained so far (the metric's cadence; a resume continues from the checkpoint's step)
         self._steps_done = int((getattr(self, "checkpoint_states", None) or {}).get("global_step", 0))
-        if hapo_cfg["model"].get("fused_head", True):
+        if cfg.model.fused_head:
             why_not = install_fused_head(self.actor, self._entropy_chunk, self._nucleus_top_p)
             self._fused = why_not is None
             self.actor._hapo_signals_top_p = self.loss_fn.signals_top_p  # PAEC's head signals, training passes

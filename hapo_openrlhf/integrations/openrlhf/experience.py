@@ -30,7 +30,7 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from ... import algos
 from ...algos.dapo import overlong_penalty
 from ...algos.step import before_update
-from ...config import AlgorithmConfig, from_dict
+from ...config import RunConfig, transported
 from .actor import fingerprint
 from .loss import DUMP_ENV
 
@@ -43,17 +43,16 @@ def _pad_cat(tensors: Sequence[torch.Tensor], width: int, dtype=None) -> torch.T
     return torch.cat(out, 0)
 
 
-def optimizer_steps_per_step(hapo_cfg: dict) -> int:
+def optimizer_steps_per_step(cfg: RunConfig) -> int:
     """Optimizer steps one RL step takes on the policy actors: its samples over
     ``openrlhf.train_batch_size`` (which divides them, ``flags.build_argv`` checks), times
     ``optim.ppo_epochs`` -- DeepSpeed's gradient-accumulation boundary, the Megatron actor's
     window; OpenRLHF's dynamic batch keeps one optimizer step per train batch too."""
-    r, o = hapo_cfg["rollout"], hapo_cfg["openrlhf"]
-    return int(r["prompts_per_step"]) * int(r["samples_per_prompt"]) // int(o["train_batch_size"]) \
-        * int(hapo_cfg["optim"]["ppo_epochs"])
+    r = cfg.rollout
+    return r.prompts_per_step * r.samples_per_prompt // cfg.openrlhf.train_batch_size * cfg.optim.ppo_epochs
 
 
-def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: int,
+def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: int,
                         optimizer_step: int | None = None, persisted: dict | None = None) -> dict[str, Any]:
     """Fill ``advantages``/``returns`` (and narrow ``action_mask``) of OpenRLHF experiences in place.
 
@@ -68,7 +67,7 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     estimator inputs and outputs (for dumps and tests), the batch metrics, and the loss state
     for the actors (``loss_state``, None for a loss without one) and to checkpoint (``persisted``).
     """
-    algorithm = from_dict(AlgorithmConfig, hapo_cfg["algorithm"], "algorithm")
+    algorithm = cfg.algorithm
     if not experiences:
         raise ValueError("no experiences to compute advantages for")
     widths = [e.action_mask.shape[1] for e in experiences]
@@ -89,7 +88,7 @@ def registry_advantages(experiences: Sequence[Any], hapo_cfg: dict, n_samples: i
     lengths = torch.cat([e.response_length.reshape(-1) for e in experiences])
     ov = algorithm.overlong
     if ov.enable:
-        rewards = rewards + overlong_penalty(lengths, int(hapo_cfg["rollout"]["max_new_tokens"]), int(ov.cache_len))
+        rewards = rewards + overlong_penalty(lengths, cfg.rollout.max_new_tokens, ov.cache_len)
     mask = _pad_cat([e.action_mask for e in experiences], W, torch.bool)
     entropy = _pad_cat([e.behaviour_entropy.float() for e in experiences], W)
     if int(index.max()) + 1 != len(index) or len(index) % n_samples:
@@ -166,13 +165,14 @@ class HapoExperienceMaker(RemoteExperienceMaker):
     def compute_advantages_and_returns(self, experiences):
         args = self.strategy.args
         # the optimizer steps before this batch (a resume restores the count of those taken)
-        result = registry_advantages(experiences, args.hapo, args.rollout.n_samples_per_prompt,
+        cfg = transported(args.hapo)
+        result = registry_advantages(experiences, cfg, args.rollout.n_samples_per_prompt,
                                      optimizer_step=self._optimizer_steps, persisted=self.loss_state)
         self.loss_state = result["persisted"]
         if result["loss_state"] is not None:  # every policy actor (every DP / TP / PP rank) trains this step with it
             ray.get(self.actor_model_group.async_run_method(method_name="set_loss_state", state=result["loss_state"]))
         self._step += 1
-        self._optimizer_steps += optimizer_steps_per_step(args.hapo)
+        self._optimizer_steps += optimizer_steps_per_step(cfg)
         d = os.environ.get(DUMP_ENV)
         if d:
             os.makedirs(d, exist_ok=True)

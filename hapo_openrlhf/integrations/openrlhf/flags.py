@@ -27,6 +27,7 @@ REWARD_FUNC = Path(__file__).with_name("reward_func.py")
 # advantage computation, so this only has to be a group estimator (it turns the
 # critic off and makes OpenRLHF insist on n_samples_per_prompt > 1).
 _UPSTREAM_ESTIMATOR = "group_norm"
+UPSTREAM_EPS_CLIP = 0.2  # OpenRLHF 0.11.2's --actor.eps_clip default
 _UPSTREAM_AGG = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
                  "seq-mean-token-sum-norm": "seq-mean-token-mean"}
 
@@ -133,7 +134,12 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
     if o.train_batch_size % (o.micro_train_batch_size * dp):
         raise ValueError(f"openrlhf.train_batch_size ({o.train_batch_size}) must be a multiple of "
                          f"micro_train_batch_size x data-parallel size ({o.micro_train_batch_size} x {dp})")
-    lp = dict(a.loss_params)
+    from ...algos.losses import LOSSES
+
+    # the loss's parameters with the registry's defaults (the one source of truth for them); a loss
+    # without a clip (kl_cov) passes OpenRLHF its own default, 0.2, which no hapo loss then reads
+    lp = {**LOSSES.get(a.loss).defaults, **a.loss_params}
+    eps_low, eps_high = (lp["eps_low"], lp["eps_high"]) if "eps_low" in lp else (UPSTREAM_EPS_CLIP, UPSTREAM_EPS_CLIP)
     argv = [
         PROGRAM,
         # models and placement
@@ -172,7 +178,7 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
         "--algo.advantage.estimator", _UPSTREAM_ESTIMATOR,
         "--algo.kl.init_coef", _f(a.kl_coef),
         # actor update
-        "--actor.eps_clip_low_high", _f(lp.get("eps_low", 0.2)), _f(lp.get("eps_high", 0.2)),
+        "--actor.eps_clip_low_high", _f(eps_low), _f(eps_high),
         "--actor.loss_agg_mode", _UPSTREAM_AGG[a.aggregation],
         "--actor.adam.lr", _f(opt.lr),
         "--actor.adam.betas", _f(opt.betas[0]), _f(opt.betas[1]),
@@ -193,12 +199,10 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
         "--ckpt.load_enable",
         "--logger.tensorboard_dir", str(paths.tensorboard),
     ]
-    if lp.get("dual_clip") is not None:
+    if "dual_clip" in lp and lp["dual_clip"] is not None:
         argv += ["--actor.dual_clip", _f(lp["dual_clip"])]
     if a.kl_coef > 0:  # k3 KL to the reference as a loss term (GRPO style), never in the reward
         argv += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
-    from ...algos.losses import LOSSES
-
     if "entropy" in LOSSES.get(a.loss).accepts:  # entro_reg, rsi_s: OpenRLHF computes the current entropy
         argv += ["--actor.entropy_coef", "0"]  # (coefficient 0: upstream adds nothing; hapo's loss uses it)
     if a.dynamic_sampling:  # DAPO: drop groups whose rewards all agree, refill from the loader

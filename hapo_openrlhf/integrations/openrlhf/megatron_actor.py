@@ -73,6 +73,7 @@ from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from ...algos.losses import LOSSES
+from ...config import transported
 from ...fsguard import claim, remove_owned
 from ...grad_guard import SkipGuard
 from .actor import BehaviourEntropyStore, loss_from_config
@@ -180,10 +181,11 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         from ...megatron.checkpoint import latest, load
         from ...megatron.ddp import MegatronOptimizer, use_distributed_optimizer, wrap
 
-        m = strategy.args.hapo["megatron"]
-        self.r3 = m.get("moe", {}).get("routing_replay", "off") == "r3"
+        cfg = transported(strategy.args.hapo)
+        m = cfg.megatron
+        self.r3 = cfg.routing_replay
         self._build_model(strategy, pretrain, routing_replay=self.r3)
-        args, hcfg = self.args, self.args.hapo
+        args = self.args
         if self.r3:  # this step's rollout routes (routes.RouteStore; the controller sends them, set_routes)
             from ...megatron.moe import moe_of
             from .routes import RouteStore
@@ -195,12 +197,12 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
 
         # Megatron's DDP (fp32 grad buffers) and optimizer: fp32 masters for a bf16 model, and with
         # the distributed optimizer masters + moments sharded over DP (megatron/ddp.py)
-        self.distributed_optimizer = use_distributed_optimizer(m.get("distributed_optimizer"), self.dp_size)
+        self.distributed_optimizer = use_distributed_optimizer(m.distributed_optimizer, self.dp_size)
         self.ddp = wrap(self.model, distributed_optimizer=self.distributed_optimizer)
         adam = args.actor.adam
         self.optimizer = MegatronOptimizer(self.ddp, lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps,
                                            weight_decay=adam.weight_decay, clip_grad=float(args.actor.max_norm),
-                                           sharding=m.get("optimizer_sharding", "dp_reshardable"))
+                                           sharding=m.optimizer_sharding)
         if dist.get_rank() == 0:
             from ...megatron.head import is_installed
 
@@ -214,8 +216,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
             scheduler_specific_kwargs=({"min_lr_rate": args.actor.min_lr_ratio}
                                        if name in {"cosine_with_min_lr", "cosine_warmup_with_min_lr"} else {}))
             for opt in self.optimizer.torch_optimizers]
-        self.loss_fn = loss_from_config(hcfg)
-        self.grad_guard = SkipGuard(int(hcfg["optim"]["max_consecutive_skips"]), "the Megatron actor")
+        self.loss_fn = loss_from_config(cfg)
+        self.grad_guard = SkipGuard(cfg.optim.max_consecutive_skips, "the Megatron actor")
         self.items: list[Experience] = []
         self.kl_ctl = 0.0
 
@@ -255,10 +257,9 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
 
         self.strategy = strategy
         self.args = args = strategy.args
-        hcfg = args.hapo
-        m = hcfg["megatron"]
-        self.tp, self.pp = int(m["tensor_parallel"]), int(m["pipeline_parallel"])
-        self.ep = int(m.get("expert_parallel", 1))
+        cfg = transported(args.hapo)
+        m = cfg.megatron
+        self.tp, self.pp, self.ep = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel
         dup = args.ds.ring_attn_size * args.ds.tensor_parallel_size
         if dup != self.tp * self.pp:
             raise ValueError(f"OpenRLHF's controller groups {dup} actors per data-parallel replica "
@@ -271,7 +272,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=timedelta(minutes=int(m["timeout_minutes"])))
+                                timeout=timedelta(minutes=m.timeout_minutes))
         # the same start-up the full-size dry run checks (megatron/setup.py, megatron/dryrun.py)
         ranks = init_parallel_state(self.tp, self.pp, self.ep)
         seed = int(args.train.seed)
@@ -285,21 +286,21 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         from ...megatron.families import check_actor_family
 
         self.moe = check_actor_family(self.hf_config, m).moe  # before any weight is read
-        self.params_dtype = DTYPES[m["params_dtype"]]
+        self.params_dtype = DTYPES[m.params_dtype]
         self.vocab_size = int(self.hf_config.vocab_size)
         model = build_stage(self.hf_config, m, ranks, routing_replay=routing_replay, cuda=torch.cuda.is_available())
         # micro-batch layout (megatron.schedule): packed THD with openrlhf.packing_samples, else
         # right-aligned padded rows (FlashCoreAttention) or Megatron's masked local attention
         self.layout = ("thd" if args.ds.packing_samples else
-                       "padded" if m.get("attention", "flash") == "flash" or m.get("layer_spec") == "te" else "masked")
+                       "padded" if m.attention == "flash" or m.layer_spec == "te" else "masked")
         self.token_budget = int(args.train.max_tokens_per_gpu) if args.train.dynamic_batch_enable else None
         load_hf_weights(model, SafetensorsDir(path), self.hf_config, m, ranks, what=pretrain)
         self.model = model.to(_device())
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.temperature = float(args.rollout.temperature)
-        self.top_p = float(hcfg["rollout"]["top_p"])  # < 1: the old-log-prob pass logs log P(nucleus)
-        self.nucleus_every = int(hcfg["rollout"]["nucleus_metric_every"])  # on steps 1, 1 + N, ...
-        self.entropy_chunk = int(hcfg["algorithm"]["entropy_chunk_size"])
+        self.top_p = float(cfg.rollout.top_p)  # < 1: the old-log-prob pass logs log P(nucleus)
+        self.nucleus_every = cfg.rollout.nucleus_metric_every  # on steps 1, 1 + N, ...
+        self.entropy_chunk = cfg.algorithm.entropy_chunk_size
 
     # ------------------------------------------------------ old log-probs
     def _row_groups(self, lengths: list[int], rows_per_mb: int) -> list[list[int]]:

@@ -25,10 +25,13 @@ has no field for routes anywhere between its engines and its actors, and re-buil
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ...config import RunConfig
 
 ROUTES_KEY = "routed_experts"  # the response dict's key, engine -> samples generator
 SAMPLE_ATTR = "hapo_routes"  # the rollout sample's attribute, samples generator -> controller
@@ -240,7 +243,6 @@ class RouteStore:
         return out
 
 
-def enabled(hapo_cfg: dict) -> bool:
-    """Whether a run config (``RunConfig.to_dict()``) asks for rollout routing replay."""
-    return (hapo_cfg.get("backend") == "megatron"
-            and hapo_cfg.get("megatron", {}).get("moe", {}).get("routing_replay", "off") == "r3")
+def enabled(cfg: RunConfig) -> bool:
+    """Whether the run asks for rollout routing replay (``RunConfig.routing_replay``)."""
+    return cfg.routing_replay

@@ -114,10 +114,9 @@ def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None
         raise ValueError("hapo estimators are critic-free; OpenRLHF was asked for a critic")
     from .flags import engine_logprobs_mode
 
-    from .routes import enabled
-
+    # the typed config's transport to every Ray actor: each rebuilds it (config.transported)
     args.hapo = {**cfg.to_dict(), "output_dir": str(out or cfg.output_dir)}
-    with installed(cfg.backend, engine_logprobs_mode(cfg), routed_experts=enabled(args.hapo)):
+    with installed(cfg.backend, engine_logprobs_mode(cfg), routed_experts=cfg.routing_replay):
         cli.train(args)
 
 
@@ -135,8 +134,7 @@ def check_megatron_model(cfg: RunConfig) -> None:
     from ...jsonfile import read_json_object
     from ...megatron.families import check_actor_family
 
-    check_actor_family(SimpleNamespace(**read_json_object(path / "config.json", "the model's config")),
-                       cfg.to_dict()["megatron"])
+    check_actor_family(SimpleNamespace(**read_json_object(path / "config.json", "the model's config")), cfg.megatron)
 
 
 def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
@@ -145,9 +143,9 @@ def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
     from .data import write_prompt_files
 
     check_megatron_model(cfg)
-    from .routes import check_engine_platform, enabled
+    from .routes import check_engine_platform
 
-    if enabled(cfg.to_dict()):  # R3 and this Python's vLLM (the engines' where it is) cannot return routes
+    if cfg.routing_replay:  # R3 and this Python's vLLM (the engines' where it is) cannot return routes
         check_engine_platform()
     paths = RunPaths(Path(out or cfg.output_dir))
     argv = build_argv(cfg, paths.out)

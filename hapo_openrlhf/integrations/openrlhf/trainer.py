@@ -18,7 +18,7 @@ from openrlhf.trainer.ppo_trainer import PPOTrainer
 
 from ...algos.losses import CheckpointStateError, check_loss_state, loss_resume
 from ...algos.step import after_update
-from ...config import AlgorithmConfig, from_dict
+from ...config import RunConfig, to_plain, transported
 from ...local.logger import read_jsonl_records, record_line
 from ...preemption import Preempted, request_flag
 from . import routes
@@ -55,6 +55,11 @@ class HapoControllerMixin:
     ``metrics.jsonl``, the step limit, and preemption (a stop flag forces this step's
     checkpoint and ends the loop)."""
 
+    @property
+    def cfg(self) -> RunConfig:
+        """The run config, typed (rebuilt once in this process from ``args.hapo``, its transport)."""
+        return transported(self.args.hapo)
+
     def _hapo_setup(self) -> None:
         self.experience_maker = HapoExperienceMaker(
             self.actor_model_group,
@@ -65,9 +70,9 @@ class HapoControllerMixin:
             self.strategy,
             self.tokenizer,
         )
-        self._metrics_path = Path(self.args.hapo["output_dir"]) / "metrics.jsonl"
+        self._metrics_path = Path(self.cfg.output_dir) / "metrics.jsonl"
         self._metrics_started = False
-        self.step_limit = StepLimit(int(self.args.hapo["trainer"]["steps"]))
+        self.step_limit = StepLimit(self.cfg.trainer.steps)
         self._last_client_states: dict | None = None  # what the last step passed to save_logs_and_checkpoints
         self._last_saved_step = 0
         self._optimizer_steps = 0  # optimizer steps trained (checkpointed: eapo_entropic's schedule)
@@ -75,7 +80,7 @@ class HapoControllerMixin:
     def _send_routes(self, rollout_samples) -> None:
         """Rollout routing replay (routes.py): every policy actor gets this step's table of row
         fingerprint -> routes reference before the step's first forward."""
-        if not routes.enabled(self.args.hapo):
+        if not routes.enabled(self.cfg):
             return
         table = routes.route_table(rollout_samples)
         ray.get(self.actor_model_group.async_run_method(method_name="set_routes", routes=table))
@@ -85,22 +90,22 @@ class HapoControllerMixin:
         self.step_limit.step = int(states["global_step"])  # a resumed run counts from its checkpoint
         # a stateful loss's controller (STARE) continues from the checkpoint's state, made to train what
         # this run's config says when the resume changed the loss's parameters (or refused by name)
-        a = self.args.hapo["algorithm"]
+        a = self.cfg.algorithm
         saved = states.get("hapo_loss") or {}
         try:  # the persisted state, checked before it trains (OpenRLHF chose the checkpoint: no fallback here)
-            check_loss_state(saved.get("name", a["loss"]), states.get("hapo_loss_state") or {})
+            check_loss_state(saved.get("name", a.loss), states.get("hapo_loss_state") or {})
         except CheckpointStateError as e:
             raise ValueError(f"the checkpoint of global step {states.get('global_step')} under {self.args.ckpt.path}: "
                              f"{e}; move that checkpoint aside to resume from an older one") from None
         self.experience_maker.loss_state, notes = loss_resume(
-            saved.get("name"), saved.get("params"), a["loss"], dict(a["loss_params"]),
+            saved.get("name"), saved.get("params"), a.loss, to_plain(a.loss_params),
             dict(states.get("hapo_loss_state") or {}))
         for note in notes:
             print(f"hapo: resuming: {note}", flush=True)
         # ... and counts RL steps and optimizer steps from it (eapo_entropic's kappa decay is keyed to
         # the optimizer steps taken; a checkpoint from before the count: its steps at this config's rate)
         self.experience_maker._step = self.step_limit.step
-        per_step = optimizer_steps_per_step(self.args.hapo)
+        per_step = optimizer_steps_per_step(self.cfg)
         self._optimizer_steps = int(states.get("hapo_optimizer_steps", self.step_limit.step * per_step))
         self.experience_maker._optimizer_steps = self._optimizer_steps
         self._last_saved_step = self.step_limit.step  # that state is on disk already
@@ -110,7 +115,7 @@ class HapoControllerMixin:
         """The stop flag appeared before this process's next update: checkpoint the state the
         last step left (unless it is on disk) and stop. A no-op before the first step of this
         process (nothing of its own is unsaved; the stop is honoured after the step as usual)."""
-        if self._last_client_states is None or not request_flag(self.args.hapo["output_dir"]).exists():
+        if self._last_client_states is None or not request_flag(self.cfg.output_dir).exists():
             return
         step = self.step_limit.step
         if step != self._last_saved_step:
@@ -130,17 +135,17 @@ class HapoControllerMixin:
         """Upstream's, plus preemption: when the Slurm job has written the stop flag, this
         step's checkpoint is forced (save_steps=1 for this call) and the fit loop stops.
         The step limit's last step is checkpointed too (a requeue after it trains no more)."""
-        stop = request_flag(self.args.hapo["output_dir"]).exists()
+        stop = request_flag(self.cfg.output_dir).exists()
         if logs_dict:  # a loss that learns from the step it trained (PAEC's anchor), before the checkpoint
-            algorithm = from_dict(AlgorithmConfig, self.args.hapo["algorithm"], "algorithm")
-            self.experience_maker.loss_state = after_update(algorithm, self.experience_maker.loss_state, logs_dict)
+            self.experience_maker.loss_state = after_update(self.cfg.algorithm, self.experience_maker.loss_state,
+                                                            logs_dict)
         if logs_dict:  # this step's optimizer steps are taken
-            self._optimizer_steps += optimizer_steps_per_step(self.args.hapo)
+            self._optimizer_steps += optimizer_steps_per_step(self.cfg)
         if client_states is not None and self.experience_maker.loss_state:  # STARE's controller, checkpointed
             client_states["hapo_loss_state"] = dict(self.experience_maker.loss_state)
         if client_states is not None:  # what a resume compares its config with, and the steps taken
-            a = self.args.hapo["algorithm"]
-            client_states["hapo_loss"] = {"name": a["loss"], "params": dict(a["loss_params"])}
+            a = self.cfg.algorithm
+            client_states["hapo_loss"] = {"name": a.loss, "params": to_plain(a.loss_params)}
             client_states["hapo_optimizer_steps"] = self._optimizer_steps
         if client_states is not None:  # upstream adds its eval keys to the dict it is given
             self._last_client_states = dict(client_states)
@@ -183,7 +188,7 @@ class HapoPPOTrainerImpl(HapoControllerMixin, PPOTrainer.__ray_actor_class__):
         super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                          reference_model_group, vllm_engines, **generate_kwargs)
         self._hapo_setup()
-        if routes.enabled(self.args.hapo):
+        if routes.enabled(self.cfg):
             routes.carry_routes(self.samples_generator)
         self.samples_generator.generate_samples = self._stop_after_generation(
             self.step_limit.wrap(self.samples_generator.generate_samples))

@@ -41,6 +41,7 @@ import ray
 from openrlhf.trainer import ppo_trainer_async as pta
 from ray.util.queue import Empty, Queue
 
+from ...config import transported
 from . import routes
 from .trainer import HapoControllerMixin
 
@@ -86,7 +87,7 @@ class HapoGenerateSamplesActorImpl(pta.GenerateSamplesActor.__ray_actor_class__)
         super().__init__(pretrain, strategy, vllm_engines, vllm_lock=vllm_lock, rollout_queue=rollout_queue,
                          rollout_slots=rollout_slots, **generate_kwargs)
         self.hapo_state = hapo_state
-        if routes.enabled(self.args.hapo):
+        if routes.enabled(transported(self.args.hapo)):
             routes.carry_routes(self.samples_generator)
         generate = self.samples_generator.generate_samples
 
@@ -183,7 +184,7 @@ class HapoPPOTrainerAsyncImpl(pta.PPOTrainerAsync.__ray_actor_class__):
         for _ in range(queue_size):
             self.rollout_slots.put(0, block=True)
         vllm_lock = pta.VLLMLock.remote()
-        self.hapo_state = AsyncState.remote(int(strategy.args.hapo["trainer"]["steps"]))
+        self.hapo_state = AsyncState.remote(transported(strategy.args.hapo).trainer.steps)
         self.generator_actor = HapoGenerateSamplesActor.remote(
             pretrain=pretrain, strategy=strategy, vllm_engines=vllm_engines, vllm_lock=vllm_lock,
             rollout_queue=self.rollout_queue, rollout_slots=self.rollout_slots, hapo_state=self.hapo_state,

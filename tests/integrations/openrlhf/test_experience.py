@@ -8,6 +8,14 @@ from hapo_openrlhf.algos.dapo import overlong_penalty
 from hapo_openrlhf.integrations.openrlhf.experience import registry_advantages
 
 
+def _typed(cfg):
+    """The typed run config of a test's config dict (the controller reads ``args.hapo`` through
+    ``config.transported``)."""
+    from hapo_openrlhf.config import RunConfig, from_dict
+
+    return from_dict(RunConfig, cfg)
+
+
 def _cfg(estimator="hapo", params=None, overlong=False, max_new=12):
     return {
         "rollout": {"max_new_tokens": max_new},
@@ -76,7 +84,7 @@ def _whole_batch(rows, n):
 def test_split_micro_batches_equal_the_whole_batch_registry_output(estimator, params):
     rows, n = _rollout(), 4
     exps = _experiences(rows, [5, 3, 4])
-    registry_advantages(exps, _cfg(estimator, params), n)
+    registry_advantages(exps, _typed(_cfg(estimator, params)), n)
     want = algos.run_estimator(estimator, _whole_batch(rows, n), **params)
     for e in exps:
         for r, j in enumerate(e.index):
@@ -93,7 +101,7 @@ def test_split_micro_batches_equal_the_whole_batch_registry_output(estimator, pa
 def test_overlong_penalty_is_in_the_reward_before_the_estimator():
     rows, n = _rollout(seed=2), 4
     exps = _experiences(rows, [6, 6])
-    registry_advantages(exps, _cfg("grpo", {}, overlong=True, max_new=11), n)
+    registry_advantages(exps, _typed(_cfg("grpo", {}, overlong=True, max_new=11)), n)
     inp = _whole_batch(rows, n)
     pen = overlong_penalty(torch.tensor([L for _, L, _ in rows]), 11, 4)
     assert float(pen.min()) < 0  # the test data does hit the overlong window
@@ -110,15 +118,15 @@ def test_bad_batches_are_errors():
     rows, n = _rollout(), 4
     exps = _experiences(rows[:10], [5, 5])  # 10 rows are not whole groups of 4
     with pytest.raises(ValueError, match="whole groups"):
-        registry_advantages(exps, _cfg(), n)
+        registry_advantages(exps, _typed(_cfg()), n)
     exps = _experiences(rows, [6, 6])
     exps[1].behaviour_entropy = exps[1].behaviour_entropy[:, :-1]
     with pytest.raises(RuntimeError, match="does not match"):
-        registry_advantages(exps, _cfg(), n)
+        registry_advantages(exps, _typed(_cfg()), n)
     exps = _experiences(rows, [6, 6])
     exps[0].rewards[0] = float("nan")
     with pytest.raises(ValueError, match="non-finite reward"):
-        registry_advantages(exps, _cfg(), n)
+        registry_advantages(exps, _typed(_cfg()), n)
 
 
 def test_mismatch_by_entropy_half_over_micro_batches():
@@ -133,7 +141,7 @@ def test_mismatch_by_entropy_half_over_micro_batches():
     for e in exps:
         e.action_log_probs = -torch.rand(e.action_mask.shape, generator=g)
         e.rollout_log_probs = e.action_log_probs - 0.05 * e.behaviour_entropy  # a mismatch growing with H
-    got = registry_advantages(exps, _cfg(), 4)["metrics"]
+    got = registry_advantages(exps, _typed(_cfg()), 4)["metrics"]
     inp = _whole_batch(rows, 4)
     _, tau = algos.split_quadrants(inp, "group_mean", 0.8, None)
     W = inp.response_mask.shape[1]
@@ -148,7 +156,7 @@ def test_mismatch_by_entropy_half_over_micro_batches():
         assert got[k] == pytest.approx(v, abs=1e-6)
     assert got["actor/vllm_kl_high_entropy"] < got["actor/vllm_kl_low_entropy"] < 0
     # without the engines' log-probs (correction off) nothing is logged
-    assert "actor/vllm_kl_high_entropy" not in registry_advantages(_experiences(rows, [12]), _cfg(), 4)["metrics"]
+    assert "actor/vllm_kl_high_entropy" not in registry_advantages(_experiences(rows, [12]), _typed(_cfg()), 4)["metrics"]
 
 
 def test_nucleus_logmass_metric_is_the_mean_over_response_tokens():
@@ -167,14 +175,14 @@ def test_nucleus_logmass_metric_is_the_mean_over_response_tokens():
             count += L
         lm[e.action_mask == 0] = -5.0  # padding positions must not count
         e.nucleus_logmass = lm
-    got = registry_advantages(exps, _cfg(), 4)["metrics"]
+    got = registry_advantages(exps, _typed(_cfg()), 4)["metrics"]
     assert got["rollout/nucleus_logmass"] == pytest.approx(total / count, abs=1e-6)
-    assert "rollout/nucleus_logmass" not in registry_advantages(_experiences(rows, [12]), _cfg(), 4)["metrics"]
+    assert "rollout/nucleus_logmass" not in registry_advantages(_experiences(rows, [12]), _typed(_cfg()), 4)["metrics"]
     exps = _experiences(rows, [6, 6])
     exps[0].nucleus_logmass = torch.zeros(exps[0].action_mask.shape)
     exps[1].nucleus_logmass = None
     with pytest.raises(RuntimeError, match="nucleus log-mass missing"):
-        registry_advantages(exps, _cfg(), 4)
+        registry_advantages(exps, _typed(_cfg()), 4)
 
 
 @pytest.mark.parametrize("selection", ["micro_batch", "batch"])
@@ -193,7 +201,7 @@ def test_the_stateful_losss_step_is_over_the_whole_batch(selection):
     cfg = _cfg("grpo", {})
     cfg["algorithm"].update(loss="stare", loss_params={"selection": selection, "top_ratio": 0.2, "target_entropy": 0.9,
                                                        "adaptive": True})
-    result = registry_advantages(exps, cfg, n, persisted={"reweight_w": 1.2, "reweight_m": 0.8})
+    result = registry_advantages(exps, _typed(cfg), n, persisted={"reweight_w": 1.2, "reweight_m": 0.8})
     state, persisted, metrics = result["loss_state"], result["persisted"], result["metrics"]
     whole = _whole_batch(rows, n)
     mean = float(whole.entropy[whole.response_mask].mean())
@@ -214,7 +222,7 @@ def test_the_stateful_losss_step_is_over_the_whole_batch(selection):
     else:
         assert "threshold_pos" not in state
     cfg["algorithm"].update(loss="ppo", loss_params={})
-    plain = registry_advantages(_experiences(rows, [5, 3, 4]), cfg, n)
+    plain = registry_advantages(_experiences(rows, [5, 3, 4]), _typed(cfg), n)
     assert (plain["loss_state"], plain["persisted"]) == (None, {})
     assert not any(k.startswith("stare/") for k in plain["metrics"])
 
@@ -232,7 +240,7 @@ def test_eapo_kappa_decay_is_keyed_to_the_optimizer_steps_before_the_batch():
     cfg.update(rollout={"max_new_tokens": 12, "prompts_per_step": 3, "samples_per_prompt": 4},
                openrlhf={"train_batch_size": 6}, optim={"ppo_epochs": 2})
     cfg["algorithm"].update(loss="ppo", loss_params={})
-    assert optimizer_steps_per_step(cfg) == 4  # 12 samples / 6 x 2 epochs
+    assert optimizer_steps_per_step(_typed(cfg)) == 4  # 12 samples / 6 x 2 epochs
     maker = object.__new__(HapoExperienceMaker)
     maker.strategy = SimpleNamespace(args=SimpleNamespace(hapo=cfg, rollout=SimpleNamespace(n_samples_per_prompt=4)))
     maker.loss_state = {}
@@ -250,7 +258,7 @@ def test_eapo_kappa_decay_is_keyed_to_the_optimizer_steps_before_the_batch():
 
     rows = _rollout()
     exps = _experiences(rows, [5, 7])
-    registry_advantages(exps, cfg, 4, optimizer_step=20)
+    registry_advantages(exps, _typed(cfg), 4, optimizer_step=20)
     want = algos.run_estimator("eapo_entropic", dataclasses.replace(_whole_batch(rows, 4), step=20), decay_steps=40)
     assert want.metrics["eapo/kappa"] == pytest.approx(math.log(4) / 2)
     for e in exps:

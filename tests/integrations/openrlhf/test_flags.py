@@ -259,7 +259,7 @@ def test_is_correction_section_reaches_openrlhf_and_hapos_loss(tmp_path, spec, w
     a = args.algo.advantage
     assert (a.is_correction_level, a.is_correction_mode, a.is_correction_gating,
             list(a.is_correction_threshold)) == want
-    loss = loss_from_config(cfg.to_dict())
+    loss = loss_from_config(cfg)
     assert (loss.is_correction.level, loss.is_correction.mode, loss.is_correction.gating,
             list(loss.is_correction.threshold)) == want
     off = build_argv(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml"), tmp_path)

@@ -166,7 +166,9 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas, replay=None):
     # OpenRLHF's DeepSpeed actor's parameter groups: no weight decay on biases and norm weights
     opt = torch.optim.AdamW(get_optimizer_grouped_parameters(model, adam.weight_decay), lr=adam.lr,
                             betas=tuple(adam.betas), eps=adam.eps)
-    loss_fn = loss_from_config(args.hapo)
+    from hapo_openrlhf.config import transported
+
+    loss_fn = loss_from_config(transported(args.hapo))
     T_temp = cfg.rollout.temperature
     n_mb = len(per_rank[0])
     norms, losses, kls = [], [], []

@@ -129,8 +129,14 @@ def test_hostile_routes_are_refused_by_name():
         R.take_routes({tuple(range(7)): [np.zeros((5, L, K))]}, list(range(7)))
     with pytest.raises(RuntimeError, match="came back without the routed experts"):
         R.take_routes({}, [1, 2, 3])
-    assert not R.enabled({"backend": "openrlhf", "megatron": {"moe": {"routing_replay": "r3"}}})
-    assert R.enabled({"backend": "megatron", "megatron": {"moe": {"routing_replay": "r3"}}})
+    from hapo_openrlhf.config import RunConfig, from_dict
+
+    def run(backend):
+        return from_dict(RunConfig, {"backend": backend, "openrlhf": {"colocate_all": False},
+                                     "megatron": {"moe": {"routing_replay": "r3"}}})
+
+    assert not R.enabled(run("openrlhf"))
+    assert R.enabled(run("megatron"))
 
 
 def _engine(model_dir):

@@ -2,6 +2,8 @@
 StepLimit turns the sample generator into an exhausted one at the limit. The loop itself
 runs in test_e2e.py (three episodes' worth of data, stopped at global step 4)."""
 
+import copy
+
 import pytest
 
 from hapo_openrlhf.integrations.openrlhf.trainer import StepLimit
@@ -178,8 +180,9 @@ def test_paecs_anchor_learns_from_each_steps_metrics_before_the_checkpoint(tmp_p
     ``paec/masked_entropy`` in upstream's status) when the step's logs arrive -- before that
     step's checkpoint, so the saved state includes the step -- and is fixed after K steps."""
     t, _, saved = _controller(tmp_path, monkeypatch, save_steps=1)
-    t.args.hapo["algorithm"] = {"loss": "paec", "loss_params": dict(beta=1.0, rho_min=0.5, top_p=0.9, mask="product",
-                                                                     softness=0.0, anchor_steps=2)}
+    # the config's transport is read once per process (config.transported): a new run's config is a new dict
+    t.args.hapo = {**t.args.hapo, "algorithm": {"loss": "paec", "loss_params": dict(
+        beta=1.0, rho_min=0.5, top_p=0.9, mask="product", softness=0.0, anchor_steps=2)}}
     t.save_logs_and_checkpoints(5, {"paec/masked_entropy": 1.0, "policy_loss": 0.1}, {"global_step": 5})
     assert saved[-1][2]["hapo_loss_state"] == {"anchor_steps": [1.0]}
     t.save_logs_and_checkpoints(6, {"paec/masked_entropy": 3.0}, {"global_step": 6})
@@ -198,6 +201,7 @@ def test_a_resume_applies_a_changed_stare_w_and_counts_the_optimizer_steps_taken
     t, _, saved = _controller(tmp_path, monkeypatch, save_steps=1, resumed={
         "hapo_loss_state": ctl, "hapo_loss": stare, "hapo_optimizer_steps": 10})
     assert t.experience_maker.loss_state["reweight_w"] == 1.25  # same W configured: the controller's own
+    t.args.hapo = copy.deepcopy(t.args.hapo)  # the resumed run's config (a new transport: config.transported)
     t.args.hapo["algorithm"]["loss_params"]["reweight_w"] = 1.3
     t.init_checkpoint_states()
     assert t.experience_maker.loss_state == {**ctl, "reweight_w": 1.3}
