@@ -27,7 +27,7 @@ def _train(args) -> int:
 
     from .config import load_config
     from .local.progress import RichProgress, summary_table
-    from .preemption import EXIT_PREEMPTED, Preempted, on_stop_signal
+    from .rundir.preemption import EXIT_PREEMPTED, Preempted, on_stop_signal
     from .local.trainer import LocalTrainer
     from .report.html import build_report
 

@@ -831,7 +831,7 @@ def read_raw(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The YAML mapping at ``path`` with its ``base:`` chain (relative paths) merged in. Each
     file is read bounded (a regular UTF-8 file of at most 16 MiB: ``jsonfile.read_small_text``),
     and the chain may be at most ``MAX_BASE_DEPTH`` files deep."""
-    from .jsonfile import read_small_text
+    from .rundir.jsonfile import read_small_text
 
     chain: list[dict[str, Any]] = []
     p, shown = Path(path), str(path)

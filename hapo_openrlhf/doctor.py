@@ -261,7 +261,7 @@ def check_model(cfg: RunConfig) -> Check:
     if local.exists():
         missing = [f for f in ("config.json",) if not (local / f).exists()]
         if not missing:
-            from .jsonfile import check_safetensors, read_json_object
+            from .rundir.jsonfile import check_safetensors, read_json_object
 
             try:
                 meta = read_json_object(local / "config.json", "the model's config")
@@ -313,7 +313,7 @@ def model_params(cfg: RunConfig) -> float | None:
         return float(m.num_layers * per_layer + 2 * 260 * m.hidden_size)
     cfgjson = Path(cfg.model.path).expanduser() / "config.json"
     if cfgjson.is_file():
-        from .jsonfile import read_json_object
+        from .rundir.jsonfile import read_json_object
 
         try:
             c = read_json_object(cfgjson)

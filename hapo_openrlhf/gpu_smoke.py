@@ -85,7 +85,7 @@ def _smoke_openrlhf_loop(work: Path, backend: str = "openrlhf") -> dict:
     import torch
     import yaml
 
-    from .preemption import EXIT_PREEMPTED, request_flag
+    from .rundir.preemption import EXIT_PREEMPTED, request_flag
 
     if backend == "megatron" and torch.cuda.device_count() < 2:
         return {"ok": True, "skipped": "the Megatron actor needs a second GPU for the vLLM engine (it has no sleep "

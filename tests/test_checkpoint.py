@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from hapo_openrlhf.checkpoint import (
+from hapo_openrlhf.rundir.checkpoint import (
     latest_checkpoint,
     list_complete,
     load_checkpoint,
@@ -88,7 +88,7 @@ def _plant_malicious(ckpt_root, step, marker):
     ``meta.json`` whose size and CRC-32 match it (so it verifies)."""
     import json
 
-    from hapo_openrlhf.checkpoint import file_crc32, shard_name
+    from hapo_openrlhf.rundir.checkpoint import file_crc32, shard_name
 
     d = ckpt_root / f"step_{step:08d}"
     d.mkdir(parents=True)
@@ -101,7 +101,7 @@ def _plant_malicious(ckpt_root, step, marker):
 
 
 def test_a_malicious_shard_that_verifies_is_refused_without_running(tmp_path):
-    from hapo_openrlhf.checkpoint import UnsafeCheckpoint, verify_checkpoint
+    from hapo_openrlhf.rundir.checkpoint import UnsafeCheckpoint, verify_checkpoint
 
     marker = tmp_path / "MARKER"
     d = _plant_malicious(tmp_path / "ck", 9, marker)
@@ -150,7 +150,7 @@ def test_resume_never_runs_a_planted_checkpoint_and_falls_back(tmp_path):
 @pytest.mark.parametrize("meta", ["[]", '"a string"', '{"files": 5}', '{"files": {"shard_rank00000.pt": 3}}',
                                   '{"world_size": "2"}', "{torn"])
 def test_a_malformed_meta_json_is_unverifiable_and_resume_falls_back(tmp_path, meta):
-    from hapo_openrlhf.checkpoint import resumable_checkpoints
+    from hapo_openrlhf.rundir.checkpoint import resumable_checkpoints
 
     save_checkpoint(tmp_path, 1, {0: {"w": 1}}, {}, keep_last=5)
     save_checkpoint(tmp_path, 2, {0: {"w": 2}}, {}, keep_last=5)
@@ -171,7 +171,7 @@ def test_a_file_size_limit_is_named_not_called_a_full_disk(tmp_path):
 
     code = f"""
 import resource, torch
-from hapo_openrlhf.checkpoint import save_checkpoint
+from hapo_openrlhf.rundir.checkpoint import save_checkpoint
 resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 try:
     save_checkpoint({str(tmp_path)!r}, 1, {{0: {{"w": torch.zeros(1 << 18)}}}}, {{}})

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hapo_openrlhf.grad_guard import nonfinite_flags, norm_from_flags
+from hapo_openrlhf.algos.grad_guard import nonfinite_flags, norm_from_flags
 from tests.conftest import largest_tensor_numel
 
 

@@ -343,7 +343,7 @@ def test_a_user_chosen_save_path_is_replaced_only_when_hapo_wrote_it(tmp_path):
     """fsguard.remove_owned (the Megatron actor's Hugging Face saves, whose directory comes
     from OpenRLHF's --save_path / --ckpt.path): a marked directory or a bare model save is
     replaced; a directory with anything else, a link or a file is a named error and intact."""
-    from hapo_openrlhf.fsguard import claim, remove_owned
+    from hapo_openrlhf.rundir.fsguard import claim, remove_owned
 
     marked, model, home, victim = (tmp_path / n for n in ("marked", "model", "home", "victim"))
     for d in (marked, model, home, victim):

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..config import load_config
-from ..preemption import EXIT_PREEMPTED, on_stop_signal, request_flag
+from ..rundir.preemption import EXIT_PREEMPTED, on_stop_signal, request_flag
 
 
 class Events:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.array_sets:
         task = json.loads(a.array_sets)[int(os.environ["SLURM_ARRAY_TASK_ID"])]
         out, sets = out / task["suffix"], sets + task["sets"]
-    from .. import runlock
+    from ..rundir import runlock
 
     try:
         runlock.acquire(out)  # held for the trainer too (HAPO_RUN_LOCK_HELD): one owner per run directory

@@ -47,7 +47,7 @@ def submit_scaling(config: str, nodes: list[int], opts: SubmitOptions, base: Pat
 def _throughput(metrics_path: Path) -> dict[str, float] | None:
     if not metrics_path.exists():
         return None
-    from ..local.logger import read_jsonl_records
+    from ..rundir.logger import read_jsonl_records
 
     rows = read_jsonl_records(metrics_path)
     steps = []

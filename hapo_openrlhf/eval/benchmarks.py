@@ -54,7 +54,7 @@ def resolve_template(model_path: str, requested: str = "auto") -> str:
     from pathlib import Path
 
     from ..data.templates import TEMPLATES
-    from ..jsonfile import read_json_object
+    from ..rundir.jsonfile import read_json_object
 
     if requested != "auto":
         if requested not in TEMPLATES:

@@ -128,7 +128,7 @@ def check_local_model(model_path: str) -> None:
     if missing:
         raise ValueError(f"model directory {model_path!r} lacks {', '.join(missing)}: not a complete Hugging Face "
                          f"model (an interrupted save?)")
-    from ..jsonfile import check_safetensors, read_json_object
+    from ..rundir.jsonfile import check_safetensors, read_json_object
 
     meta = read_json_object(p / "config.json", "the model's config")
     for f in sorted(p.glob("*.safetensors")):

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..jsonfile import read_json_object
+from ..rundir.jsonfile import read_json_object
 
 PER_SEED = ("seed", "run_name", "output_dir")
 

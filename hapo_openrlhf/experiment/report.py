@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from ..algos.quadrants import QUADRANTS
-from ..jsonfile import read_json_object
+from ..rundir.jsonfile import read_json_object
 from ..report.plots import moving_average, save_png
 from .credit import credit_by_class, run_samples
 from .registration import check_jobs

@@ -26,7 +26,7 @@ from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any, Callable
 
-from ..jsonfile import read_json_object
+from ..rundir.jsonfile import read_json_object
 from .registration import read_manifest_for_update, register
 from .spec import Experiment, Job, config_matches
 
@@ -56,7 +56,7 @@ def _run_job(job: Job) -> dict[str, Any]:
     t0 = time.perf_counter()
     handler = None
     try:
-        from ..checkpoint import list_complete
+        from ..rundir.checkpoint import list_complete
         from ..config import RunConfig, from_dict
         from ..local.trainer import LocalTrainer
 
@@ -73,7 +73,7 @@ def _run_job(job: Job) -> dict[str, Any]:
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()
-        from .. import runlock
+        from ..rundir import runlock
 
         runlock.release(job.out)
 
@@ -137,8 +137,8 @@ def _prepare(exp: Experiment, job: Job) -> None:
     left to resume; one that died before its first checkpoint is cleared, but only if this
     runner created it (its marker) and no process holds its run lock; a directory the runner
     did not create is never deleted (a named error instead)."""
-    from .. import runlock
-    from ..checkpoint import list_complete
+    from ..rundir import runlock
+    from ..rundir.checkpoint import list_complete
 
     _confined(exp, job.out)
     if job.out.exists() and not list_complete(job.out / "checkpoints") and any(job.out.iterdir()):
@@ -260,7 +260,7 @@ def run_experiment(exp: Experiment, suites: list[str],
     """Train the warm starts and every run of ``suites``; returns (and writes to
     ``OUTPUT/experiment.json``) the manifest with each job's status and wall time. One
     runner per output directory (``OUT/.hapo.lock``, as for a run directory)."""
-    from .. import runlock
+    from ..rundir import runlock
 
     unknown = [s for s in suites if s not in exp.suites]
     if unknown:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import yaml
 
 from ..config import RunConfig, _merge, apply_overrides, from_dict, load_yaml, read_raw
-from ..jsonfile import read_small_text
+from ..rundir.jsonfile import read_small_text
 
 _KEYS = {"run_config", "output_dir", "seeds", "workers", "threads_per_worker", "common", "variants", "suites",
          "comparisons", "warm_start_seed"}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..algos.quadrants import QUADRANTS
-from ..local.logger import read_metrics
+from ..rundir.logger import read_metrics
 
 WINDOW = 10  # steps averaged for "entropy at the start / end"
 

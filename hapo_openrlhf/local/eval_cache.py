@@ -56,7 +56,7 @@ def files_digest(model_dir: str | Path) -> dict[str, str]:
     """sha256 of every file in a model directory but the weights and ``eval.json``:
     ``config.json``, ``generation_config.json``, the tokenizer files, ``hapo.json``.
     Read bounded: a link to a device or a FIFO there is an error, not a hang."""
-    from ..jsonfile import read_small_bytes
+    from ..rundir.jsonfile import read_small_bytes
 
     out = {}
     for f in sorted(Path(model_dir).iterdir()):
@@ -99,7 +99,7 @@ def dumps(key: dict[str, Any], metrics: dict[str, float]) -> str:
 def lookup(model_dir: str | Path, key: dict[str, Any]) -> dict[str, float] | None:
     """The metrics recorded in ``model_dir/eval.json`` when its key equals ``key`` and they
     are valid metrics, else None (with a log line saying why)."""
-    from ..jsonfile import read_json_object
+    from ..rundir.jsonfile import read_json_object
 
     f = Path(model_dir) / FILE
     if not f.exists() and not f.is_symlink():

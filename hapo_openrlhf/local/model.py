@@ -93,7 +93,7 @@ HF_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "n
 
 def model_config_json(path: str | Path) -> dict:
     """``path/config.json`` as a dict (a named error for a missing or damaged one)."""
-    from ..jsonfile import read_json_object
+    from ..rundir.jsonfile import read_json_object
 
     f = Path(path) / "config.json"
     if not f.is_file():

@@ -27,17 +27,17 @@ from ..algos.advantages import grpo_sequence_advantage
 from ..algos.step import after_update, before_update
 from ..algos.entropy import check_finite
 from ..algos.nucleus import metric_due
-from .. import runlock
-from ..checkpoint import list_complete, load_checkpoint, resumable_checkpoints, rng_state, save_checkpoint, set_rng_state
+from ..rundir import runlock
+from ..rundir.checkpoint import list_complete, load_checkpoint, resumable_checkpoints, rng_state, save_checkpoint, set_rng_state
 from ..config import RunConfig, dump_config
 from ..data.templates import apply_template
-from ..grad_guard import SkipGuard
-from ..preemption import Preempted
+from ..algos.grad_guard import SkipGuard
+from ..rundir.preemption import Preempted
 from ..rewards import MathVerifier, RewardStats
 from . import eval_cache
-from .data import make_datasets
+from ..data.datasets import make_datasets
 from .evaluate import evaluate
-from .logger import MetricsLogger
+from ..rundir.logger import MetricsLogger
 from .model import load_or_build, save_hf
 from .rollout import Rollout, concat_rollouts, fused_policy_loss, generate, policy_forward
 from .samples import dump_token_samples

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def write_manifest(d: Path) -> None:
-    from ..checkpoint import file_crc32
+    from ..rundir.checkpoint import file_crc32
 
     files = {}
     for f in sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST):
@@ -53,7 +53,7 @@ def write_manifest(d: Path) -> None:
 
 def verify(d: Path) -> str | None:
     """None when ``d`` matches its manifest (a checkpoint without one is taken as is)."""
-    from ..checkpoint import file_crc32
+    from ..rundir.checkpoint import file_crc32
 
     m = d / MANIFEST
     if not m.exists():

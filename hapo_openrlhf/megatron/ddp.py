@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..grad_guard import nonfinite_flags, norm_from_flags
+from ..algos.grad_guard import nonfinite_flags, norm_from_flags
 
 # megatron.optimizer_sharding: how the distributed optimizer's state is checkpointed, and
 # which layout changes a resume may make (megatron-core's DistributedOptimizer

@@ -63,7 +63,7 @@ def scan(d: str | Path) -> str | None:
     """None when loading ``d`` cannot run code; otherwise why it could (for the skip message)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from ..checkpoint import _numpy_globals
+    from ..rundir.checkpoint import _numpy_globals
 
     d = Path(d)
     if not (d / ".metadata").is_file():

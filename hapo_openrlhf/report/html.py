@@ -11,7 +11,7 @@ import html
 from pathlib import Path
 from urllib.parse import quote
 
-from ..jsonfile import read_json_object
+from ..rundir.jsonfile import read_json_object
 from .plots import plot_runs
 from .token_credit import render_token_credit
 
@@ -25,7 +25,7 @@ def _href(rel) -> str:
 def _number(where: Path, key: str, value) -> float:
     """A metric the report prints: a number (JSON's, or the "nan" / "inf" a run log writes for a
     non-finite one); anything else is an error naming the file and key."""
-    from ..local.logger import NONFINITE
+    from ..rundir.logger import NONFINITE
 
     if isinstance(value, str) and value in NONFINITE:
         return float(value)

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from ..algos.quadrants import QUADRANTS
-from ..local.logger import read_metrics
+from ..rundir.logger import read_metrics
 
 SINGLE = {
     "reward": (["reward/accuracy"], "training accuracy (rollouts)"),

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ..algos.quadrants import QUADRANTS
-from ..jsonfile import read_small_text
+from ..rundir.jsonfile import read_small_text
 
 MAX_SAMPLES_FILE = 256 * 2**20  # a step's dumped samples: a few MB at the paper's scale
 

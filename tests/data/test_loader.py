@@ -70,7 +70,7 @@ def test_non_utf8_and_binary_lines_are_named_or_skipped(tmp_path):
 
 def test_problem_and_answer_fields_apply_to_the_eval_set_too(tmp_path):
     from hapo_openrlhf.config import load_config
-    from hapo_openrlhf.local.data import make_datasets
+    from hapo_openrlhf.data.datasets import make_datasets
 
     rows = [{"q": f"{i}+1", "a": str(i + 1)} for i in range(3)]
     ev = write_jsonl(tmp_path / "ev.jsonl", rows)

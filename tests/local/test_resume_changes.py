@@ -70,7 +70,7 @@ def _tamper(ckpt: Path, edit) -> None:
     updated: a checkpoint that verifies, holding a damaged state."""
     import torch
 
-    from hapo_openrlhf.checkpoint import file_crc32, safe_torch_load
+    from hapo_openrlhf.rundir.checkpoint import file_crc32, safe_torch_load
 
     shard_path = ckpt / "rank_00000.pt" if (ckpt / "rank_00000.pt").exists() else next(ckpt.glob("*.pt"))
     shard = safe_torch_load(shard_path)

@@ -292,7 +292,7 @@ STOPPED_RUN = [*SMALL, "trainer.steps=4", "warmup.steps=10", "data.synthetic.eva
 def _uninterrupted_and_resumed(tmp_path, extra):
     """The metrics of a 4-step run, and of the same run stopped at step 2 (a preemption's
     checkpoint) then resumed with ``--resume``."""
-    from hapo_openrlhf.preemption import Preempted
+    from hapo_openrlhf.rundir.preemption import Preempted
 
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     LocalTrainer(load_config(CONFIG, extra), full).fit()
@@ -372,8 +372,8 @@ def test_a_non_finite_gradient_skips_the_step_and_n_in_a_row_stop(tmp_path, bad)
     import copy
     import math
 
-    from hapo_openrlhf.grad_guard import NonFiniteGradientError
-    from hapo_openrlhf.local.logger import read_metrics
+    from hapo_openrlhf.algos.grad_guard import NonFiniteGradientError
+    from hapo_openrlhf.rundir.logger import read_metrics
 
     t = _trainer(tmp_path, ["optim.max_consecutive_skips=2"])
     t.train_step()  # AdamW has moments to keep

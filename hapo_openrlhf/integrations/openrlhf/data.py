@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ...config import RunConfig
 from ...data.templates import apply_template
-from ...local.data import make_datasets
+from ...data.datasets import make_datasets
 
 
 def _write_jsonl(path: Path, problems, template: str) -> int:

@@ -74,8 +74,8 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from ...algos.losses import LOSSES
 from ...config import transported
-from ...fsguard import claim, remove_owned
-from ...grad_guard import SkipGuard
+from ...rundir.fsguard import claim, remove_owned
+from ...algos.grad_guard import SkipGuard
 from .actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV, LossStateSink
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from ...config import RunConfig, load_config
-from ...preemption import EXIT_PREEMPTED
+from ...rundir.preemption import EXIT_PREEMPTED
 from .flags import RunPaths, build_argv
 # OpenRLHF's own CLI (its parser and main block), importable from here as before
 from .upstream_cli import parse_with_upstream, run_upstream_main, upstream_option, upstream_parser  # noqa: F401
@@ -131,7 +131,7 @@ def check_megatron_model(cfg: RunConfig) -> None:
         return
     from types import SimpleNamespace
 
-    from ...jsonfile import read_json_object
+    from ...rundir.jsonfile import read_json_object
     from ...megatron.families import check_actor_family
 
     check_actor_family(SimpleNamespace(**read_json_object(path / "config.json", "the model's config")), cfg.megatron)
@@ -139,7 +139,7 @@ def check_megatron_model(cfg: RunConfig) -> None:
 
 def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
     """Write the prompt files and run OpenRLHF with hapo installed; returns the output dir."""
-    from ... import runlock
+    from ...rundir import runlock
     from .data import write_prompt_files
 
     check_megatron_model(cfg)
@@ -163,7 +163,7 @@ def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
 
 def _is_preempted(e: BaseException) -> bool:
     """Ray re-raises the controller's ``Preempted`` as a ``RayTaskError`` subclass of it (or wraps it)."""
-    from ...preemption import Preempted
+    from ...rundir.preemption import Preempted
 
     return isinstance(e, Preempted) or isinstance(getattr(e, "cause", None), Preempted)
 

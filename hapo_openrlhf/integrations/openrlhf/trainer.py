@@ -19,8 +19,8 @@ from openrlhf.trainer.ppo_trainer import PPOTrainer
 from ...algos.losses import CheckpointStateError, check_loss_state, loss_resume
 from ...algos.step import after_update
 from ...config import RunConfig, to_plain, transported
-from ...local.logger import read_jsonl_records, record_line
-from ...preemption import Preempted, request_flag
+from ...rundir.logger import read_jsonl_records, record_line
+from ...rundir.preemption import Preempted, request_flag
 from . import routes
 from .experience import HapoExperienceMaker, optimizer_steps_per_step
 

@@ -261,7 +261,7 @@ def check_preempt_then_resume(run, out, tmp_path, warm_model):
     and the step limit (trainer.steps 4) ends it after global step 4 with the final model
     saved (three episodes would give 6 steps). ``run(out, dump, *sets)`` launches the e2e
     config. Returns the metrics rows."""
-    from hapo_openrlhf.preemption import EXIT_PREEMPTED, request_flag
+    from hapo_openrlhf.rundir.preemption import EXIT_PREEMPTED, request_flag
 
     def ckpts():
         return {d.name for d in (out / "ckpt" / "_actor").iterdir()}

@@ -640,7 +640,7 @@ def _nonfinite_worker(rank, world, port, args, model_dir, data, out_dir, bad):
     install()
     import torch.distributed as dist
 
-    from hapo_openrlhf.grad_guard import NonFiniteGradientError
+    from hapo_openrlhf.algos.grad_guard import NonFiniteGradientError
     from hapo_openrlhf.integrations.openrlhf.actor import fingerprint
     from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
 

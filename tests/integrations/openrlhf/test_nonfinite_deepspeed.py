@@ -23,7 +23,7 @@ def _worker(rank, stage, bad, out_dir):
     from deepspeed.utils import safe_get_full_fp32_param
     from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
 
-    from hapo_openrlhf.grad_guard import NonFiniteGradientError
+    from hapo_openrlhf.algos.grad_guard import NonFiniteGradientError
     from hapo_openrlhf.integrations.openrlhf.nonfinite import DeepSpeedGradGuard
 
     os.environ.setdefault("LOCAL_RANK", str(rank))

@@ -74,7 +74,7 @@ def _controller(tmp_path, monkeypatch, save_steps, resumed=None):
 
 
 def test_stop_flag_during_generation_checkpoints_the_previous_step(tmp_path, monkeypatch):
-    from hapo_openrlhf.preemption import Preempted, request_flag
+    from hapo_openrlhf.rundir.preemption import Preempted, request_flag
 
     t, gen, saved = _controller(tmp_path, monkeypatch, save_steps=10)
     request_flag(tmp_path).touch()
@@ -94,7 +94,7 @@ def test_stop_flag_during_generation_checkpoints_the_previous_step(tmp_path, mon
 
 
 def test_stop_flag_during_generation_after_a_saved_step_saves_nothing_more(tmp_path, monkeypatch):
-    from hapo_openrlhf.preemption import Preempted, request_flag
+    from hapo_openrlhf.rundir.preemption import Preempted, request_flag
 
     t, gen, saved = _controller(tmp_path, monkeypatch, save_steps=5)
     t.step_limit.step = 5
@@ -126,7 +126,7 @@ def test_async_trainer_waiting_for_a_batch_honours_the_stop_flag(tmp_path, monke
     from ray.util.queue import Empty
 
     from hapo_openrlhf.integrations.openrlhf.trainer_async import _StopAwareQueue
-    from hapo_openrlhf.preemption import Preempted, request_flag
+    from hapo_openrlhf.rundir.preemption import Preempted, request_flag
 
     t, _, saved = _controller(tmp_path, monkeypatch, save_steps=10)
 
@@ -157,7 +157,7 @@ def test_a_stateful_losss_controller_goes_into_every_checkpoint_and_comes_back(t
     """STARE's controller lives with the experience maker (as the reference's with its
     driver): its state joins OpenRLHF's client states in every save -- the forced one of a
     preemption included -- and a resumed controller starts from the checkpoint's."""
-    from hapo_openrlhf.preemption import Preempted, request_flag
+    from hapo_openrlhf.rundir.preemption import Preempted, request_flag
 
     ctl = {"gate_on": True, "reweight_w": 1.25, "reweight_m": 0.75, "current_ent": 0.2}
     t, gen, saved = _controller(tmp_path, monkeypatch, save_steps=10, resumed={"hapo_loss_state": ctl})

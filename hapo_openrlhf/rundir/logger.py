@@ -19,7 +19,7 @@ def read_jsonl_records(path: Path) -> list[dict]:
     it; :func:`metric_value`), is read back as that float. The read is bounded as every other
     file the project reads (``jsonfile.read_small_bytes``): a regular file of at most
     :data:`MAX_METRICS_BYTES` (a FIFO would block, ``/dev/zero`` would fill memory)."""
-    from ..jsonfile import read_small_bytes
+    from .jsonfile import read_small_bytes
 
     lines = read_small_bytes(path, "a run's metrics log", MAX_METRICS_BYTES).decode("utf-8", "replace").splitlines()
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)

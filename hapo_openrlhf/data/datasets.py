@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..data.loader import load_problems
-from ..data.synthetic import ArithmeticTask
+from .loader import load_problems
+from .synthetic import ArithmeticTask
 
 
 def make_datasets(cfg):
