@@ -154,7 +154,7 @@ def test_distributed_optimizer_with_model_parallel_dp2(tmp_path, tp, pp):
 
 
 def _smoke_worker(rank, out, overlap=None, dtype="bf16"):
-    from hapo_openrlhf.gpu_smoke import _ddp_step
+    from hapo_openrlhf.gpu_smoke import ddp_step as _ddp_step
 
     from .cuda_shim import install
 

@@ -58,7 +58,7 @@ def test_the_stand_in_refuses_a_per_parameter_step_as_te_does():
 
 
 def _smoke_resume_worker(rank, out, te):
-    from hapo_openrlhf.gpu_smoke import _optimizer_resume
+    from hapo_openrlhf.gpu_smoke import optimizer_resume as _optimizer_resume
 
     from .cuda_shim import install
 
