@@ -34,7 +34,7 @@ def _train(args) -> int:
     overrides = list(args.set) + ([f"backend={args.backend}"] if args.backend else [])
     cfg = load_config(args.config, overrides)
     if cfg.backend in ("openrlhf", "megatron"):  # OpenRLHF's controller; the policy actor differs
-        from .integrations.openrlhf.flags import build_argv
+        from .integrations.openrlhf.launch.flags import build_argv
 
         if args.print_command:
             print(json.dumps(build_argv(cfg, args.output_dir)))
@@ -42,7 +42,7 @@ def _train(args) -> int:
         if args.resume:
             print("note: the openrlhf back end always resumes from its newest checkpoint (--ckpt.load_enable)",
                   file=sys.stderr)
-        from .integrations.openrlhf.train import main as openrlhf_main
+        from .integrations.openrlhf.launch.train import main as openrlhf_main
 
         return openrlhf_main(["--config", args.config, *(["--output-dir", args.output_dir] if args.output_dir else []),
                               *[x for kv in overrides for x in ("--set", kv)]])

@@ -51,7 +51,7 @@ def _train_command(backend: str, config: str, out: Path, sets: list[str]) -> lis
     if backend == "local":
         return [sys.executable, "-m", "hapo_openrlhf", "train", "--config", config, "--output-dir", str(out), "--resume", *s]
     if backend in ("openrlhf", "megatron"):  # resumes on its own (--ckpt.load_enable)
-        return [sys.executable, "-m", "hapo_openrlhf.integrations.openrlhf.train", "--config", config,
+        return [sys.executable, "-m", "hapo_openrlhf.integrations.openrlhf.launch.train", "--config", config,
                 "--output-dir", str(out), *s]
     raise ValueError(f"backend {backend!r} cannot run under Slurm yet")
 

@@ -84,7 +84,7 @@ def smoke_openrlhf_loop(work: Path, backend: str = "openrlhf") -> dict:
     cfg_path = work / f"smoke_{backend}.yaml"
     cfg_path.write_text(yaml.safe_dump(smoke_run_config(model, backend, flash_attn=fa)))
     out, log = work / f"run_{backend}", work / f"run_{backend}.log"
-    train = [sys.executable, "-m", "hapo_openrlhf.integrations.openrlhf.train", "--config", str(cfg_path),
+    train = [sys.executable, "-m", "hapo_openrlhf.integrations.openrlhf.launch.train", "--config", str(cfg_path),
              "--output-dir", str(out)]
     t0 = time.perf_counter()
     rc1 = run(train, log)

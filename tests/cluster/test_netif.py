@@ -52,7 +52,7 @@ def test_the_megatron_actor_checks_its_interface_before_its_process_group(monkey
     pytest.importorskip("openrlhf")
     import torch.distributed as dist
 
-    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_actor import MegatronPolicyActorImpl
 
     for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)

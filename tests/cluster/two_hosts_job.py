@@ -40,7 +40,7 @@ def train(payload: Path) -> list[dict]:
     import torch
     from openrlhf.trainer.ray.launcher import RayActorGroup
 
-    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_actor import MegatronPolicyActorImpl
 
     data = pickle.loads(payload.read_bytes())
 

@@ -77,7 +77,7 @@ def test_an_experiment_variant_cannot_change_the_shared_warm_starts_family(tmp_p
 
 
 def test_openrlhf_and_megatron_check_the_keys_against_the_model_or_refuse_a_hub_id(qwen2_dir, tmp_path):
-    from hapo_openrlhf.integrations.openrlhf.flags import build_argv
+    from hapo_openrlhf.integrations.openrlhf.launch.flags import build_argv
 
     hub = REPO / "configs" / "qwen25_math_7b_hapo.yaml"
     assert "--actor.model_name_or_path" in build_argv(load_config(hub), tmp_path)  # no key stated: as before

@@ -22,7 +22,7 @@ PRELOAD = ["torch", "torch.distributed", "pytest", "transformers", "transformers
            "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
            "hapo_openrlhf.megatron.model", "hapo_openrlhf.megatron.schedule", "tests.megatron.cuda_shim",
            # the Megatron policy actor's tests (OpenRLHF, DeepSpeed, Ray: imported, nothing started)
-           "hapo_openrlhf.integrations.openrlhf.megatron_actor"]
+           "hapo_openrlhf.integrations.openrlhf.actors.megatron_actor"]
 
 
 def start_method() -> str:

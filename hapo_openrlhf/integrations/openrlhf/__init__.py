@@ -1,15 +1,15 @@
-"""The one seam into OpenRLHF 0.11.2 (Ray controller, vLLM rollouts, DeepSpeed actors).
+"""The one seam into OpenRLHF 0.11.2 (Ray controller, vLLM rollouts, DeepSpeed actors), grouped by
+role as OpenRLHF groups its own (``cli``, ``trainer/ppo_utils``, ``trainer/ray``).
 
-Nothing here is imported by the rest of the package; only :mod:`.flags` (pure
-Python) may be imported without OpenRLHF installed.
+Nothing here is imported by the rest of the package but the CLI, the doctor and the Slurm job;
+only :mod:`.launch.flags` (pure Python) may be imported without OpenRLHF installed.
 
-* :mod:`.flags`      -- the one function that turns a run config into OpenRLHF flags
-* :mod:`.actor`      -- ``PolicyModelActor`` subclass: old log-probs + behaviour entropy
-* :mod:`.experience` -- ``RemoteExperienceMaker`` subclass: registry advantages, quadrant metrics
-* :mod:`.loss`       -- ``PolicyLoss``-compatible loss dispatching to the registry losses
-* :mod:`.trainer`    -- ``PPOTrainer`` subclass that installs the experience maker
-* :mod:`.train`      -- entry point: runs OpenRLHF's own ``train_ppo_ray`` main with them
-* :mod:`.reward_func` -- OpenRLHF ``--reward.remote_url`` reward file (math verification)
+* :mod:`.launch`     -- the run config as OpenRLHF's flags (``flags``), OpenRLHF's own main with
+  hapo's classes (``train``), the prompt files and the reward file
+* :mod:`.controller` -- ``PPOTrainer`` / ``PPOTrainerAsync`` subclasses and the experience maker:
+  the whole batch's advantages through ``algos.step``, the step limit, checkpointed method state
+* :mod:`.actors`     -- the DeepSpeed and Megatron policy actors, the Megatron KL reference, the
+  loss every actor runs, rollout routing replay's tables
 """
 
 OPENRLHF_VERSION = "0.11.2"

@@ -5,7 +5,7 @@ import torch
 
 from hapo_openrlhf import algos
 from hapo_openrlhf.algos.dapo import overlong_penalty
-from hapo_openrlhf.integrations.openrlhf.experience import registry_advantages
+from hapo_openrlhf.integrations.openrlhf.controller.experience import registry_advantages
 
 
 def _typed(cfg):
@@ -234,7 +234,7 @@ def test_eapo_kappa_decay_is_keyed_to_the_optimizer_steps_before_the_batch():
     import math
     from types import SimpleNamespace
 
-    from hapo_openrlhf.integrations.openrlhf.experience import HapoExperienceMaker, optimizer_steps_per_step
+    from hapo_openrlhf.integrations.openrlhf.controller.experience import HapoExperienceMaker, optimizer_steps_per_step
 
     cfg = _cfg("eapo_entropic", {"decay_steps": 40})
     cfg.update(rollout={"max_new_tokens": 12, "prompts_per_step": 3, "samples_per_prompt": 4},

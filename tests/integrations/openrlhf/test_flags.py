@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from hapo_openrlhf.config import load_config
-from hapo_openrlhf.integrations.openrlhf.flags import PROGRAM, REWARD_FUNC, build_argv
+from hapo_openrlhf.integrations.openrlhf.launch.flags import PROGRAM, REWARD_FUNC, build_argv
 from tests.conftest import REPO, run_cli
 
 CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if load_config(p).backend in ("openrlhf", "megatron"))
@@ -25,7 +25,7 @@ def test_paper_configs_are_shipped():
 
 @pytest.mark.parametrize("path", CONFIGS + [E2E], ids=lambda p: p.stem)
 def test_every_config_passes_openrlhf_parser(path, tmp_path):
-    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+    from hapo_openrlhf.integrations.openrlhf.launch.train import parse_with_upstream
 
     overrides = ["model.path=/models/tiny"] if path == E2E else []
     cfg = load_config(path, overrides)
@@ -79,7 +79,7 @@ PAPER_TABLE = {
 def test_paper_configs_carry_tables_5_and_6(name, tmp_path, capsys):
     """The argv `hapo train --print-command` prints, read back through OpenRLHF's parser."""
     from hapo_openrlhf.cli import main
-    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+    from hapo_openrlhf.integrations.openrlhf.launch.train import parse_with_upstream
 
     t = PAPER_TABLE[name]
     path = REPO / "configs" / f"{name}.yaml"
@@ -161,8 +161,8 @@ def test_megatron_kl_reference_is_a_megatron_group(tmp_path):
     import openrlhf.cli.train_ppo_ray as cli
     from openrlhf.trainer.ray.launcher import ReferenceModelActor
 
-    from hapo_openrlhf.integrations.openrlhf.megatron_reference import MegatronReferenceActor, MegatronReferenceActorImpl
-    from hapo_openrlhf.integrations.openrlhf.train import installed, parse_with_upstream
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_reference import MegatronReferenceActor, MegatronReferenceActorImpl
+    from hapo_openrlhf.integrations.openrlhf.launch.train import installed, parse_with_upstream
 
     cfg = load_config(REPO / "configs/qwen25_math_7b_hapo_megatron.yaml", ["algorithm.kl_coef=0.01"])
     args = parse_with_upstream(build_argv(cfg, tmp_path))
@@ -182,7 +182,7 @@ def test_megatron_kl_reference_is_a_megatron_group(tmp_path):
 
 
 def test_24k_config_long_context_flags(tmp_path):
-    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+    from hapo_openrlhf.integrations.openrlhf.launch.train import parse_with_upstream
 
     args = parse_with_upstream(build_argv(load_config(REPO / "configs/deepscaler_1p5b_24k_hapo.yaml"), tmp_path))
     assert args.ds.ring_attn_size == 2 and args.ds.packing_samples and args.train.dynamic_batch_enable
@@ -232,7 +232,7 @@ def test_bad_cluster_settings_are_named(override, msg):
 def test_extra_args_abbreviations_really_override_in_openrlhfs_parser(tmp_path):
     """The refusals above are not over-cautious: OpenRLHF's own parser takes each
     abbreviation as the generated option and the last value wins."""
-    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+    from hapo_openrlhf.integrations.openrlhf.launch.train import parse_with_upstream
 
     argv = build_argv(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml"), tmp_path)
     args = parse_with_upstream(argv + ["--ckpt.pat", "/elsewhere", "--train.see=3"])
@@ -251,8 +251,8 @@ def test_extra_args_that_add_options_still_pass(tmp_path):
 def test_is_correction_section_reaches_openrlhf_and_hapos_loss(tmp_path, spec, want):
     """algorithm.is_correction -> OpenRLHF's --algo.advantage.is_correction_* (so it asks vLLM
     for log-probs) and the same setting in args.hapo for hapo's loss; off emits nothing."""
-    from hapo_openrlhf.integrations.openrlhf.actor import loss_from_config
-    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import loss_from_config
+    from hapo_openrlhf.integrations.openrlhf.launch.train import parse_with_upstream
 
     cfg = load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", [f"algorithm.is_correction={spec}"])
     args = parse_with_upstream(build_argv(cfg, tmp_path))
@@ -275,7 +275,7 @@ def test_is_correction_section_reaches_openrlhf_and_hapos_loss(tmp_path, spec, w
     (["algorithm.is_correction={level: token, behaviour: processed}", "rollout.temperature=0.7"], "processed_logprobs"),
 ])
 def test_behaviour_picks_vllms_logprobs_mode(sets, want):
-    from hapo_openrlhf.integrations.openrlhf.flags import engine_logprobs_mode
+    from hapo_openrlhf.integrations.openrlhf.launch.flags import engine_logprobs_mode
 
     assert engine_logprobs_mode(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", sets)) == want
 
@@ -299,7 +299,7 @@ def test_logprobs_mode_seam_on_upstreams_create_vllm_engines():
     import openrlhf.cli.train_ppo_ray as cli
     from openrlhf.trainer.ray.vllm_engine import create_vllm_engines
 
-    from hapo_openrlhf.integrations.openrlhf.train import installed, with_logprobs_mode
+    from hapo_openrlhf.integrations.openrlhf.launch.train import installed, with_logprobs_mode
 
     calls = []
 
@@ -332,7 +332,7 @@ def test_gpu_smoke_configs_load_and_pass_openrlhf_parser(backend, flash, tmp_pat
     import yaml
 
     from hapo_openrlhf.gpu_smoke import smoke_run_config
-    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+    from hapo_openrlhf.integrations.openrlhf.launch.train import parse_with_upstream
 
     raw = smoke_run_config(tmp_path / "model", backend, flash_attn=flash)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
@@ -378,7 +378,7 @@ def test_fp16_is_refused_for_the_reason_openrlhfs_own_source_gives():
 def test_a_loss_that_reads_the_current_entropy_gets_it_from_openrlhf(tmp_path):
     """rsi_s (like entro_reg) takes the current policy's entropy: the argv asks OpenRLHF's
     training forward for it, at coefficient 0 (upstream adds no term; hapo's loss uses it)."""
-    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+    from hapo_openrlhf.integrations.openrlhf.launch.train import parse_with_upstream
 
     cfg = load_config(E2E, ["model.path=/models/tiny", "algorithm.loss=rsi_s",
                             "algorithm.loss_params={lower: 0.5, upper: null}"])

@@ -52,7 +52,7 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("tie", [False, True])
 def test_fused_forward_equals_upstream_forward(packing, tie):
-    from hapo_openrlhf.integrations.openrlhf.fused_head import install_fused_head
+    from hapo_openrlhf.integrations.openrlhf.actors.fused_head import install_fused_head
 
     upstream = _run(_actor(packing, tie=tie))
     actor = _actor(packing, tie=tie)
@@ -64,7 +64,7 @@ def test_fused_forward_equals_upstream_forward(packing, tie):
 
 
 def test_fused_forward_never_builds_the_logits():
-    from hapo_openrlhf.integrations.openrlhf.fused_head import install_fused_head
+    from hapo_openrlhf.integrations.openrlhf.actors.fused_head import install_fused_head
 
     from ...conftest import largest_tensor_numel
 
@@ -78,7 +78,7 @@ def test_fused_forward_never_builds_the_logits():
 
 
 def test_logits_callers_and_unsupported_heads_keep_upstream():
-    from hapo_openrlhf.integrations.openrlhf.fused_head import fused_head_unsupported, install_fused_head
+    from hapo_openrlhf.integrations.openrlhf.actors.fused_head import fused_head_unsupported, install_fused_head
 
     actor = _actor(False)
     install_fused_head(actor, chunk_size=4)
@@ -103,8 +103,8 @@ def test_policy_actor_nucleus_logmass_is_the_full_distributions(packing, fused):
     from types import SimpleNamespace
 
     from hapo_openrlhf.algos.nucleus import nucleus_logmass
-    from hapo_openrlhf.integrations.openrlhf.actor import HapoPolicyModelActorImpl
-    from hapo_openrlhf.integrations.openrlhf.fused_head import install_fused_head
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import HapoPolicyModelActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.fused_head import install_fused_head
 
     seq, attn, am = _batch()
     A, top_p = am.shape[1], 0.9
@@ -134,9 +134,9 @@ def test_paec_gets_the_head_signals_of_the_training_pass(packing, fused):
 
     from hapo_openrlhf.algos.losses import compute_policy_loss
     from hapo_openrlhf.algos.nucleus import nucleus_logprobs
-    from hapo_openrlhf.integrations.openrlhf.actor import HapoPolicyModelActorImpl
-    from hapo_openrlhf.integrations.openrlhf.fused_head import install_fused_head
-    from hapo_openrlhf.integrations.openrlhf.loss import HapoPolicyLoss
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import HapoPolicyModelActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.fused_head import install_fused_head
+    from hapo_openrlhf.integrations.openrlhf.actors.loss import HapoPolicyLoss
 
     seq, attn, am = _batch()
     A, top_p = am.shape[1], 0.8

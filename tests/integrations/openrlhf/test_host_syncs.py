@@ -116,8 +116,8 @@ def _megatron_worker(rank, port, args, model_dir, exp, out_dir, big):
     from types import SimpleNamespace
 
     import hapo_openrlhf.megatron.schedule as schedule
-    from hapo_openrlhf.integrations.openrlhf.actor import fingerprint
-    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import fingerprint
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_actor import MegatronPolicyActorImpl
 
     actor = MegatronPolicyActorImpl(1, 0, "127.0.0.1", port)
     actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: True), str(model_dir),
@@ -186,8 +186,8 @@ def test_megatron_actor_micro_batch_host_syncs_and_full_vocabulary_tensors(tmp_p
 
 
 def test_deepspeed_actor_micro_batch_host_syncs_and_full_vocabulary_tensors():
-    from hapo_openrlhf.integrations.openrlhf.fused_head import install_fused_head
-    from hapo_openrlhf.integrations.openrlhf.loss import HapoPolicyLoss
+    from hapo_openrlhf.integrations.openrlhf.actors.fused_head import install_fused_head
+    from hapo_openrlhf.integrations.openrlhf.actors.loss import HapoPolicyLoss
 
     from .test_fused_head import _actor, _batch
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hapo_openrlhf.algos.losses import compute_policy_loss
-from hapo_openrlhf.integrations.openrlhf.loss import HapoPolicyLoss
+from hapo_openrlhf.integrations.openrlhf.actors.loss import HapoPolicyLoss
 
 
 def _batch(B=4, T=7, seed=0):
@@ -88,7 +88,7 @@ def test_a_stateful_loss_trains_with_the_state_the_actor_received_and_reports_it
     (actor.py / megatron_actor.py via ``LossStateSink``); without it the loss refuses to run
     ungated; with it the loss is the registry's with that state, and its own metrics reach
     upstream's per-micro-batch info (the training_step wrapper's ``info_sink``)."""
-    from hapo_openrlhf.integrations.openrlhf.loss import LossStateSink
+    from hapo_openrlhf.integrations.openrlhf.actors.loss import LossStateSink
 
     new, old, adv, mask = _batch(seed=2)
     loss_fn = HapoPolicyLoss("stare", {"variant": "C2", "top_ratio": 0.3}, aggregation="token-mean")

@@ -98,8 +98,8 @@ def _hf_row(model, ids, r, temperature, top_p=1.0):
 
 def _args(tmp_path, sets):
     from hapo_openrlhf.config import load_config
-    from hapo_openrlhf.integrations.openrlhf.flags import build_argv
-    from hapo_openrlhf.integrations.openrlhf.train import parse_with_upstream
+    from hapo_openrlhf.integrations.openrlhf.launch.flags import build_argv
+    from hapo_openrlhf.integrations.openrlhf.launch.train import parse_with_upstream
 
     cfg = load_config(CFG, ["backend=megatron", "model.path=/unused", "openrlhf.actor_gpus_per_node=2",
                             "rollout.temperature=0.7", "openrlhf.train_batch_size=8", "openrlhf.micro_train_batch_size=4",
@@ -118,8 +118,8 @@ def _worker(rank, world, port, args, model_dir, per_rank, out_dir, routes=None):
     install()
     import torch.distributed as dist
 
-    from hapo_openrlhf.integrations.openrlhf.actor import fingerprint
-    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import fingerprint
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_actor import MegatronPolicyActorImpl
 
     actor = MegatronPolicyActorImpl(world, rank, "127.0.0.1", port)
     actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir),
@@ -157,7 +157,7 @@ def _reference(cfg, args, model_dir, per_rank, dp, gas, replay=None):
     from openrlhf.models.utils import compute_approx_kl
 
     from hapo_openrlhf.algos.nucleus import sharded_nucleus_stats
-    from hapo_openrlhf.integrations.openrlhf.actor import loss_from_config
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import loss_from_config
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if replay is not None:
@@ -232,7 +232,7 @@ def _recorded_routes(model_dir, data):
     them -- keyed by the row's tokens, and the table the controller would send."""
     from transformers import AutoModelForCausalLM
 
-    from hapo_openrlhf.integrations.openrlhf.routes import row_fingerprint
+    from hapo_openrlhf.integrations.openrlhf.actors.routes import row_fingerprint
 
     engine = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(5)
@@ -423,8 +423,8 @@ def _resume_worker(rank, world, port, args, model_dir, batches, out_dir, phase, 
     install()
     import torch.distributed as dist
 
-    from hapo_openrlhf.integrations.openrlhf.actor import fingerprint
-    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import fingerprint
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_actor import MegatronPolicyActorImpl
 
     actor = MegatronPolicyActorImpl(world, rank, "127.0.0.1", port)
     actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir),
@@ -596,7 +596,7 @@ def _reference_worker(rank, world, port, args, model_dir, exps, out_dir):
     install()
     import torch.distributed as dist
 
-    from hapo_openrlhf.integrations.openrlhf.megatron_reference import MegatronReferenceActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_reference import MegatronReferenceActorImpl
 
     ref = MegatronReferenceActorImpl(world, rank, "127.0.0.1", port)
     ref.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir))
@@ -641,8 +641,8 @@ def _nonfinite_worker(rank, world, port, args, model_dir, data, out_dir, bad):
     import torch.distributed as dist
 
     from hapo_openrlhf.algos.grad_guard import NonFiniteGradientError
-    from hapo_openrlhf.integrations.openrlhf.actor import fingerprint
-    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import fingerprint
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_actor import MegatronPolicyActorImpl
 
     actor = MegatronPolicyActorImpl(world, rank, "127.0.0.1", port)
     actor.init_model_from_pretrained(SimpleNamespace(args=args, is_rank_0=lambda: rank == 0), str(model_dir),

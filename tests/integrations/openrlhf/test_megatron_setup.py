@@ -25,7 +25,7 @@ def _worker(rank, out):
     import huggingface_hub
     import torch.distributed as dist
 
-    from hapo_openrlhf.integrations.openrlhf import megatron_actor as ma
+    from hapo_openrlhf.integrations.openrlhf.actors import megatron_actor as ma
 
     init_megatron(tp=2)
     from megatron.core import parallel_state as ps

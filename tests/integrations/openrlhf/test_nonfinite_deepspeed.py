@@ -24,7 +24,7 @@ def _worker(rank, stage, bad, out_dir):
     from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
 
     from hapo_openrlhf.algos.grad_guard import NonFiniteGradientError
-    from hapo_openrlhf.integrations.openrlhf.nonfinite import DeepSpeedGradGuard
+    from hapo_openrlhf.integrations.openrlhf.actors.nonfinite import DeepSpeedGradGuard
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed.init_distributed(dist_backend="gloo")  # joins the group the spawner made

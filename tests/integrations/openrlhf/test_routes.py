@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hapo_openrlhf.integrations.openrlhf import routes as R
+from hapo_openrlhf.integrations.openrlhf.actors import routes as R
 
 L, K, E = 3, 2, 4  # layers, top-k, experts
 PAD = 0

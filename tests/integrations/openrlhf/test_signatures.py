@@ -133,9 +133,9 @@ def _params(fn):
 
 
 def test_overrides_keep_upstream_signatures():
-    from hapo_openrlhf.integrations.openrlhf.actor import HapoPolicyModelActorImpl
-    from hapo_openrlhf.integrations.openrlhf.loss import HapoPolicyLoss
-    from hapo_openrlhf.integrations.openrlhf.trainer import HapoPPOTrainerImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import HapoPolicyModelActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.loss import HapoPolicyLoss
+    from hapo_openrlhf.integrations.openrlhf.controller.trainer import HapoPPOTrainerImpl
 
     up = _upstream()
     assert _params(HapoPolicyLoss.forward) == _params(up["PolicyLoss.forward"])
@@ -238,7 +238,7 @@ def test_megatron_actor_offers_every_controller_call():
 
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-    from hapo_openrlhf.integrations.openrlhf.megatron_actor import MegatronPolicyActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_actor import MegatronPolicyActorImpl
 
     up = PolicyModelActor.__ray_actor_class__
     for m in CONTROLLER_CALLS:
@@ -247,8 +247,8 @@ def test_megatron_actor_offers_every_controller_call():
     called = set(re.findall(r'method_name="(\w+)"', src))
     assert called <= set(CONTROLLER_CALLS), called
     # hapo's experience maker calls its own methods too: both policy actors answer them
-    from hapo_openrlhf.integrations.openrlhf import experience as hapo_experience
-    from hapo_openrlhf.integrations.openrlhf.actor import HapoPolicyModelActorImpl
+    from hapo_openrlhf.integrations.openrlhf.controller import experience as hapo_experience
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import HapoPolicyModelActorImpl
 
     ours = set(re.findall(r'method_name="(\w+)"', inspect.getsource(hapo_experience)))
     assert ours == {"clear_behaviour_entropy", "pop_behaviour", "set_loss_state"}, ours
@@ -259,7 +259,7 @@ def test_megatron_actor_offers_every_controller_call():
     # weights go out in the engines' dtype, which WorkerWrap.update_weight asserts
     from openrlhf.trainer.ray import vllm_engine, vllm_worker_wrap
 
-    from hapo_openrlhf.integrations.openrlhf.megatron_actor import VLLM_DTYPE
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_actor import VLLM_DTYPE
 
     assert VLLM_DTYPE == torch.bfloat16 and '"dtype": "bfloat16"' in inspect.getsource(vllm_engine)
     assert "assert dtype == self.model_config.dtype" in inspect.getsource(vllm_worker_wrap)

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from hapo_openrlhf.integrations.openrlhf.trainer import StepLimit
+from hapo_openrlhf.integrations.openrlhf.controller.trainer import StepLimit
 
 
 def test_step_limit_ends_generation_at_the_limit():
@@ -54,7 +54,7 @@ def _controller(tmp_path, monkeypatch, save_steps, resumed=None):
 
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer
 
-    from hapo_openrlhf.integrations.openrlhf.trainer import HapoPPOTrainerImpl
+    from hapo_openrlhf.integrations.openrlhf.controller.trainer import HapoPPOTrainerImpl
 
     saved = []
     monkeypatch.setattr(BasePPOTrainer, "save_logs_and_checkpoints",
@@ -108,7 +108,7 @@ def test_stop_flag_during_generation_after_a_saved_step_saves_nothing_more(tmp_p
 
 def test_async_state_counts_versions_and_the_step_limit():
     """The generator/trainer shared state of the async trainer, without Ray."""
-    from hapo_openrlhf.integrations.openrlhf.trainer_async import AsyncState
+    from hapo_openrlhf.integrations.openrlhf.controller.trainer_async import AsyncState
 
     st = AsyncState.__ray_actor_class__(limit=4)
     st.start(2)  # resumed from global step 2: the engines hold step 2's weights
@@ -125,7 +125,7 @@ def test_async_trainer_waiting_for_a_batch_honours_the_stop_flag(tmp_path, monke
     trained step (unless on disk) and stops; a batch that arrives is handed over."""
     from ray.util.queue import Empty
 
-    from hapo_openrlhf.integrations.openrlhf.trainer_async import _StopAwareQueue
+    from hapo_openrlhf.integrations.openrlhf.controller.trainer_async import _StopAwareQueue
     from hapo_openrlhf.rundir.preemption import Preempted, request_flag
 
     t, _, saved = _controller(tmp_path, monkeypatch, save_steps=10)

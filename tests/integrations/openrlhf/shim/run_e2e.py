@@ -5,8 +5,8 @@
 Starts a real local Ray cluster (4 logical GPUs only, so OpenRLHF's ``num_gpus=1``
 actors schedule), installs the CPU shim in the driver and -- through
 ``worker_process_setup_hook`` -- in every worker, then calls the same
-``hapo_openrlhf.integrations.openrlhf.train.launch`` that ``hapo train --backend
-openrlhf`` calls (``hapo_openrlhf.integrations.openrlhf.train.main``).
+``hapo_openrlhf.integrations.openrlhf.launch.train.launch`` that ``hapo train --backend
+openrlhf`` calls (``hapo_openrlhf.integrations.openrlhf.launch.train.main``).
 """
 
 import argparse
@@ -40,7 +40,7 @@ def main() -> int:
     os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
-    from hapo_openrlhf.integrations.openrlhf.train import main as train_main
+    from hapo_openrlhf.integrations.openrlhf.launch.train import main as train_main
 
     # the repository root: the Megatron CPU shim lives in tests/megatron/cuda_shim.py
     pythonpath = os.pathsep.join([str(HERE), str(HERE.parents[3]), *hapo_cpu_shim.stub_path(),

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import RunConfig
+from ....config import RunConfig
 
 PROGRAM = "openrlhf.cli.train_ppo_ray"
 REWARD_FUNC = Path(__file__).with_name("reward_func.py")
@@ -97,7 +97,7 @@ def _check_model_keys(cfg: RunConfig) -> None:
     """OpenRLHF and Megatron train the model at ``model.path`` as it is: an architecture key in
     the config (``model.family``, ``model.hidden_size``, ...) is checked against its
     ``config.json``, or refused when the path is a hub id there is no local file to check."""
-    from ...local.model import check_architecture, model_config_json
+    from ....local.model import check_architecture, model_config_json
 
     given = cfg.model.architecture_given()
     if not given:
@@ -134,7 +134,7 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
     if o.train_batch_size % (o.micro_train_batch_size * dp):
         raise ValueError(f"openrlhf.train_batch_size ({o.train_batch_size}) must be a multiple of "
                          f"micro_train_batch_size x data-parallel size ({o.micro_train_batch_size} x {dp})")
-    from ...algos.losses import LOSSES
+    from ....algos.losses import LOSSES
 
     # the loss's parameters with the registry's defaults (the one source of truth for them); a loss
     # without a clip (kl_cov) passes OpenRLHF its own default, 0.2, which no hapo loss then reads

@@ -37,9 +37,9 @@ import ray
 import torch
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-from ...algos.entropy import entropy_from_logits
-from ...config import RunConfig, transported
-from ...algos.nucleus import metric_due, sharded_nucleus_logmass, sharded_nucleus_stats
+from ....algos.entropy import entropy_from_logits
+from ....config import RunConfig, transported
+from ....algos.nucleus import metric_due, sharded_nucleus_logmass, sharded_nucleus_stats
 from .fused_head import install_fused_head
 from .loss import DUMP_ENV, HapoPolicyLoss, LossStateSink
 from .nonfinite import DeepSpeedGradGuard
@@ -99,7 +99,7 @@ class BehaviourEntropyStore:
 
 class HapoPolicyModelActorImpl(BehaviourEntropyStore, LossStateSink, PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
-        from ...cluster.netif import check_process_env
+        from ....cluster.netif import check_process_env
 
         check_process_env()  # a misnamed socket interface fails here, not as a hang in the first collective
         super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)

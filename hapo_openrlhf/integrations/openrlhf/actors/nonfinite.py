@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ...algos.grad_guard import SkipGuard, nonfinite_flags, norm_from_flags
+from ....algos.grad_guard import SkipGuard, nonfinite_flags, norm_from_flags
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Entry point: OpenRLHF 0.11.2's own ``train_ppo_ray`` with hapo's subclasses installed.
 
     hapo train --backend openrlhf|megatron --config CONFIG [--print-command]
-    python -m hapo_openrlhf.integrations.openrlhf.train --config CONFIG [--print-command]
+    python -m hapo_openrlhf.integrations.openrlhf.launch.train --config CONFIG [--print-command]
 
 1. ``flags.build_argv`` turns the run config into OpenRLHF flags (one function).
 2. ``--print-command`` prints that argv as one JSON list on the last line and stops.
@@ -34,8 +34,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ...config import RunConfig, load_config
-from ...rundir.preemption import EXIT_PREEMPTED
+from ....config import RunConfig, load_config
+from ....rundir.preemption import EXIT_PREEMPTED
 from .flags import RunPaths, build_argv
 # OpenRLHF's own CLI (its parser and main block), importable from here as before
 from .upstream_cli import parse_with_upstream, run_upstream_main, upstream_option, upstream_parser  # noqa: F401
@@ -44,10 +44,10 @@ from .upstream_cli import parse_with_upstream, run_upstream_main, upstream_optio
 def policy_actor_class(backend: str):
     """The Ray actor class OpenRLHF's driver builds its policy group from."""
     if backend == "megatron":
-        from .megatron_actor import MegatronPolicyActor
+        from ..actors.megatron_actor import MegatronPolicyActor
 
         return MegatronPolicyActor
-    from .actor import HapoPolicyModelActor
+    from ..actors.deepspeed_actor import HapoPolicyModelActor
 
     return HapoPolicyModelActor
 
@@ -83,21 +83,21 @@ def installed(backend: str = "openrlhf", logprobs_mode: str | None = None, route
     import openrlhf.trainer.ppo_trainer_async as pta
     import openrlhf.trainer.ray.vllm_engine as ve
 
-    from .trainer import HapoPPOTrainer
-    from .trainer_async import HapoPPOTrainerAsync
+    from ..controller.trainer import HapoPPOTrainer
+    from ..controller.trainer_async import HapoPPOTrainerAsync
 
     saved = (cli.PolicyModelActor, cli.ReferenceModelActor, pt.PPOTrainer, pta.PPOTrainerAsync,
              cli.create_vllm_engines, ve.RolloutRayActor)
     cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync = (policy_actor_class(backend), HapoPPOTrainer,
                                                                 HapoPPOTrainerAsync)
     if backend == "megatron":  # the KL reference (kl_coef > 0): a frozen GPTModel under the policy's layout
-        from .megatron_reference import MegatronReferenceActor
+        from ..actors.megatron_reference import MegatronReferenceActor
 
         cli.ReferenceModelActor = MegatronReferenceActor
     if logprobs_mode is not None:
         cli.create_vllm_engines = with_logprobs_mode(cli.create_vllm_engines, logprobs_mode)
     if routed_experts:
-        from .routes import routed_rollout_actor
+        from ..actors.routes import routed_rollout_actor
 
         ve.RolloutRayActor = routed_rollout_actor(ve.RolloutRayActor)
     try:
@@ -131,19 +131,19 @@ def check_megatron_model(cfg: RunConfig) -> None:
         return
     from types import SimpleNamespace
 
-    from ...rundir.jsonfile import read_json_object
-    from ...megatron.families import check_actor_family
+    from ....rundir.jsonfile import read_json_object
+    from ....megatron.families import check_actor_family
 
     check_actor_family(SimpleNamespace(**read_json_object(path / "config.json", "the model's config")), cfg.megatron)
 
 
 def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
     """Write the prompt files and run OpenRLHF with hapo installed; returns the output dir."""
-    from ...rundir import runlock
+    from ....rundir import runlock
     from .data import write_prompt_files
 
     check_megatron_model(cfg)
-    from .routes import check_engine_platform
+    from ..actors.routes import check_engine_platform
 
     if cfg.routing_replay:  # R3 and this Python's vLLM (the engines' where it is) cannot return routes
         check_engine_platform()
@@ -163,13 +163,13 @@ def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
 
 def _is_preempted(e: BaseException) -> bool:
     """Ray re-raises the controller's ``Preempted`` as a ``RayTaskError`` subclass of it (or wraps it)."""
-    from ...rundir.preemption import Preempted
+    from ....rundir.preemption import Preempted
 
     return isinstance(e, Preempted) or isinstance(getattr(e, "cause", None), Preempted)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hapo_openrlhf.integrations.openrlhf.train")
+    ap = argparse.ArgumentParser(prog="python -m hapo_openrlhf.integrations.openrlhf.launch.train")
     ap.add_argument("--config", required=True)
     ap.add_argument("--output-dir", default=None)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

@@ -41,8 +41,8 @@ import ray
 from openrlhf.trainer import ppo_trainer_async as pta
 from ray.util.queue import Empty, Queue
 
-from ...config import transported
-from . import routes
+from ....config import transported
+from ..actors import routes
 from .trainer import HapoControllerMixin
 
 

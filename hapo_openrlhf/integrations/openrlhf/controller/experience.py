@@ -27,12 +27,12 @@ import ray
 import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
-from ... import algos
-from ...algos.dapo import overlong_penalty
-from ...algos.step import before_update
-from ...config import RunConfig, transported
-from .actor import fingerprint
-from .loss import DUMP_ENV
+from .... import algos
+from ....algos.dapo import overlong_penalty
+from ....algos.step import before_update
+from ....config import RunConfig, transported
+from ..actors.deepspeed_actor import fingerprint
+from ..actors.loss import DUMP_ENV
 
 
 def _pad_cat(tensors: Sequence[torch.Tensor], width: int, dtype=None) -> torch.Tensor:
@@ -109,7 +109,7 @@ def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: i
     metrics = step.metrics
     metrics["entropy/behaviour_mean"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
     if all(getattr(e, "rollout_log_probs", None) is not None for e in experiences):  # the correction is on
-        from ...algos.is_correction import mismatch_by_entropy
+        from ....algos.is_correction import mismatch_by_entropy
 
         rollout = _pad_cat([e.rollout_log_probs.float() for e in experiences], W)
         metrics.update(mismatch_by_entropy(old, rollout, mask, entropy, step.threshold))

@@ -42,8 +42,8 @@ from typing import Optional
 import torch
 from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor
 
-from ...algos.fused import fused_logprobs_entropy
-from ...algos.nucleus import sharded_nucleus_logmass, sharded_nucleus_stats
+from ....algos.fused import fused_logprobs_entropy
+from ....algos.nucleus import sharded_nucleus_logmass, sharded_nucleus_stats
 
 
 def _hf_model(actor) -> torch.nn.Module:

@@ -12,9 +12,9 @@ import json
 import os
 from pathlib import Path
 
-from ...config import RunConfig
-from ...data.templates import apply_template
-from ...data.datasets import make_datasets
+from ....config import RunConfig
+from ....data.templates import apply_template
+from ....data.datasets import make_datasets
 
 
 def _write_jsonl(path: Path, problems, template: str) -> int:

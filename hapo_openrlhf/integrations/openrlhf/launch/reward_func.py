@@ -4,7 +4,7 @@ OpenRLHF's ``SingleTurnAgentExecutor`` loads this file by path inside each rollo
 engine and calls ``reward_func(queries, prompts, labels)`` once per sample, where a
 query is the decoded prompt + response. The response is the text after the prompt;
 it is graded against the label (a JSON list of accepted answers, as written by
-``hapo_openrlhf.integrations.openrlhf.data``) with hapo's verifier: last
+``hapo_openrlhf.integrations.openrlhf.launch.data``) with hapo's verifier: last
 ``\\boxed{}`` after ``</think>``, normalised string match, exact rationals, then
 math-verify in a time-limited subprocess.
 

@@ -72,14 +72,14 @@ from openrlhf.trainer.ppo_utils.experience import (
 from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-from ...algos.losses import LOSSES
-from ...config import transported
-from ...rundir.fsguard import claim, remove_owned
-from ...algos.grad_guard import SkipGuard
-from .actor import BehaviourEntropyStore, loss_from_config
+from ....algos.losses import LOSSES
+from ....config import transported
+from ....rundir.fsguard import claim, remove_owned
+from ....algos.grad_guard import SkipGuard
+from .deepspeed_actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV, LossStateSink
 
-from ...megatron.setup import DTYPES
+from ....megatron.setup import DTYPES
 # OpenRLHF 0.11.2 builds every vLLM engine with dtype="bfloat16" (create_vllm_engines) and its
 # WorkerWrap.update_weight asserts the incoming dtype equals the engine's: weights go out in bf16
 VLLM_DTYPE = torch.bfloat16
@@ -178,8 +178,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         from transformers.trainer import get_scheduler
 
-        from ...megatron.checkpoint import latest, load
-        from ...megatron.ddp import MegatronOptimizer, use_distributed_optimizer, wrap
+        from ....megatron.checkpoint import latest, load
+        from ....megatron.ddp import MegatronOptimizer, use_distributed_optimizer, wrap
 
         cfg = transported(strategy.args.hapo)
         m = cfg.megatron
@@ -187,7 +187,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         self._build_model(strategy, pretrain, routing_replay=self.r3)
         args = self.args
         if self.r3:  # this step's rollout routes (routes.RouteStore; the controller sends them, set_routes)
-            from ...megatron.moe import moe_of
+            from ....megatron.moe import moe_of
             from .routes import RouteStore
 
             spec = moe_of(self.hf_config)
@@ -204,7 +204,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                                            weight_decay=adam.weight_decay, clip_grad=float(args.actor.max_norm),
                                            sharding=m.optimizer_sharding)
         if dist.get_rank() == 0:
-            from ...megatron.head import is_installed
+            from ....megatron.head import is_installed
 
             print(f"Megatron actor: TP {self.tp} x PP {self.pp} x DP {self.dp_size}, {self.params_dtype}, "
                   f"head {'fused' if is_installed(self.model) else 'logits'}, "
@@ -253,7 +253,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         from megatron.core import tensor_parallel
         from transformers import AutoConfig, AutoTokenizer
 
-        from ...megatron.setup import build_stage, init_parallel_state, load_hf_weights
+        from ....megatron.setup import build_stage, init_parallel_state, load_hf_weights
 
         self.strategy = strategy
         self.args = args = strategy.args
@@ -266,7 +266,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                              f"(ring_attn_size x ds.tensor_parallel_size) but the Megatron layout is "
                              f"TP {self.tp} x PP {self.pp}: launch through hapo_openrlhf's flags (flags.build_argv)")
 
-        from ...cluster.netif import check_process_env
+        from ....cluster.netif import check_process_env
 
         check_process_env()  # a misnamed socket interface fails here, not as a hang in the first collective
         if torch.cuda.is_available():
@@ -283,7 +283,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
 
         path = resolve_pretrained(pretrain)
         self.hf_config = AutoConfig.from_pretrained(path)
-        from ...megatron.families import check_actor_family
+        from ....megatron.families import check_actor_family
 
         self.moe = check_actor_family(self.hf_config, m).moe  # before any weight is read
         self.params_dtype = DTYPES[m.params_dtype]
@@ -309,7 +309,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         ``rows_per_mb`` consecutive rows. A mixture of experts dispatches tokens over its
         expert-parallel group in every MoE layer, so every data-parallel rank runs the same
         number of micro-batches (``schedule.even_out``: the most any rank needs; collective)."""
-        from ...megatron.schedule import even_out, token_budget_batches
+        from ....megatron.schedule import even_out, token_budget_batches
 
         if self.token_budget is not None and self.layout != "masked":
             groups = token_budget_batches(lengths, self.token_budget)
@@ -329,9 +329,9 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         split in 2 x PP with pipelining) so pipeline stages overlap."""
         from megatron.core import parallel_state as ps
 
-        from ...megatron.schedule import forward_backward
+        from ....megatron.schedule import forward_backward
 
-        from ...algos.nucleus import metric_due
+        from ....algos.nucleus import metric_due
 
         dev = _device()
         B, S = sequences.shape
@@ -440,7 +440,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         return out
 
     def _optimizer_step(self, window: list[Experience], route_stats: dict | None = None) -> dict[str, float]:
-        from ...megatron.schedule import forward_backward
+        from ....megatron.schedule import forward_backward
 
         info = self._loss_norm(window)
         aux_norm = info.pop("real_tokens") / self.dp_size  # the load-balancing loss's (moe.scaled_aux_loss)
@@ -593,7 +593,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         status.update(last)
         status["actor_skipped_steps"] = float(self.grad_guard.skipped)  # the same on every rank
         if self.moe:  # router entropy, expert load, dropped routings over every rank (moe.reduce_route_stats)
-            from ...megatron.moe import reduce_route_stats
+            from ....megatron.moe import reduce_route_stats
 
             status.update(reduce_route_stats(route_stats, self.hf_config))
         if self.r3:  # the old-log-prob forwards: the weights the engines rolled out with
@@ -609,7 +609,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         (``convert.stream_hf_tensors``: per layer, TP all-gather on the device, PP stages
         send to rank 0; no pickled state dicts, no whole-model copy), each cast to the
         engines' bf16 and sent through OpenRLHF's weight-sync group."""
-        from ...megatron.convert import hf_shapes, stream_hf_tensors
+        from ....megatron.convert import hf_shapes, stream_hf_tensors
 
         rank0 = dist.get_rank() == 0
         vargs = self.args.vllm
@@ -639,8 +639,8 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
     def _save_hf(self, out: str | Path) -> None:
         """The model in Hugging Face layout at ``out`` (collective; rank 0 writes, atomically,
         from the gathered state dict without building a second model: megatron/hf_save.py)."""
-        from ...megatron.convert import gather_hf_state_dict
-        from ...megatron.hf_save import save_hf_state_dict
+        from ....megatron.convert import gather_hf_state_dict
+        from ....megatron.hf_save import save_hf_state_dict
 
         sd = gather_hf_state_dict(self.model, self.hf_config)
         if dist.get_rank() == 0:
@@ -661,7 +661,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         self._save_hf(self.args.ckpt.output_dir)
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None) -> None:
-        from ...megatron.checkpoint import save
+        from ....megatron.checkpoint import save
 
         m = _TAG.match(tag)
         if not m:

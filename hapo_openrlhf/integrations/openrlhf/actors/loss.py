@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ...algos.losses import LOSSES, compute_policy_loss, head_signals_top_p
+from ....algos.losses import LOSSES, compute_policy_loss, head_signals_top_p
 
 DUMP_ENV = "HAPO_OPENRLHF_DUMP_DIR"
 
@@ -43,7 +43,7 @@ class HapoPolicyLoss(nn.Module):
     def __init__(self, name: str, params: dict[str, Any] | None = None, aggregation: str = "token-mean",
                  norm_constant: float | None = None, is_correction: Any = None) -> None:
         super().__init__()
-        from ...algos.is_correction import ISCorrection
+        from ....algos.is_correction import ISCorrection
 
         self.name = name
         self.is_correction = ISCorrection.of(is_correction)

@@ -16,12 +16,12 @@ from pathlib import Path
 import ray
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
-from ...algos.losses import CheckpointStateError, check_loss_state, loss_resume
-from ...algos.step import after_update
-from ...config import RunConfig, to_plain, transported
-from ...rundir.logger import read_jsonl_records, record_line
-from ...rundir.preemption import Preempted, request_flag
-from . import routes
+from ....algos.losses import CheckpointStateError, check_loss_state, loss_resume
+from ....algos.step import after_update
+from ....config import RunConfig, to_plain, transported
+from ....rundir.logger import read_jsonl_records, record_line
+from ....rundir.preemption import Preempted, request_flag
+from ..actors import routes
 from .experience import HapoExperienceMaker, optimizer_steps_per_step
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ...config import RunConfig
+    from ....config import RunConfig
 
 ROUTES_KEY = "routed_experts"  # the response dict's key, engine -> samples generator
 SAMPLE_ATTR = "hapo_routes"  # the rollout sample's attribute, samples generator -> controller
