@@ -50,13 +50,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-import shutil
-import socket
 from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 import ray
 import torch
@@ -74,85 +71,13 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from ....algos.losses import LOSSES
 from ....config import transported
-from ....rundir.fsguard import claim, remove_owned
 from ....algos.grad_guard import SkipGuard
 from .deepspeed_actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV, LossStateSink
+from .megatron_io import (VLLM_DTYPE, MegatronWeightsIO, SafetensorsDir, check_tp_peers_share_a_node,  # noqa: F401
+                          device, resolve_pretrained)
 
 from ....megatron.setup import DTYPES
-# OpenRLHF 0.11.2 builds every vLLM engine with dtype="bfloat16" (create_vllm_engines) and its
-# WorkerWrap.update_weight asserts the incoming dtype equals the engine's: weights go out in bf16
-VLLM_DTYPE = torch.bfloat16
-_TAG = re.compile(r"^(best_)?global_step(\d+)$")
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-class SafetensorsDir(Mapping):
-    """A Hugging Face checkpoint directory's ``*.safetensors`` as a lazy name -> tensor
-    mapping: each rank reads only the tensors of its own shard."""
-
-    def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
-
-        self._where: dict[str, Path] = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            with safe_open(str(f), "pt") as h:
-                for k in h.keys():
-                    self._where[k] = f
-        if not self._where:
-            raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if key not in self._where:
-            raise KeyError(f"{key} is not in the checkpoint")
-        with safe_open(str(self._where[key]), "pt") as h:
-            return h.get_tensor(key)
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-
-def resolve_pretrained(pretrain: str) -> Path:
-    """A local checkpoint directory for ``pretrain``. A hub id is downloaded once per
-    node: with ``torch.distributed`` up, the lowest global rank of each host downloads
-    while the others wait, then they read the same cache offline (collective)."""
-    if os.path.isdir(pretrain):
-        return Path(pretrain)
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.model"]
-    if not (dist.is_available() and dist.is_initialized()):
-        return Path(snapshot_download(pretrain, allow_patterns=patterns))
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    first = hosts.index(hosts[dist.get_rank()]) == dist.get_rank()
-    path = snapshot_download(pretrain, allow_patterns=patterns) if first else None
-    dist.barrier()
-    if not first:
-        path = snapshot_download(pretrain, allow_patterns=patterns, local_files_only=True)
-    return Path(path)
-
-
-def check_tp_peers_share_a_node(tp_group) -> None:
-    """Tensor-parallel ranks exchange activations every layer: they must share a node
-    (NVLink), never straddle two. Ray places the actor bundles; refuse a layout where a
-    TP group spans hosts rather than run it at network speed (collective)."""
-    peers = [None] * dist.get_world_size(tp_group)
-    dist.all_gather_object(peers, socket.gethostname(), group=tp_group)
-    if len(set(peers)) > 1:
-        raise RuntimeError(f"tensor-parallel peers of rank {dist.get_rank()} are on different nodes {sorted(set(peers))}: "
-                           f"make openrlhf.actor_gpus_per_node a multiple of megatron.tensor_parallel x "
-                           f"pipeline_parallel so each replica's TP group lands on one node")
-
-
 def _host_values(rows: list[list[Any]]) -> list[list[float]]:
     """Rows of 0-d tensors (on the device) and numbers as Python floats, read from the device in
     one transfer (each ``float(t)`` would wait for the GPU on its own: one sync per metric and
@@ -171,7 +96,7 @@ def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (width - t.shape[1], 0))
 
 
-class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelActor):
+class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStateSink, BaseModelActor):
     r3 = False  # rollout routing replay (the policy under megatron.moe.routing_replay: r3; never the reference)
     _rollout_route_stats: dict | None = None
     # ------------------------------------------------------------------ setup
@@ -295,7 +220,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
                        "padded" if m.attention == "flash" or m.layer_spec == "te" else "masked")
         self.token_budget = int(args.train.max_tokens_per_gpu) if args.train.dynamic_batch_enable else None
         load_hf_weights(model, SafetensorsDir(path), self.hf_config, m, ranks, what=pretrain)
-        self.model = model.to(_device())
+        self.model = model.to(device())
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.temperature = float(args.rollout.temperature)
         self.top_p = float(cfg.rollout.top_p)  # < 1: the old-log-prob pass logs log P(nucleus)
@@ -318,7 +243,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         if self.moe and self.ep > 1:
             from megatron.core import parallel_state as ps
 
-            n = torch.tensor([len(groups)], device=_device())
+            n = torch.tensor([len(groups)], device=device())
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
             groups = even_out(groups, lengths, int(n))
         return groups
@@ -333,7 +258,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
 
         from ....algos.nucleus import metric_due
 
-        dev = _device()
+        dev = device()
         B, S = sequences.shape
         top_p = self.top_p if metric_due(self.top_p, self.nucleus_every, self.steps_done) else 1.0
         lengths = attention_mask.sum(-1).tolist()
@@ -407,7 +332,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
             counts[1] += (m.sum(-1) > 0).sum()
             counts[2] += e.attention_mask.sum()  # every real token passes the routers of a MoE model
         if self.dp_size > 1:  # one all-reduce and one read per optimizer step, not per micro-batch
-            counts = counts.to(_device())
+            counts = counts.to(device())
             dist.all_reduce(counts, group=ps.get_data_parallel_group())
         tokens, rows, real = counts.tolist()
         return {"dp_size": self.dp_size, "batch_num_tokens": tokens, "global_batch_size": rows,
@@ -418,7 +343,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         are left-padded to one length (its pipeline exchanges fixed shapes); the packed and
         right-aligned layouts drop the padding themselves. The response stays the last
         ``A`` positions of each row, as OpenRLHF slices it."""
-        dev = _device()
+        dev = device()
         S = max(e.sequences.shape[1] for e in window)
         out = []
         for e in window:
@@ -582,7 +507,7 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
         # sum to dp_size x its share (normaliser count / dp_size), and the weights sum dp_size times
         sums["policy_loss"] = [loss_sum, float(n_steps)]
         keys = sorted(sums)
-        vec = torch.tensor([x for k in keys for x in sums[k]], dtype=torch.float64, device=_device())  # NCCL: on GPU
+        vec = torch.tensor([x for k in keys for x in sums[k]], dtype=torch.float64, device=device())  # NCCL: on GPU
         if self.pp > 1:  # loss statistics live on the last stage
             dist.broadcast(vec, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
@@ -602,93 +527,6 @@ class MegatronPolicyActorImpl(BehaviourEntropyStore, LossStateSink, BaseModelAct
             self._rollout_route_stats = {}
             self.routes.set({})  # the step's routes are spent: their object-store references go now
         return status
-
-    # --------------------------------------------------------- weight sync
-    def broadcast_to_vllm(self) -> None:
-        """Stream the weights to the engines one Hugging Face tensor at a time
-        (``convert.stream_hf_tensors``: per layer, TP all-gather on the device, PP stages
-        send to rank 0; no pickled state dicts, no whole-model copy), each cast to the
-        engines' bf16 and sent through OpenRLHF's weight-sync group."""
-        from ....megatron.convert import hf_shapes, stream_hf_tensors
-
-        rank0 = dist.get_rank() == 0
-        vargs = self.args.vllm
-        resets = ([e.reset_prefix_cache.remote() for e in self.vllm_engines]
-                  if rank0 and getattr(vargs, "enable_prefix_caching", False) else [])
-        use_ray = getattr(vargs, "sync_with_ray", False)
-        last = list(hf_shapes(self.hf_config))[-1]
-
-        def send(name: str, t: torch.Tensor) -> None:
-            t = t.to(device=_device(), dtype=VLLM_DTYPE)
-            refs = [e.update_weight.remote(name, dtype=t.dtype, shape=t.shape, empty_cache=name == last)
-                    for e in self.vllm_engines]
-            if use_ray:
-                import ray.util.collective as collective
-
-                collective.broadcast(t, 0, group_name=self._model_update_group)
-            else:
-                self._model_update_group.broadcast(t, src=0, stream=torch.cuda.current_stream())
-            ray.get(refs)
-
-        stream_hf_tensors(self.model, self.hf_config, send)
-        if resets:
-            ray.get(resets)
-        dist.barrier()
-
-    # --------------------------------------------------------- checkpoints
-    def _save_hf(self, out: str | Path) -> None:
-        """The model in Hugging Face layout at ``out`` (collective; rank 0 writes, atomically,
-        from the gathered state dict without building a second model: megatron/hf_save.py)."""
-        from ....megatron.convert import gather_hf_state_dict
-        from ....megatron.hf_save import save_hf_state_dict
-
-        sd = gather_hf_state_dict(self.model, self.hf_config)
-        if dist.get_rank() == 0:
-            out = Path(out)
-            tmp = out.with_name(out.name + ".tmp")
-            # out comes from the user (--save_path, --ckpt.path): replace only what hapo wrote (fsguard)
-            remove_owned(out, "the Hugging Face save's directory", check_only=True)  # before the work
-            remove_owned(tmp, "the Hugging Face save's temp directory")
-            save_hf_state_dict(sd, self.hf_config, self.params_dtype, tmp)
-            del sd
-            self.tokenizer.save_pretrained(tmp)
-            claim(tmp)
-            remove_owned(out, "the Hugging Face save's directory")
-            os.replace(tmp, out)
-        dist.barrier()
-
-    def save_model(self) -> None:
-        self._save_hf(self.args.ckpt.output_dir)
-
-    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None) -> None:
-        from ....megatron.checkpoint import save
-
-        m = _TAG.match(tag)
-        if not m:
-            raise ValueError(f"checkpoint tag {tag!r} is not OpenRLHF's global_stepN / best_global_stepN")
-        args = self.args
-        root = self.ckpt_root / "best" if m.group(1) else self.ckpt_root
-        if not args.ckpt.disable_ds:
-            state = {"client_states": dict(client_states or {}),
-                     "scheduler": [sched.state_dict() for sched in self.schedulers],
-                     "grad_guard": self.grad_guard.state_dict(),
-                     "tag": tag, "metric_key": metric_key, "metric_value": metric_value}
-            save(root, int(m.group(2)), self.ddp, self.optimizer, trainer_state=state)
-            if dist.get_rank() == 0:
-                self._prune(root, int(args.ckpt.max_num))
-        if args.ckpt.save_hf:
-            self._save_hf(Path(args.ckpt.path) / f"{tag}_hf")
-        dist.barrier()
-
-    @staticmethod
-    def _prune(root: Path, keep: int) -> None:
-        found = sorted((int(p.name[5:]), p) for p in root.glob("step_*")
-                       if p.is_dir() and p.name[5:].isdigit())
-        for _, p in found[:-keep] if keep > 0 else []:
-            shutil.rmtree(p, ignore_errors=True)
-
-    def get_checkpoint_states(self) -> dict[str, Any]:
-        return self.checkpoint_states
 
     # ------------------------------------------------ not on this back end
     def reload_states(self):
