@@ -61,7 +61,7 @@ RAY_PROBE = ("import json, ray; ray.init(); "
              "'ray_gpus': ray.cluster_resources().get('GPU', 0)}))")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m hapo_openrlhf.cluster.job")
     ap.add_argument("--config", required=True)
     ap.add_argument("--output-dir", required=True)
@@ -75,7 +75,55 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPUs every Ray node advertises and must register (default: SLURM_GPUS_PER_NODE)")
     ap.add_argument("--network-interface", "--ray-interface", dest="network_interface", default=None,
                     help="the interface every node's Ray, gloo and NCCL traffic uses (e.g. ib0; cluster/netif.py)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _start_ray(a: argparse.Namespace, out: Path, events: Events):
+    """Ray on every node of the allocation (``ray_cluster.RayCluster``), logged; None (the error
+    logged and printed) when it does not come up."""
+    from .ray_cluster import RayCluster, allocation_hosts, gpus_per_node_from_slurm
+
+    hosts = allocation_hosts()
+    gpus = a.ray_num_gpus if a.ray_num_gpus is not None else gpus_per_node_from_slurm(
+        os.environ.get("SLURM_GPUS_PER_NODE"))
+    cpus = int(os.environ["SLURM_CPUS_PER_TASK"]) if os.environ.get("SLURM_CPUS_PER_TASK") else None
+    ray = RayCluster(hosts, a.ray_port, a.ray_timeout, log_dir=out, num_gpus=gpus, num_cpus=cpus,
+                     interface=a.network_interface)
+    try:
+        nodes = ray.start().nodes
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        events.log("ray_failed", error=str(e))
+        print(f"hapo job: error: {e}", file=sys.stderr)
+        return None
+    events.log("ray_up", address=ray.address, nodes=len(nodes), gpus=sum(n.get("gpus", 0) for n in nodes),
+               cpus=sum(n.get("cpus", 0) for n in nodes))
+    return ray
+
+
+def _after_training(stop_signal: int | None, rc: int, max_requeues: int, events: Events) -> int:
+    """The job's exit status after the trainer's ``rc``, requeueing the job where the stop asks for it."""
+    restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    # Only USR1 (the --signal=B:USR1@<s> warning, or `scancel --batch --signal=USR1`) requeues.
+    # SIGTERM (a plain scancel, the hard time limit, a scheduler preemption) checkpoints and
+    # stops; requeueing then is Slurm's decision (PreemptMode=REQUEUE), not the job's.
+    requeue = stop_signal == signal.SIGUSR1 and rc != 0  # rc 0: training finished first
+    if not requeue:
+        if stop_signal is None or rc == 0:
+            events.log("end", returncode=rc)
+            return rc
+        events.log("stopped", returncode=rc, signal=signal.Signals(stop_signal).name)
+        return 0 if rc == EXIT_PREEMPTED else rc
+    if restart >= max_requeues:
+        events.log("requeue_limit", returncode=rc, max_requeues=max_requeues)
+        print(f"hapo job: error: stopped after {restart} requeues (--max-requeues {max_requeues})", file=sys.stderr)
+        return 1
+    p = subprocess.run(["scontrol", "requeue", _job_id() or ""], capture_output=True, text=True)
+    events.log("requeue", returncode=rc, scontrol=p.returncode, message=(p.stderr or p.stdout).strip())
+    return 0 if p.returncode == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
 
     out, sets = Path(a.output_dir), list(a.set)
     if a.array_sets:
@@ -89,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hapo job: error: {e}", file=sys.stderr)
         return 1
     events = Events(out / "slurm_events.jsonl")
-    restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     events.log("start", nodes=os.environ.get("SLURM_JOB_NODELIST"), output_dir=str(out))
     flag = request_flag(out)
     flag.unlink(missing_ok=True)
@@ -120,22 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ray = None
     env = runlock.child_env(out)
     if cfg.backend in ("openrlhf", "megatron") or a.ray_check:
-        from .ray_cluster import RayCluster, allocation_hosts, gpus_per_node_from_slurm
-
-        hosts = allocation_hosts()
-        gpus = a.ray_num_gpus if a.ray_num_gpus is not None else gpus_per_node_from_slurm(
-            os.environ.get("SLURM_GPUS_PER_NODE"))
-        cpus = int(os.environ["SLURM_CPUS_PER_TASK"]) if os.environ.get("SLURM_CPUS_PER_TASK") else None
-        ray = RayCluster(hosts, a.ray_port, a.ray_timeout, log_dir=out, num_gpus=gpus, num_cpus=cpus,
-                         interface=a.network_interface)
-        try:
-            nodes = ray.start().nodes
-        except (RuntimeError, TimeoutError, ValueError) as e:
-            events.log("ray_failed", error=str(e))
-            print(f"hapo job: error: {e}", file=sys.stderr)
+        ray = _start_ray(a, out, events)
+        if ray is None:
             return 1
-        events.log("ray_up", address=ray.address, nodes=len(nodes), gpus=sum(n.get("gpus", 0) for n in nodes),
-                   cpus=sum(n.get("cpus", 0) for n in nodes))
         env.update(ray.driver_env())  # RAY_ADDRESS, and the interface's socket variables when one is named
     cmd = [sys.executable, "-c", RAY_PROBE] if a.ray_check else _train_command(cfg.backend, a.config, out, sets)
     try:
@@ -147,23 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ray is not None:
             ray.stop()
-    # Only USR1 (the --signal=B:USR1@<s> warning, or `scancel --batch --signal=USR1`) requeues.
-    # SIGTERM (a plain scancel, the hard time limit, a scheduler preemption) checkpoints and
-    # stops; requeueing then is Slurm's decision (PreemptMode=REQUEUE), not the job's.
-    requeue = state["signal"] == signal.SIGUSR1 and rc != 0  # rc 0: training finished first
-    if not requeue:
-        if state["signal"] is None or rc == 0:
-            events.log("end", returncode=rc)
-            return rc
-        events.log("stopped", returncode=rc, signal=signal.Signals(state["signal"]).name)
-        return 0 if rc == EXIT_PREEMPTED else rc
-    if restart >= a.max_requeues:
-        events.log("requeue_limit", returncode=rc, max_requeues=a.max_requeues)
-        print(f"hapo job: error: stopped after {restart} requeues (--max-requeues {a.max_requeues})", file=sys.stderr)
-        return 1
-    p = subprocess.run(["scontrol", "requeue", _job_id() or ""], capture_output=True, text=True)
-    events.log("requeue", returncode=rc, scontrol=p.returncode, message=(p.stderr or p.stdout).strip())
-    return 0 if p.returncode == 0 else 1
+    return _after_training(state["signal"], rc, a.max_requeues, events)
 
 
 if __name__ == "__main__":

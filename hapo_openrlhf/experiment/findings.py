@@ -55,22 +55,8 @@ def _fmt(t: dict) -> str:
     return f"{t['diff']:+.3f} ± {t['se']:.3f} (n={t['n']})"
 
 
-def evaluate_findings(runs: list[RunStats]) -> list[dict]:
-    """One entry per finding whose variants are all present in ``runs``."""
-    have = {r.variant for r in runs}
-    out: list[dict] = []
-
-    def add(fid, claim, reading, needs, tests):
-        """tests: [(label, paired-test dict, rule)]; rule: +1 / -1 (the direction the paper
-        claims, see ``verdict``) or a function of the test dict returning a verdict"""
-        if not set(needs) <= have:
-            return
-        rows = [{"label": lab, **t, "verdict": rule(t) if callable(rule) else verdict(t, rule)}
-                for lab, t, rule in tests()]
-        out.append({"id": fid, "claim": claim, "reading": reading, "tests": rows,
-                    "verdict": _combine([r["verdict"] for r in rows]),
-                    "evidence": "; ".join(f"{r['label']}: {_fmt(r)} -> {r['verdict']}" for r in rows)})
-
+def _dynamics_findings(runs: list[RunStats], have: set[str], add) -> None:
+    """The paper's claims about entropy and learning speed (the quadrant runs, HAPO against GRPO)."""
     ratio: Metric = lambda r: r.entropy_ratio  # noqa: E731
     q_other = ["quadrant_phr", "quadrant_nhr", "quadrant_nlr"]
     add("plr_entropy_collapse", "Training only on PLR tokens collapses entropy.",
@@ -109,6 +95,11 @@ def evaluate_findings(runs: list[RunStats]) -> list[dict]:
                  ("1 - ratio(GRPO)", paired(_const(runs, 1.0), by_seed(runs, "grpo", ratio)), 1)]
         + ([("ratio(HAPO) - ratio(DAPO)", paired(by_seed(runs, "hapo", ratio), by_seed(runs, "dapo", ratio)), 1)]
            if "dapo" in have else []))
+
+
+def _accuracy_findings(runs: list[RunStats], have: set[str], add) -> None:
+    """The paper's claims about final accuracy (the alpha sweep, the ablations, the baselines) and our
+    check of the published rule against the reconstruction."""
     final: Metric = lambda r: r.final  # noqa: E731
 
     def no_worse(t: dict, tol: float = 0.03) -> str:
@@ -156,4 +147,24 @@ def evaluate_findings(runs: list[RunStats]) -> list[dict]:
         ["hapo", "grpo", "dapo"],
         lambda: [(f"Avg@k(HAPO) - Avg@k({b.upper()})", paired(by_seed(runs, "hapo", final), by_seed(runs, b, final)), 1)
                  for b in ("grpo", "dapo")])
+
+
+def evaluate_findings(runs: list[RunStats]) -> list[dict]:
+    """One entry per finding whose variants are all present in ``runs``."""
+    have = {r.variant for r in runs}
+    out: list[dict] = []
+
+    def add(fid, claim, reading, needs, tests):
+        """tests: [(label, paired-test dict, rule)]; rule: +1 / -1 (the direction the paper
+        claims, see ``verdict``) or a function of the test dict returning a verdict"""
+        if not set(needs) <= have:
+            return
+        rows = [{"label": lab, **t, "verdict": rule(t) if callable(rule) else verdict(t, rule)}
+                for lab, t, rule in tests()]
+        out.append({"id": fid, "claim": claim, "reading": reading, "tests": rows,
+                    "verdict": _combine([r["verdict"] for r in rows]),
+                    "evidence": "; ".join(f"{r['label']}: {_fmt(r)} -> {r['verdict']}" for r in rows)})
+
+    _dynamics_findings(runs, have, add)
+    _accuracy_findings(runs, have, add)
     return out

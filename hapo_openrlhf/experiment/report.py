@@ -213,6 +213,59 @@ def _plots(runs: list[RunStats], suites: dict[str, list[str]], out: Path) -> lis
     return written
 
 
+def _suite_tables(suites: dict, table: dict, k: int) -> list[str]:
+    """One Markdown table per suite: each variant's accuracy, gains, entropy and quadrant shares."""
+    lines: list[str] = []
+    for suite, vs in suites.items():
+        lines += [f"## {suite}", "",
+                  f"| variant | Avg@{k} before | Avg@{k} final | Pass@{k} final | gain | early gain | late gain | "
+                  "entropy start → end | entropy ratio | share PHR/PLR/NHR/NLR |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for v in vs:
+            if v not in table:
+                lines.append(f"| {v} | (no finished run) |||||||||")
+                continue
+            t = table[v]
+            share = "/".join(_f(t[f"{q}_share"]["mean"], 2) for q in QUADRANTS)
+            lines.append(
+                f"| {v} | {_ms(t['avg_before'])} | {_ms(t['avg_final'])} | {_ms(t['pass_final'])} | "
+                f"{_ms(t['gain'])} | {_ms(t['early_gain'])} | {_ms(t['late_gain'])} | "
+                f"{_f(t['entropy_start']['mean'])} → {_f(t['entropy_end']['mean'])} | "
+                f"{_ms(t['entropy_ratio'])} | {share} |")
+        lines.append("")
+    return lines
+
+
+def _comparison_sections(manifest: dict, registered: list, added: list, registered_at, comparisons: list,
+                         late: list, k: int) -> list[str]:
+    """The pre-registered comparisons' verdicts, those added after the runs started (exploratory),
+    and what was added after the registration."""
+    lines: list[str] = []
+    if registered:
+        when = (f"registered by the runner when the first run started ({registered_at} UTC; "
+                f"`experiment.json`, `registration`)" if registered_at else
+                "stated in the experiment file (this manifest predates the runner's registration record)")
+        lines += ["## Pre-registered comparisons", "",
+                  f"Stated in the experiment file before the runs, {when}: for each pair, the per-seed difference of the "
+                  f"final held-out Avg@{k} (paired: same seed, same warm start), its mean, standard error and 95% "
+                  f"interval (Student's t, n - 1 df); **a > b** / **a < b** when the mean exceeds twice its "
+                  f"standard error in that direction, else **unresolved**; *seeds to resolve* = (2 sd / |mean|)^2 "
+                  f"(`hapo_openrlhf/experiment/verdicts.py`).", ""]
+        lines += verdict_table(comparisons, k) + [""]
+    if late:
+        lines += ["## Comparisons added after the runs started", "",
+                  "Not pre-registered: each was first stated after the runs had started (" +
+                  "; ".join(f"{c['a']} vs {c['b']}: {c['at']}" for c in added) + "). Same statistics as above; "
+                  "read them as exploratory.", ""]
+        lines += verdict_table(late, k) + [""]
+    late_seeds, late_variants = manifest.get("seeds_added") or {}, manifest.get("variants_added") or {}
+    if registered_at and (late_seeds or late_variants):
+        lines += ["Added after the registration: " + "; ".join(
+            [f"seed {s} ({t})" for s, t in late_seeds.items()] + [f"variant {v} ({t})" for v, t in late_variants.items()])
+            + ".", ""]
+    return lines
+
+
 def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     exp_dir = Path(exp_dir)
     out = Path(out_dir or exp_dir / "report")
@@ -254,45 +307,8 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
         lines += [f"**Missing runs** (not finished): {', '.join(missing)}", ""]
     if manifest.get("failed"):
         lines += [f"**Failed runs**: {', '.join(manifest['failed'])} (see experiment.json)", ""]
-    for suite, vs in suites.items():
-        lines += [f"## {suite}", "",
-                  f"| variant | Avg@{k} before | Avg@{k} final | Pass@{k} final | gain | early gain | late gain | "
-                  "entropy start → end | entropy ratio | share PHR/PLR/NHR/NLR |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for v in vs:
-            if v not in table:
-                lines.append(f"| {v} | (no finished run) |||||||||")
-                continue
-            t = table[v]
-            share = "/".join(_f(t[f"{q}_share"]["mean"], 2) for q in QUADRANTS)
-            lines.append(
-                f"| {v} | {_ms(t['avg_before'])} | {_ms(t['avg_final'])} | {_ms(t['pass_final'])} | "
-                f"{_ms(t['gain'])} | {_ms(t['early_gain'])} | {_ms(t['late_gain'])} | "
-                f"{_f(t['entropy_start']['mean'])} → {_f(t['entropy_end']['mean'])} | "
-                f"{_ms(t['entropy_ratio'])} | {share} |")
-        lines.append("")
-    if registered:
-        when = (f"registered by the runner when the first run started ({registered_at} UTC; "
-                f"`experiment.json`, `registration`)" if registered_at else
-                "stated in the experiment file (this manifest predates the runner's registration record)")
-        lines += ["## Pre-registered comparisons", "",
-                  f"Stated in the experiment file before the runs, {when}: for each pair, the per-seed difference of the "
-                  f"final held-out Avg@{k} (paired: same seed, same warm start), its mean, standard error and 95% "
-                  f"interval (Student's t, n - 1 df); **a > b** / **a < b** when the mean exceeds twice its "
-                  f"standard error in that direction, else **unresolved**; *seeds to resolve* = (2 sd / |mean|)^2 "
-                  f"(`hapo_openrlhf/experiment/verdicts.py`).", ""]
-        lines += verdict_table(comparisons, k) + [""]
-    if late:
-        lines += ["## Comparisons added after the runs started", "",
-                  "Not pre-registered: each was first stated after the runs had started (" +
-                  "; ".join(f"{c['a']} vs {c['b']}: {c['at']}" for c in added) + "). Same statistics as above; "
-                  "read them as exploratory.", ""]
-        lines += verdict_table(late, k) + [""]
-    late_seeds, late_variants = manifest.get("seeds_added") or {}, manifest.get("variants_added") or {}
-    if registered_at and (late_seeds or late_variants):
-        lines += ["Added after the registration: " + "; ".join(
-            [f"seed {s} ({t})" for s, t in late_seeds.items()] + [f"variant {v} ({t})" for v, t in late_variants.items()])
-            + ".", ""]
+    lines += _suite_tables(suites, table, k)
+    lines += _comparison_sections(manifest, registered, added, registered_at, comparisons, late, k)
     credit = credit_table(manifest, variants)
     if credit:
         (out / "credit.json").write_text(json.dumps(credit, indent=1))

@@ -122,6 +122,83 @@ def _count(path: Path, key: str, value: Any) -> int:
     return value
 
 
+def _check_variants(path: Path, variants: Any) -> None:
+    """``variants``: a non-empty mapping name -> {config, override}, each named as a run may be."""
+    if not isinstance(variants, dict) or not variants:
+        raise _err(path, "variants must be a non-empty mapping name -> {config, override}")
+    for v, spec in variants.items():
+        check_name(path, "variant", v)
+        if spec is not None and (not isinstance(spec, dict) or set(spec) - _VARIANT_KEYS):
+            raise _err(path, f"variant {v!r} must be a mapping with keys from {sorted(_VARIANT_KEYS)}")
+        if spec and spec.get("override") is not None and not isinstance(spec["override"], dict):
+            raise _err(path, f"variant {v!r}: override must be a mapping of run-config sections, "
+                             f"got {spec['override']!r}")
+        if spec and spec.get("config") is not None and not isinstance(spec["config"], str):
+            raise _err(path, f"variant {v!r}: config must be a file name, got {spec['config']!r}")
+
+
+def _read_suites(path: Path, suites_raw: Any, variants: dict) -> dict[str, tuple[str, ...]]:
+    """``suites``: a non-empty mapping name -> [variant, ...] of known variants ('all' reserved)."""
+    if not isinstance(suites_raw, dict) or not suites_raw:
+        raise _err(path, f"suites must be a non-empty mapping name -> [variant, ...], got {suites_raw!r}")
+    suites: dict[str, tuple[str, ...]] = {}
+    for name, members in suites_raw.items():
+        check_name(path, "suite", name)
+        if not isinstance(members, list) or not members:
+            raise _err(path, f"suite {name!r} must be a non-empty list of variant names")
+        missing = [m for m in members if not isinstance(m, str) or m not in variants]
+        if missing:
+            raise _err(path, f"suite {name!r} names unknown variant(s) {missing}")
+        suites[str(name)] = tuple(members)
+    if "all" in suites:
+        raise _err(path, "'all' is reserved (it runs every suite)")
+    return suites
+
+
+def _read_comparisons(path: Path, raw: dict, variants: dict) -> list[dict[str, str]]:
+    """``comparisons``: [{a: variant, b: variant}, ...] of two known, different variants."""
+    if not isinstance(raw.get("comparisons") or [], list):
+        raise _err(path, f"comparisons must be a list of {{a: variant, b: variant}}, got {raw['comparisons']!r}")
+    comparisons = []
+    for c in raw.get("comparisons") or []:
+        if not (isinstance(c, dict) and set(c) == {"a", "b"} and all(isinstance(c[k], str) for k in "ab")):
+            raise _err(path, f"each comparison must be a mapping {{a: variant, b: variant}}, got {c!r}")
+        missing = [c[k] for k in "ab" if c[k] not in variants]
+        if missing or c["a"] == c["b"]:
+            raise _err(path, f"comparison {c!r} names unknown or identical variant(s) {missing or [c['a']]}")
+        comparisons.append({"a": c["a"], "b": c["b"]})
+    return comparisons
+
+
+def _read_seeds(path: Path, raw: dict, seeds: list[int] | None) -> tuple[int, ...]:
+    """The RL seeds (``seeds`` from the command line, else the file's): distinct integers in numpy's range."""
+    file_seeds = raw.get("seeds", [1])
+    if seeds is None and not isinstance(file_seeds, list):
+        raise _err(path, f"seeds must be a list of distinct integers, got {file_seeds!r}")
+    seeds = tuple(seeds if seeds is not None else file_seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or not all(_is_int(s) for s in seeds):
+        raise _err(path, f"seeds must be distinct integers, got {list(seeds)[:10]}")
+    bad = [s for s in seeds if not 0 <= s < SEED_MAX]
+    if bad:
+        raise _err(path, f"seeds: seed must be an integer in [0, 2^32 - 100) (numpy's seed range, less the offsets "
+                         f"the trainer adds), got {bad[0]}")
+    return seeds
+
+
+def _read_warm_start_seed(path: Path, raw: dict, warm_start_seed: int | None, seeds: tuple[int, ...]) -> int | None:
+    """The one warm start's seed (the command line's, else the file's), or None for a warm start per
+    seed; never one of the RL seeds."""
+    shared = warm_start_seed if warm_start_seed is not None else raw.get("warm_start_seed")
+    if shared is not None and not _is_int(shared):
+        raise _err(path, f"warm_start_seed must be an integer (one warm start shared by every seed) or absent "
+                         f"(a warm start per seed), got {shared!r}")
+    if shared is not None and shared in seeds:
+        raise _err(path, f"warm_start_seed {shared} is also an RL seed: the shared warm start (the base model) "
+                         f"must be trained with a seed no RL run uses, or that run's seed would be the base "
+                         f"model's too; choose another warm_start_seed")
+    return shared
+
+
 def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_dir: str | None = None,
                     workers: int | None = None, overrides: list[str] | None = None,
                     warm_start_seed: int | None = None) -> Experiment:
@@ -146,16 +223,7 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
             raise _err(path, f"missing {k!r}")
     if not isinstance(raw["run_config"], str) or not raw["run_config"].strip():
         raise _err(path, f"run_config must be a file name, got {raw['run_config']!r}")
-    file_seeds = raw.get("seeds", [1])
-    if seeds is None and not isinstance(file_seeds, list):
-        raise _err(path, f"seeds must be a list of distinct integers, got {file_seeds!r}")
-    seeds = tuple(seeds if seeds is not None else file_seeds)
-    if not seeds or len(set(seeds)) != len(seeds) or not all(_is_int(s) for s in seeds):
-        raise _err(path, f"seeds must be distinct integers, got {list(seeds)[:10]}")
-    bad = [s for s in seeds if not 0 <= s < SEED_MAX]
-    if bad:
-        raise _err(path, f"seeds: seed must be an integer in [0, 2^32 - 100) (numpy's seed range, less the offsets "
-                         f"the trainer adds), got {bad[0]}")
+    seeds = _read_seeds(path, raw, seeds)
     workers = _count(path, "--workers" if workers is not None else "workers",
                      workers if workers is not None else raw.get("workers", 1))
     threads = _count(path, "threads_per_worker", raw.get("threads_per_worker", 1))
@@ -171,49 +239,11 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
 
     base_file = path.parent / raw["run_config"]
     variants = raw["variants"]
-    if not isinstance(variants, dict) or not variants:
-        raise _err(path, "variants must be a non-empty mapping name -> {config, override}")
-    for v, spec in variants.items():
-        check_name(path, "variant", v)
-        if spec is not None and (not isinstance(spec, dict) or set(spec) - _VARIANT_KEYS):
-            raise _err(path, f"variant {v!r} must be a mapping with keys from {sorted(_VARIANT_KEYS)}")
-        if spec and spec.get("override") is not None and not isinstance(spec["override"], dict):
-            raise _err(path, f"variant {v!r}: override must be a mapping of run-config sections, "
-                             f"got {spec['override']!r}")
-        if spec and spec.get("config") is not None and not isinstance(spec["config"], str):
-            raise _err(path, f"variant {v!r}: config must be a file name, got {spec['config']!r}")
-    if not isinstance(raw["suites"], dict) or not raw["suites"]:
-        raise _err(path, f"suites must be a non-empty mapping name -> [variant, ...], got {raw['suites']!r}")
-    suites: dict[str, tuple[str, ...]] = {}
-    for name, members in raw["suites"].items():
-        check_name(path, "suite", name)
-        if not isinstance(members, list) or not members:
-            raise _err(path, f"suite {name!r} must be a non-empty list of variant names")
-        missing = [m for m in members if not isinstance(m, str) or m not in variants]
-        if missing:
-            raise _err(path, f"suite {name!r} names unknown variant(s) {missing}")
-        suites[str(name)] = tuple(members)
-    if "all" in suites:
-        raise _err(path, "'all' is reserved (it runs every suite)")
-    if not isinstance(raw.get("comparisons") or [], list):
-        raise _err(path, f"comparisons must be a list of {{a: variant, b: variant}}, got {raw['comparisons']!r}")
-    comparisons = []
-    for c in raw.get("comparisons") or []:
-        if not (isinstance(c, dict) and set(c) == {"a", "b"} and all(isinstance(c[k], str) for k in "ab")):
-            raise _err(path, f"each comparison must be a mapping {{a: variant, b: variant}}, got {c!r}")
-        missing = [c[k] for k in "ab" if c[k] not in variants]
-        if missing or c["a"] == c["b"]:
-            raise _err(path, f"comparison {c!r} names unknown or identical variant(s) {missing or [c['a']]}")
-        comparisons.append({"a": c["a"], "b": c["b"]})
+    _check_variants(path, variants)
+    suites = _read_suites(path, raw["suites"], variants)
+    comparisons = _read_comparisons(path, raw, variants)
 
-    shared = warm_start_seed if warm_start_seed is not None else raw.get("warm_start_seed")
-    if shared is not None and not _is_int(shared):
-        raise _err(path, f"warm_start_seed must be an integer (one warm start shared by every seed) or absent "
-                         f"(a warm start per seed), got {shared!r}")
-    if shared is not None and shared in seeds:
-        raise _err(path, f"warm_start_seed {shared} is also an RL seed: the shared warm start (the base model) "
-                         f"must be trained with a seed no RL run uses, or that run's seed would be the base "
-                         f"model's too; choose another warm_start_seed")
+    shared = _read_warm_start_seed(path, raw, warm_start_seed, seeds)
     # each config is resolved and validated once; the per-seed copies differ only in the seed
     # (range-checked above) and in the names and paths derived from it
     warm_cfg = _resolve(_merge(read_raw(base_file), common), {

@@ -71,6 +71,27 @@ def fused_head_unsupported(actor) -> Optional[str]:
     return None
 
 
+def _nucleus_extras(self, hidden: torch.Tensor, head_weight: torch.Tensor, return_output: bool):
+    """What the head computes beside log-probs and entropy, from the same hidden states: log P(nucleus)
+    per position on the old-log-prob pass under top-p (``rollout/nucleus_logmass``), and on the
+    training passes of a loss that takes them (PAEC) the nucleus entropy and top-two gap, detached."""
+    top_p = getattr(self, "_hapo_nucleus_top_p", 1.0)
+    # the old-log-prob pass under top-p: log P(nucleus) per position, for rollout/nucleus_logmass
+    logmass = None
+    if return_output and top_p < 1.0 and not torch.is_grad_enabled():
+        logmass = sharded_nucleus_logmass(hidden, top_p, weight=head_weight, temperature=self.temperature,
+                                          chunk_size=self._hapo_fused_chunk)
+    # training passes of a loss that takes them (PAEC): the nucleus entropy and top-two gap, detached
+    signals = None
+    signals_top_p = getattr(self, "_hapo_signals_top_p", None)
+    if return_output and signals_top_p is not None and torch.is_grad_enabled():
+        st = sharded_nucleus_stats(hidden.detach(), signals_top_p, weight=head_weight.detach(),
+                                   temperature=self.temperature, chunk_size=self._hapo_fused_chunk,
+                                   entropy=True, top2_gap=True)
+        signals = (st.entropy, st.top2_gap)
+    return logmass, signals
+
+
 def _fused_forward(
     self,
     sequences: torch.LongTensor,
@@ -118,20 +139,7 @@ def _fused_forward(
     log_probs, entropy = fused_logprobs_entropy(
         hidden, head_weight, rolled_sequences, temperature=self.temperature, chunk_size=self._hapo_fused_chunk,
     )
-    top_p = getattr(self, "_hapo_nucleus_top_p", 1.0)
-    # the old-log-prob pass under top-p: log P(nucleus) per position, for rollout/nucleus_logmass
-    logmass = None
-    if return_output and top_p < 1.0 and not torch.is_grad_enabled():
-        logmass = sharded_nucleus_logmass(hidden, top_p, weight=head_weight, temperature=self.temperature,
-                                          chunk_size=self._hapo_fused_chunk)
-    # training passes of a loss that takes them (PAEC): the nucleus entropy and top-two gap, detached
-    signals = None
-    signals_top_p = getattr(self, "_hapo_signals_top_p", None)
-    if return_output and signals_top_p is not None and torch.is_grad_enabled():
-        st = sharded_nucleus_stats(hidden.detach(), signals_top_p, weight=head_weight.detach(),
-                                   temperature=self.temperature, chunk_size=self._hapo_fused_chunk,
-                                   entropy=True, top2_gap=True)
-        signals = (st.entropy, st.top2_gap)
+    logmass, signals = _nucleus_extras(self, hidden, head_weight, return_output)
     del hidden
     if self.packing_samples:
         log_probs = gather_and_pad_tensor(log_probs, ring_attn_group, ring_attn_pad_len, indices, batch, seqlen)

@@ -52,27 +52,16 @@ def optimizer_steps_per_step(cfg: RunConfig) -> int:
     return r.prompts_per_step * r.samples_per_prompt // cfg.openrlhf.train_batch_size * cfg.optim.ppo_epochs
 
 
-def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: int,
-                        optimizer_step: int | None = None, persisted: dict | None = None) -> dict[str, Any]:
-    """Fill ``advantages``/``returns`` (and narrow ``action_mask``) of OpenRLHF experiences in place.
-
-    Each experience needs ``rewards`` [b], ``action_mask`` [b, A_i], ``index`` (the rollout
-    position of each row; rows ``k*n .. k*n+n-1`` are one prompt's group, as OpenRLHF
-    generates them), ``response_length`` [b] and ``behaviour_entropy`` [b, A_i]; with
-    ``nucleus_logmass`` [b, A_i] (a top-p rollout) the metrics get ``rollout/nucleus_logmass``.
-    ``optimizer_step``: the optimizer steps taken before this batch (eapo_entropic's kappa
-    decay, ``AdvantageInputs.step``). ``persisted``: a stateful loss's checkpointed state.
-    The algorithm itself is ``algos.step.before_update``, as on every back end: this function
-    gathers its inputs from the experiences and spreads its output back over them. Returns the
-    estimator inputs and outputs (for dumps and tests), the batch metrics, and the loss state
-    for the actors (``loss_state``, None for a loss without one) and to checkpoint (``persisted``).
-    """
+def gather_inputs(experiences: Sequence[Any], cfg: RunConfig, n_samples: int, optimizer_step: int | None):
+    """The whole rollout batch as the algorithm's inputs, from OpenRLHF's micro-batches of
+    experiences (each padded to its own width): ``AdvantageInputs`` with the rewards after the
+    overlong penalty (the outcome, the quadrants' polarity, before it), the rows' rollout
+    positions, and the behaviour log-probs [B, T] (None where some experience lacks them)."""
     algorithm = cfg.algorithm
     if not experiences:
         raise ValueError("no experiences to compute advantages for")
     widths = [e.action_mask.shape[1] for e in experiences]
     W = max(widths)
-    rows = [len(e.index) for e in experiences]
     index = torch.tensor(list(itertools.chain.from_iterable(e.index for e in experiences)))
     for e in experiences:
         if getattr(e, "behaviour_entropy", None) is None:
@@ -103,6 +92,29 @@ def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: i
     if old is None and algos.LOSSES.get(algorithm.loss).stateful:
         raise RuntimeError(f"loss {algorithm.loss!r} steps its state from the behaviour log-probs, which some "
                            f"experiences lack (action_log_probs)")
+    return inputs, index, old
+
+
+def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: int,
+                        optimizer_step: int | None = None, persisted: dict | None = None) -> dict[str, Any]:
+    """Fill ``advantages``/``returns`` (and narrow ``action_mask``) of OpenRLHF experiences in place.
+
+    Each experience needs ``rewards`` [b], ``action_mask`` [b, A_i], ``index`` (the rollout
+    position of each row; rows ``k*n .. k*n+n-1`` are one prompt's group, as OpenRLHF
+    generates them), ``response_length`` [b] and ``behaviour_entropy`` [b, A_i]; with
+    ``nucleus_logmass`` [b, A_i] (a top-p rollout) the metrics get ``rollout/nucleus_logmass``.
+    ``optimizer_step``: the optimizer steps taken before this batch (eapo_entropic's kappa
+    decay, ``AdvantageInputs.step``). ``persisted``: a stateful loss's checkpointed state.
+    The algorithm itself is ``algos.step.before_update``, as on every back end: this function
+    gathers its inputs from the experiences and spreads its output back over them. Returns the
+    estimator inputs and outputs (for dumps and tests), the batch metrics, and the loss state
+    for the actors (``loss_state``, None for a loss without one) and to checkpoint (``persisted``).
+    """
+    algorithm = cfg.algorithm
+    inputs, index, old = gather_inputs(experiences, cfg, n_samples, optimizer_step)
+    W, rows, widths = inputs.response_mask.shape[1], [len(e.index) for e in experiences], \
+        [e.action_mask.shape[1] for e in experiences]
+    rewards, mask, entropy = inputs.rewards, inputs.response_mask, inputs.entropy
     # the estimator sees the rows in rollout order (the order the embedded trainer and verl
     # give it): LESS's clustering depends on the order of a group's responses
     step = before_update(algorithm, inputs, persisted, old_logprobs=old, estimator_order=torch.argsort(index))

@@ -109,16 +109,10 @@ def _check_model_keys(cfg: RunConfig) -> None:
     check_architecture(cfg.model, model_config_json(cfg.model.path))
 
 
-def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
-    """``[PROGRAM, --flag, value, ...]``: the argv OpenRLHF's ``train_ppo_ray`` main parses."""
-    if cfg.backend not in ("openrlhf", "megatron"):
-        raise ValueError(f"OpenRLHF flags are for backend openrlhf or megatron, not {cfg.backend!r}")
-    engine_logprobs_mode(cfg)  # refuses a behaviour vLLM cannot serve before anything starts
-    if not cfg.model.path:
-        raise ValueError(f"backend {cfg.backend} needs model.path (a Hugging Face model directory or hub id)")
-    _check_model_keys(cfg)
-    paths = RunPaths(Path(out or cfg.output_dir))
-    o, r, a, opt = cfg.openrlhf, cfg.rollout, cfg.algorithm, cfg.optim
+def _check_batch_layout(cfg: RunConfig) -> int:
+    """The rollout and train batches divide as OpenRLHF needs; returns the ranks that receive the
+    same micro-batches beside ring attention (the Megatron actor's TP x PP, else 1)."""
+    o, r = cfg.openrlhf, cfg.rollout
     if r.max_new_tokens >= o.max_len:
         raise ValueError(f"rollout.max_new_tokens ({r.max_new_tokens}) must be < openrlhf.max_len ({o.max_len})")
     n = r.samples_per_prompt
@@ -134,6 +128,79 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
     if o.train_batch_size % (o.micro_train_batch_size * dp):
         raise ValueError(f"openrlhf.train_batch_size ({o.train_batch_size}) must be a multiple of "
                          f"micro_train_batch_size x data-parallel size ({o.micro_train_batch_size} x {dp})")
+    return mp
+
+
+def _algorithm_flags(cfg: RunConfig, lp: dict) -> list[str]:
+    """The algorithm's optional flags: dual clip, the KL loss, the entropy OpenRLHF must compute,
+    DAPO's dynamic filtering, the mismatch correction (``lp``: the loss's parameters with defaults)."""
+    from ....algos.losses import LOSSES
+
+    a, argv = cfg.algorithm, []
+    if "dual_clip" in lp and lp["dual_clip"] is not None:
+        argv += ["--actor.dual_clip", _f(lp["dual_clip"])]
+    if a.kl_coef > 0:  # k3 KL to the reference as a loss term (GRPO style), never in the reward
+        argv += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+    if "entropy" in LOSSES.get(a.loss).accepts:  # entro_reg, rsi_s: OpenRLHF computes the current entropy
+        argv += ["--actor.entropy_coef", "0"]  # (coefficient 0: upstream adds nothing; hapo's loss uses it)
+    if a.dynamic_sampling:  # DAPO: drop groups whose rewards all agree, refill from the loader
+        argv += ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0"]
+    isc = a.is_correction
+    if isc.enabled:  # OpenRLHF then asks vLLM for the sampled tokens' log-probs; hapo's loss applies it
+        argv += ["--algo.advantage.is_correction_level", isc.level, "--algo.advantage.is_correction_mode", isc.mode,
+                 "--algo.advantage.is_correction_gating", isc.gating,
+                 "--algo.advantage.is_correction_threshold", *(_f(t) for t in isc.threshold)]
+    return argv
+
+
+def _switch_flags(cfg: RunConfig, paths: RunPaths) -> list[str]:
+    """OpenRLHF's switches the ``openrlhf`` section turns on (placement, async, vLLM, packing,
+    memory, saves) and the held-out evaluation."""
+    o, argv = cfg.openrlhf, []
+    if o.colocate_all:
+        argv += ["--train.colocate_all"]
+    if o.async_:  # OpenRLHF's PPOTrainerAsync (hapo's subclass: trainer_async.py)
+        argv += ["--train.async_enable", "--train.async_queue_size", str(o.async_queue_size)]
+        if o.partial_rollout:
+            argv += ["--train.partial_rollout_enable"]
+    if o.vllm_enforce_eager:
+        argv += ["--vllm.enforce_eager"]
+    if o.vllm_enable_sleep and o.colocate_all:
+        argv += ["--vllm.enable_sleep", "--ds.enable_sleep"]
+    if o.vllm_sync_backend == "gloo":
+        argv += ["--vllm.sync_with_ray"]
+    if o.packing_samples:
+        argv += ["--ds.packing_samples"]
+    if o.dynamic_batch:
+        argv += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(o.max_tokens_per_gpu)]
+    if o.gradient_checkpointing:
+        argv += ["--actor.gradient_checkpointing_enable"]
+    if o.adam_offload:
+        argv += ["--ds.adam_offload"]
+    if o.ref_offload:
+        argv += ["--ref.offload"]
+    if o.save_hf:
+        argv += ["--ckpt.save_hf"]
+    if o.eval_dataset:
+        argv += ["--eval.dataset", str(paths.eval_jsonl), "--eval.split", "train",
+                 "--eval.steps", str(cfg.trainer.eval_every or -1),
+                 "--eval.temperature", _f(cfg.eval.temperature),
+                 "--eval.n_samples_per_prompt", str(cfg.eval.n_samples)]
+    return argv
+
+
+def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
+    """``[PROGRAM, --flag, value, ...]``: the argv OpenRLHF's ``train_ppo_ray`` main parses."""
+    if cfg.backend not in ("openrlhf", "megatron"):
+        raise ValueError(f"OpenRLHF flags are for backend openrlhf or megatron, not {cfg.backend!r}")
+    engine_logprobs_mode(cfg)  # refuses a behaviour vLLM cannot serve before anything starts
+    if not cfg.model.path:
+        raise ValueError(f"backend {cfg.backend} needs model.path (a Hugging Face model directory or hub id)")
+    _check_model_keys(cfg)
+    paths = RunPaths(Path(out or cfg.output_dir))
+    o, r, a, opt = cfg.openrlhf, cfg.rollout, cfg.algorithm, cfg.optim
+    n = r.samples_per_prompt
+    mp = _check_batch_layout(cfg)
     from ....algos.losses import LOSSES
 
     # the loss's parameters with the registry's defaults (the one source of truth for them); a loss
@@ -199,48 +266,7 @@ def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:
         "--ckpt.load_enable",
         "--logger.tensorboard_dir", str(paths.tensorboard),
     ]
-    if "dual_clip" in lp and lp["dual_clip"] is not None:
-        argv += ["--actor.dual_clip", _f(lp["dual_clip"])]
-    if a.kl_coef > 0:  # k3 KL to the reference as a loss term (GRPO style), never in the reward
-        argv += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
-    if "entropy" in LOSSES.get(a.loss).accepts:  # entro_reg, rsi_s: OpenRLHF computes the current entropy
-        argv += ["--actor.entropy_coef", "0"]  # (coefficient 0: upstream adds nothing; hapo's loss uses it)
-    if a.dynamic_sampling:  # DAPO: drop groups whose rewards all agree, refill from the loader
-        argv += ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "1.0"]
-    isc = a.is_correction
-    if isc.enabled:  # OpenRLHF then asks vLLM for the sampled tokens' log-probs; hapo's loss applies it
-        argv += ["--algo.advantage.is_correction_level", isc.level, "--algo.advantage.is_correction_mode", isc.mode,
-                 "--algo.advantage.is_correction_gating", isc.gating,
-                 "--algo.advantage.is_correction_threshold", *(_f(t) for t in isc.threshold)]
-    if o.colocate_all:
-        argv += ["--train.colocate_all"]
-    if o.async_:  # OpenRLHF's PPOTrainerAsync (hapo's subclass: trainer_async.py)
-        argv += ["--train.async_enable", "--train.async_queue_size", str(o.async_queue_size)]
-        if o.partial_rollout:
-            argv += ["--train.partial_rollout_enable"]
-    if o.vllm_enforce_eager:
-        argv += ["--vllm.enforce_eager"]
-    if o.vllm_enable_sleep and o.colocate_all:
-        argv += ["--vllm.enable_sleep", "--ds.enable_sleep"]
-    if o.vllm_sync_backend == "gloo":
-        argv += ["--vllm.sync_with_ray"]
-    if o.packing_samples:
-        argv += ["--ds.packing_samples"]
-    if o.dynamic_batch:
-        argv += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(o.max_tokens_per_gpu)]
-    if o.gradient_checkpointing:
-        argv += ["--actor.gradient_checkpointing_enable"]
-    if o.adam_offload:
-        argv += ["--ds.adam_offload"]
-    if o.ref_offload:
-        argv += ["--ref.offload"]
-    if o.save_hf:
-        argv += ["--ckpt.save_hf"]
-    if o.eval_dataset:
-        argv += ["--eval.dataset", str(paths.eval_jsonl), "--eval.split", "train",
-                 "--eval.steps", str(cfg.trainer.eval_every or -1),
-                 "--eval.temperature", _f(cfg.eval.temperature),
-                 "--eval.n_samples_per_prompt", str(cfg.eval.n_samples)]
+    argv += _algorithm_flags(cfg, lp) + _switch_flags(cfg, paths)
     _check_extra_args(o.extra_args, argv)
     return argv + list(o.extra_args)
 
