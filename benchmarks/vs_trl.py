@@ -68,7 +68,7 @@ def run_trl(cfg, out: Path, steps: int, problems) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from hapo_openrlhf.data.templates import apply_template
-    from hapo_openrlhf.local.model import load_tokenizer
+    from hapo_openrlhf.data.tokenizer import load_tokenizer
     from hapo_openrlhf.rewards.verify import MathVerifier
 
     tok = load_tokenizer(out / "warm")

@@ -110,3 +110,31 @@ def test_the_config_crosses_ray_typed():
                         re.search(r"hapo_cfg\[|\[\"(megatron|algorithm|rollout|optim|openrlhf)\"\]", code):
                     untyped.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert untyped == []
+
+
+def test_no_file_over_600_lines_and_at_most_three_functions_over_80():
+    """Issue 56's size limits: a file holds one job; a long function is one that does several."""
+    big, long = [], []
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        if len(text.splitlines()) > 600:
+            big.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert big == [] and len(long) <= 3, (big, long)
+
+
+# what may import the embedded trainer's package from outside it, and why
+LOCAL_USERS = {
+    "hapo_openrlhf.cli": "`hapo train` on backend local runs it",
+    "hapo_openrlhf.experiment.runner": "an experiment's runs are embedded-trainer runs",
+    "hapo_openrlhf.eval.engines": "the evaluation's Hugging Face engine samples with the embedded sampler "
+                                  "(local/rollout.py)",
+}
+
+
+def test_the_embedded_trainer_is_imported_only_by_the_cli_and_named_users():
+    users = sorted(m for m, deps in _imports().items() if not m.startswith("hapo_openrlhf.local")
+                   and any(d.startswith("hapo_openrlhf.local") for d in deps))
+    assert set(users) <= set(LOCAL_USERS), users

@@ -11,7 +11,7 @@ from .base import require
 
 # The tiny model's architecture when model.path is unset. With model.path these keys
 # default to none: the loaded model's own config.json decides, and a key that is given is
-# checked against it (local/model.py: check_architecture), never silently ignored.
+# checked against it (config/model_files.py: check_architecture), never silently ignored.
 TINY_ARCHITECTURE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                      "intermediate_size": 384, "max_position_embeddings": 256, "tie_word_embeddings": True,
                      "family": "qwen2"}

@@ -42,7 +42,7 @@ class HFEngine:
     def __init__(self, model_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
-        from ..local.model import load_tokenizer
+        from ..data.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()

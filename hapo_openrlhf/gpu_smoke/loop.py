@@ -120,7 +120,7 @@ def vllm_routes_check(device: str = "cuda") -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from vllm import LLM, SamplingParams
 
-    from ..local.model import build_tokenizer
+    from ..data.tokenizer import build_tokenizer
 
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,

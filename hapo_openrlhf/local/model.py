@@ -13,40 +13,8 @@ from pathlib import Path
 
 import torch
 
-PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
-
-
-def build_tokenizer():
-    """One token per UTF-8 byte: a byte-level BPE without merges.
-
-    Byte-level (Qwen2 / GPT-2 style) rather than plain characters because
-    ``AutoTokenizer`` on a ``qwen2`` model directory rebuilds a Qwen2 tokenizer
-    (byte-level pre-tokenizer and decoder) around the saved vocabulary: with
-    this vocabulary every loader (ours, transformers, vLLM, OpenRLHF) splits
-    text identically.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate([PAD, EOS, UNK, *alphabet])}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
-    )
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
+from ..config.model_files import HF_FIELDS, check_architecture, model_config_json  # noqa: F401
+from ..data.tokenizer import EOS, PAD, UNK, build_tokenizer, load_tokenizer  # noqa: F401
 
 # model.family: the Hugging Face architecture of the tiny model (head_dim = hidden / heads)
 FAMILIES = ("qwen2", "qwen3", "llama")
@@ -82,44 +50,6 @@ def build_model(cfg, tokenizer, seed: int):
         model = AutoModelForCausalLM.from_config(qcfg)
     model.config.use_cache = True
     return model
-
-
-# ModelConfig key -> the Hugging Face config.json field it describes
-HF_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-             "num_kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size",
-             "max_position_embeddings": "max_position_embeddings", "tie_word_embeddings": "tie_word_embeddings",
-             "family": "model_type"}
-
-
-def model_config_json(path: str | Path) -> dict:
-    """``path/config.json`` as a dict (a named error for a missing or damaged one)."""
-    from ..rundir.jsonfile import read_json_object
-
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ValueError(f"model.path {str(path)!r} has no config.json (not a Hugging Face model directory)")
-    return read_json_object(f, "the model's config")
-
-
-def check_architecture(cfg, hf_config: dict) -> None:
-    """With ``model.path`` set, every architecture key the run config states (``model.family``,
-    ``model.hidden_size``, ...) must describe the model at that path: it cannot change a
-    trained model, and silently ignoring it would record an architecture in ``config.yaml``
-    that the run did not have. Refused by name, with both values."""
-    wrong = []
-    for key, value in cfg.architecture_given().items():
-        field = HF_FIELDS[key]
-        have = hf_config.get(field)
-        if key == "num_kv_heads" and have is None:  # absent in config.json: as many as attention heads
-            have = hf_config.get("num_attention_heads")
-        if key == "tie_word_embeddings" and have is None:
-            have = True  # transformers' PretrainedConfig default
-        if have != value:
-            wrong.append(f"model.{key}: {value!r} but the model's config.json has {field}: {have!r}")
-    if wrong:
-        raise ValueError(f"model.path {cfg.path!r} holds another architecture than the config states ("
-                         + "; ".join(wrong) + "); model keys cannot change a saved model: remove them, or "
-                         "point model.path at a model that has them")
 
 
 def load_or_build(cfg, seed: int):

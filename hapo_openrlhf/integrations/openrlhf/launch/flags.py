@@ -97,7 +97,7 @@ def _check_model_keys(cfg: RunConfig) -> None:
     """OpenRLHF and Megatron train the model at ``model.path`` as it is: an architecture key in
     the config (``model.family``, ``model.hidden_size``, ...) is checked against its
     ``config.json``, or refused when the path is a hub id there is no local file to check."""
-    from ....local.model import check_architecture, model_config_json
+    from ....config.model_files import check_architecture, model_config_json
 
     given = cfg.model.architecture_given()
     if not given:
