@@ -1,7 +1,7 @@
 """One RL step's algorithm, the same on every back end.
 
 Every trainer -- the embedded one (``local/trainer.py``) and the OpenRLHF controller
-(``integrations/openrlhf/experience.py``, which also drives the Megatron actor) -- builds one
+(``integrations/openrlhf/controller/experience.py``, which also drives the Megatron actor) -- builds one
 :class:`~hapo_openrlhf.algos.advantages.AdvantageInputs` for the whole rollout batch and then calls,
 in this order and nowhere else:
 

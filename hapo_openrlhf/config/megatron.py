@@ -18,7 +18,7 @@ class MegatronMoEConfig:
     aux_loss_coeff: float = 0.0  # the load-balancing loss (0: none, slime's RL default; moe.scaled_aux_loss)
     freeze_router: bool = False  # keep every router's weight at its checkpoint value
     # off | r3: replay the rollout's routed experts in the old-log-prob and training forwards (the engines
-    # return them: vLLM with enable_return_routed_experts on GPUs; integrations/openrlhf/routes.py)
+    # return them: vLLM with enable_return_routed_experts on GPUs; integrations/openrlhf/actors/routes.py)
     routing_replay: str = "off"
 
     def __post_init__(self):

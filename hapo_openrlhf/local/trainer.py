@@ -52,7 +52,7 @@ class TrainState:
     consumed_prompts: int = 0
     warmup_done: bool = False
     eval_before: dict = field(default_factory=dict)
-    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (grad_guard.py)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (algos/grad_guard.py)
     consecutive_skips: int = 0
     loss_state: dict = field(default_factory=dict)  # a stateful loss's controller (STARE), checkpointed
     # optimizer steps taken (one per PPO epoch of each RL step): eapo_entropic's kappa schedule reads it,
@@ -418,7 +418,7 @@ class LocalTrainer:
         return sums
 
     def _skip_update(self, grad_norm: float, optimizer_step: int) -> bool:
-        """The shared rule (grad_guard.py); its counters live in the checkpointed TrainState."""
+        """The shared rule (algos/grad_guard.py); its counters live in the checkpointed TrainState."""
         g = SkipGuard(self.cfg.optim.max_consecutive_skips, "the embedded trainer")
         g.load_state_dict({"skipped": self.state.skipped_steps, "consecutive": self.state.consecutive_skips})
         try:

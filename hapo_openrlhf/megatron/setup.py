@@ -1,7 +1,7 @@
 """The Megatron actor's start-up, one function per stage: the parallel state, this rank's
 ``GPTModel`` stage, and its weights from a Hugging Face checkpoint.
 
-The policy actor (``integrations/openrlhf/megatron_actor.py``), its KL reference and the
+The policy actor (``integrations/openrlhf/actors/megatron_actor.py``), its KL reference and the
 full-size dry run (:mod:`.dryrun`, ``hapo doctor --config``) call these same functions, so
 a layout the dry run starts is a layout the actor starts. The caller has initialised
 ``torch.distributed``; megatron-core is imported lazily (the ``megatron`` extra).

@@ -9,7 +9,7 @@ complete checkpoint.
 Back ends: the local trainer checks ``stop_requested`` after every step. The OpenRLHF
 controller runs in a Ray actor, which a signal to the driver does not reach, so the
 driver writes :data:`PREEMPT_FLAG` into the output directory and the controller checks
-for it after every global step (``integrations/openrlhf/trainer.py``).
+for it after every global step (``integrations/openrlhf/controller/trainer.py``).
 """
 
 from __future__ import annotations

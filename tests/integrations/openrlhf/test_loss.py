@@ -71,7 +71,7 @@ def test_dispatches_to_registry_losses(name, params):
 def test_a_non_finite_loss_reaches_the_gradient_guard_without_a_sync():
     """The actors' loss checks nothing per micro-batch (a check would wait for the GPU): a NaN
     advantage gives a NaN loss and NaN gradients, which the optimizer step's guard skips
-    (grad_guard.py; the actors' tests). The registry's own entry point still refuses it."""
+    (algos/grad_guard.py; the actors' tests). The registry's own entry point still refuses it."""
     new, old, adv, mask = _batch()
     adv[1, 1] = float("nan")
     new = new.detach().clone().requires_grad_(True)

@@ -1,4 +1,4 @@
-"""Rollout routing replay's seam (integrations/openrlhf/routes.py): the engine's routed experts
+"""Rollout routing replay's seam (integrations/openrlhf/actors/routes.py): the engine's routed experts
 travel beside OpenRLHF's experiences, keyed by each row's tokens, through upstream's own
 re-batching, to the tensor the Megatron schedule replays. (The Megatron actor replaying them:
 test_megatron_actor.py; the whole loop under OpenRLHF's controller: test_e2e_megatron.py.)"""

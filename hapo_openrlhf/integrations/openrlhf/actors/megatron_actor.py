@@ -422,7 +422,7 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
         lr = self.schedulers[0].get_last_lr()[0]
         norm = self.optimizer.step()  # reduce over DP, clip at actor.max_norm, AdamW, gather parameters
         # a non-finite gradient: the optimizer skipped the update (every rank alike), the schedule
-        # stays; N in a row stop the run (grad_guard.py)
+        # stays; N in a row stop the run (algos/grad_guard.py)
         skipped = self.grad_guard.update(norm if self.optimizer.skipped else None,
                                          step=self.schedulers[0].last_epoch + 1)
         if not skipped:

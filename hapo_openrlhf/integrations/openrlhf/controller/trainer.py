@@ -219,7 +219,7 @@ class HapoPPOTrainerImpl(HapoControllerMixin, PPOTrainer.__ray_actor_class__):
 # upstream's status keys of the rollout/training mismatch correction -> hapo's names (docs/method.md)
 MISMATCH_METRICS = {"vllm_kl": "actor/vllm_kl", "is_filter_ratio": "actor/is_filter_frac",
                     "is_ratio_mean": "actor/is_ratio_mean", "is_ratio_max": "actor/is_ratio_max"}
-# the mismatch correction and the non-finite-gradient guard (grad_guard.py), under hapo's names
+# the mismatch correction and the non-finite-gradient guard (algos/grad_guard.py), under hapo's names
 HAPO_NAMES = {**MISMATCH_METRICS, "actor_grad_norm": "actor/grad_norm", "actor_skipped_steps": "actor/skipped_steps"}
 
 
