@@ -83,6 +83,7 @@ def moe_check(device: str = "cuda") -> dict:
     from ..megatron.model import build_gpt_model
     from ..megatron.moe import reduce_route_stats, to_checkpoint_names
     from ..megatron.schedule import forward_backward
+    from ..megatron.taps import RouterStats
 
     cuda = one_rank_job(device)
     torch.manual_seed(0)
@@ -111,7 +112,7 @@ def moe_check(device: str = "cuda") -> dict:
              for layer in hf.model.layers]
     with torch.no_grad():
         (lp, en), = forward_backward(model, [{"input_ids": ids, "attention_mask": am}], None, vocab_size=512,
-                                     forward_only=True, layout="thd", route_stats=stats)
+                                     forward_only=True, layout="thd", taps=[RouterStats(stats)])
         pos = (am.cumsum(-1) - 1).clamp(min=0)
         z = hf(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, :-1].float()
     for h in hooks:

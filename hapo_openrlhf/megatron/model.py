@@ -122,7 +122,7 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
     Mixture of experts (``families``): ``ep`` expert-parallel ranks (Megatron's parallel state
     must have been set up with them), ``moe`` router / dispatcher settings
     (``moe.moe_config_kwargs``), ``freeze_router`` keeps every router's weight fixed,
-    ``routing_replay`` gives every router megatron-core's ``RouterReplay`` (``moe.RouteReplay``)."""
+    ``routing_replay`` gives every router megatron-core's ``RouterReplay`` (``taps.RouteReplay``)."""
     from megatron.core.models.gpt import GPTModel
 
     from .compat import fill_known_gaps, quiet_known_notices

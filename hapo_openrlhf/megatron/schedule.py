@@ -27,14 +27,16 @@ where the row has no next real token. Rows must hold their real tokens contiguou
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from ..algos.entropy import DEFAULT_CHUNK
 from . import head as heads
 from .model import attention_inputs, default_layout
+from .taps import AuxLossScale, Head, ReplayRoutes, Tap
 
 # loss_fn(logp [B, S-1], entropy [B, S-1], micro_batch) -> (scalar loss, {metric: float tensor})
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -319,27 +321,17 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
 
 def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn | None, *,
                      vocab_size: int, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
-                     forward_only: bool = False, layout: str | None = None, nucleus_top_p: float = 1.0,
-                     signals_top_p: float | None = None, route_stats: dict | None = None,
-                     router_stats: bool = True, aux_loss_normaliser: float | None = None) -> list[Any]:
+                     forward_only: bool = False, layout: str | None = None, taps: Sequence[Tap] = ()) -> list[Any]:
     """Run ``micro_batches`` (dicts with ``input_ids`` and ``attention_mask`` [B, S], plus
     whatever ``loss_fn`` reads) through the schedule on every rank of the model-parallel
     group. Returns, on the last pipeline stage, one entry per micro-batch: the metrics
     dict (with ``loss``), or with ``loss_fn=None`` the ``(logp, entropy)`` pair (the
-    old-log-prob pass; with ``nucleus_top_p`` < 1 a triple, log P(nucleus) [B, S-1] third);
-    other stages get an empty list. With ``signals_top_p`` (a loss that takes them: PAEC)
-    ``loss_fn``'s micro-batch also holds ``head_signals``: (nucleus entropy, top-two gap)
-    [B, S-1] of the same forward, detached. Micro-batches with ``routed_experts`` [B, S, layers,
-    k] (a MoE model built with ``routing_replay``) replay those expert choices
-    (``moe.RouteReplay``); ``route_stats`` then accumulates ``tokens`` and ``differed``: the
-    recorded (token, layer) routings, and those the router would have chosen otherwise. For a
-    MoE model ``route_stats`` also gathers the router statistics of the real tokens
-    (``moe.RouterMonitor``; ``moe.router_metrics`` turns them into logged values) unless
-    ``router_stats`` is False (then only the replay's counts: no router GEMM recomputed). Gradients accumulate into the
-    parameters (with Megatron's DDP wrapper, ``ddp.wrap``: into its fp32 buffers) unless
-    ``forward_only``. A MoE model trained with a load-balancing loss (``moe_aux_loss_coeff`` > 0)
-    needs ``aux_loss_normaliser``: the step's real tokens over every data-parallel rank divided by
-    DP, as hapo's losses divide (``moe.scaled_aux_loss``).
+    old-log-prob pass), to which taps may add (``taps.NucleusLogMass``); other stages get an
+    empty list. Gradients accumulate into the parameters (with Megatron's DDP wrapper,
+    ``ddp.wrap``: into its fp32 buffers) unless ``forward_only``.
+
+    ``taps`` (``megatron/taps.py``): what else a pass does around its micro-batches -- the head's
+    extra values, rollout routing replay, router statistics, the load-balancing loss's weight.
 
     ``layout`` (module docstring; default :func:`~.model.default_layout`): ``thd`` and
     ``padded`` need the model built with ``attention="flash"``; ``masked`` with Megatron's
@@ -369,27 +361,17 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     if not config.calculate_per_token_loss:
         raise ValueError("the model config needs calculate_per_token_loss=True (hapo divides by the global "
                          "normaliser itself; Megatron would otherwise divide again)")
+    if any("routed_experts" in mb for mb in micro_batches) and not any(isinstance(t, ReplayRoutes) for t in taps):
+        raise ValueError("micro-batches carry routed_experts but no taps.ReplayRoutes is given: the routes would "
+                         "not be replayed")
+    training = not (forward_only or loss_fn is None)
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     checked = [ids_within_vocabulary(mb, vocab_size) for mb in micro_batches]
     it = iter(zip(micro_batches, layouts, checked))
-    # rollout routing replay: micro-batches carrying the rollout's routed experts [B, S, layers, k]
-    replay = None
-    if any("routed_experts" in mb for mb in micro_batches):
-        from .moe import RouteReplay
-
-        if not all("routed_experts" in mb for mb in micro_batches):
-            raise ValueError("routing replay: every micro-batch needs routed_experts, or none")
-        if pp > 1 and config.recompute_granularity is not None:
-            raise ValueError("routing replay with activation recomputation under pipeline parallelism is not "
-                             "supported (a recomputed forward would replay a later micro-batch's routes)")
-        replay = RouteReplay(_unwrap(model))
     sp_tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
     moe = bool(getattr(config, "num_moe_experts", None))
-    monitor = None
-    if route_stats is not None and router_stats and getattr(config, "num_moe_experts", None):
-        from .moe import RouterMonitor
-
-        monitor = RouterMonitor(_unwrap(model))
+    # a load-balancing loss is refused by name without its scale (taps.AuxLossScale)
+    taps = list(taps) if any(isinstance(t, AuxLossScale) for t in taps) else [*taps, AuxLossScale(None)]
 
     def forward_step(data_iterator: Iterable, model):
         mb, lay, ids_checked = next(data_iterator)
@@ -397,10 +379,8 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
         if moe:  # the layout's own tokens stay out of the routers' load-balancing loss and counts
             later = not _unwrap(model).pre_process  # megatron-core scatters the mask on the first stage only
             inputs["padding_mask"] = lay.padding_mask(tp_rank=tp_rank, tp=sp_tp) if later else lay.padding_mask()
-        if replay is not None:
-            replay.set(*lay.route_input(mb["routed_experts"], tp_rank=tp_rank, tp=sp_tp))
-        if monitor is not None:
-            monitor.set(lay.real_tokens(tp_rank=tp_rank, tp=sp_tp))
+        for tap in taps:
+            tap.before_forward(mb, lay, tp_rank, sp_tp)
         output = model(**inputs)
 
         def loss_func(logits: torch.Tensor, non_loss_data: bool = False):
@@ -409,18 +389,12 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
             lp, en = lay.logprobs_entropy(logits, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,
                                           chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight,
                                           labels_checked=ids_checked)
+            head = Head(vocab_size, temperature, chunk_size, tp_group, tp_rank, weight)
+            batch, vals = mb, (lp.detach(), en.detach()) if loss_fn is None else ()
+            for tap in taps:
+                batch, vals = tap.on_head(logits, lay, head, batch, vals, loss_fn is not None)
             if loss_fn is None:  # forward only: hand the values back
-                vals = (lp.detach(), en.detach())
-                if nucleus_top_p < 1.0:
-                    vals += (lay.nucleus_logmass(logits, top_p=nucleus_top_p, vocab_size=vocab_size,
-                                                 temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
-                                                 tp_rank=tp_rank, weight=weight),)
                 return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), vals
-            batch = mb
-            if signals_top_p is not None:
-                batch = {**mb, "head_signals": lay.head_signals(
-                    logits, top_p=signals_top_p, vocab_size=vocab_size, temperature=temperature,
-                    chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight)}
             loss, metrics = loss_fn(lp, en, batch)
             return loss, torch.tensor(1, dtype=torch.int), {"loss": loss.detach(), **metrics}
 
@@ -434,22 +408,16 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     else:
         seq_length, mbs = micro_batches[0]["input_ids"].shape[1], micro_batches[0]["input_ids"].shape[0]
     fb = get_forward_backward_func()
-    from .moe import scaled_aux_loss
-
-    try:
-        with scaled_aux_loss(_unwrap(model).config, aux_loss_normaliser, training=not (forward_only or loss_fn is None)):
-            return fb(forward_step_func=forward_step, data_iterator=it, model=model,
-                      num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=mbs,
-                      forward_only=forward_only or loss_fn is None)
-    finally:
-        if monitor is not None:
-            monitor.close()
-            monitor.add_to(route_stats)
-        if replay is not None:
-            replay.close()
-            if route_stats is not None:  # tokens routed by replay, and those the router would have sent elsewhere
-                route_stats["tokens"] = route_stats.get("tokens", 0) + replay.tokens
-                route_stats["differed"] = route_stats.get("differed", 0) + replay.differed
+    inner = _unwrap(model)
+    with contextlib.ExitStack() as stack:
+        for tap in taps:  # closed in reverse order, on error too
+            stack.callback(tap.close)
+            tap.start(inner, micro_batches, training)
+        for tap in taps:
+            stack.enter_context(tap.context(inner.config, training))
+        return fb(forward_step_func=forward_step, data_iterator=it, model=model,
+                  num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=mbs,
+                  forward_only=forward_only or loss_fn is None)
 
 
 def _unwrap(model):

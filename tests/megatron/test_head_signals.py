@@ -41,6 +41,7 @@ def _worker(rank, world, head, out):
 
     from hapo_openrlhf.megatron.model import build_qwen2_gpt_model
     from hapo_openrlhf.megatron.schedule import forward_backward
+    from hapo_openrlhf.megatron.taps import HeadSignals
 
     from ..conftest import largest_new_tensor_numel
 
@@ -58,7 +59,7 @@ def _worker(rank, world, head, out):
         return lp.sum() * 0, {}
 
     forward_backward(model, [{"input_ids": ids, "attention_mask": am}], loss_fn, vocab_size=259, temperature=T,
-                     chunk_size=4, signals_top_p=TOP_P)
+                     chunk_size=4, taps=[HeadSignals(TOP_P)])
     # the signals' own allocations: no tensor of T x V/TP (the logits head's shard is handed in)
     from hapo_openrlhf.megatron.head import next_token_head_signals, output_weight, is_installed
 

@@ -404,6 +404,7 @@ def _replay_worker(rank, world, ep, out):
 
     from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.schedule import forward_backward
+    from hapo_openrlhf.megatron.taps import ReplayRoutes, RouterStats
 
     from ._dist import load_hf_into
     from .test_convert import hf_logprobs_entropy
@@ -436,7 +437,7 @@ def _replay_worker(rank, world, ep, out):
     stats = {}
     with torch.no_grad():
         replayed = forward_backward(model, mbs, None, vocab_size=259, temperature=T, forward_only=True,
-                                    route_stats=stats)
+                                    taps=[ReplayRoutes(stats), RouterStats(stats)])
         used_replay = {i: list(v) for i, v in used.items()}
         used.clear()
         plain = forward_backward(model, [{k: v for k, v in mb.items() if k != "routed_experts"} for mb in mbs],
@@ -505,6 +506,7 @@ def _bf16_engine_worker(rank, world, out):
 
     from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.schedule import forward_backward
+    from hapo_openrlhf.megatron.taps import ReplayRoutes, RouterStats
 
     from ._dist import load_hf_into
 
@@ -530,7 +532,7 @@ def _bf16_engine_worker(rank, world, out):
     with torch.no_grad():
         off = forward_backward(model, mbs, None, vocab_size=259, temperature=T, forward_only=True)[0][0]
         on = forward_backward(model, [{**mbs[0], "routed_experts": routes[rows]}], None, vocab_size=259,
-                              temperature=T, forward_only=True, route_stats=stats)[0][0]
+                              temperature=T, forward_only=True, taps=[ReplayRoutes(stats), RouterStats(stats)])[0][0]
     everyone = [None] * world
     dist.all_gather_object(everyone, (dp_rank, off.double(), on.double(), stats["tokens"], stats["differed"]))
     if rank != 0:
@@ -630,6 +632,7 @@ def _monitor_worker(rank, layout, out):
     from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.moe import router_metrics
     from hapo_openrlhf.megatron.schedule import forward_backward
+    from hapo_openrlhf.megatron.taps import RouterStats
 
     from ._dist import load_hf_into
 
@@ -642,7 +645,7 @@ def _monitor_worker(rank, layout, out):
     with torch.no_grad():
         forward_backward(model, [{"input_ids": ids[:2], "attention_mask": am[:2]},
                                  {"input_ids": ids[2:], "attention_mask": am[2:]}], None, vocab_size=259,
-                         forward_only=True, layout=layout, route_stats=stats)
+                         forward_only=True, layout=layout, taps=[RouterStats(stats)])
         pos = (am.cumsum(-1) - 1).clamp(min=0)
         logits = hf(input_ids=ids, attention_mask=am, position_ids=pos, output_router_logits=True).router_logits
     real = am.bool().reshape(-1)

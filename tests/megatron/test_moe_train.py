@@ -86,6 +86,7 @@ def _train(coeff: float, layout: str, dispatcher: str, pp: int = 1, tp: int = 1,
     from hapo_openrlhf.megatron.ddp import MegatronOptimizer, wrap
     from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.schedule import forward_backward
+    from hapo_openrlhf.megatron.taps import AuxLossScale
 
     from ._dist import load_hf_into
 
@@ -114,7 +115,7 @@ def _train(coeff: float, layout: str, dispatcher: str, pp: int = 1, tp: int = 1,
             return -(lp * mb["w"] * _valid(mb["attention_mask"])).sum() / n_global * dp, {}
 
         res = forward_backward(ddp, mbs, loss_fn, vocab_size=259, layout=layout,
-                               aux_loss_normaliser=float(am.sum()) / dp)
+                               taps=[AuxLossScale(float(am.sum()) / dp)])
         loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp if tp_rank == 0 else 0.0, dtype=torch.float64)
         dist.all_reduce(loss)  # the last stage of each replica holds its share (on every TP rank: counted once)
         losses.append(float(loss))

@@ -255,6 +255,7 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
         from megatron.core import parallel_state as ps
 
         from ....megatron.schedule import forward_backward
+        from ....megatron.taps import NucleusLogMass, ReplayRoutes
 
         from ....algos.nucleus import metric_due
 
@@ -271,10 +272,10 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
                 mb["routed_experts"] = self.routes.tensor(mb["input_ids_cpu"], mb["attention_mask_cpu"])
         self.model.eval()
         with torch.no_grad():
+            # under R3 the replay's counts only (no router entropy / load on this pass)
+            taps = [NucleusLogMass(top_p)] + ([ReplayRoutes(self._rollout_route_stats)] if self.r3 else [])
             out = forward_backward(self.model, mbs, None, vocab_size=self.vocab_size, temperature=self.temperature,
-                                   chunk_size=self.entropy_chunk, forward_only=True, layout=self.layout,
-                                   nucleus_top_p=top_p, route_stats=self._rollout_route_stats,
-                                   router_stats=False)  # the replay's counts only (no entropy / load here)
+                                   chunk_size=self.entropy_chunk, forward_only=True, layout=self.layout, taps=taps)
         self.model.train()
         # log-probs, entropy and (under top-p) log P(nucleus), each [B, S-1]
         vals = [torch.zeros(B, S - 1, dtype=torch.float32, device=dev) for _ in range(3 if top_p < 1 else 2)]
@@ -366,6 +367,7 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
 
     def _optimizer_step(self, window: list[Experience], route_stats: dict | None = None) -> dict[str, float]:
         from ....megatron.schedule import forward_backward
+        from ....megatron.taps import AuxLossScale, HeadSignals, ReplayRoutes, RouterStats
 
         info = self._loss_norm(window)
         aux_norm = info.pop("real_tokens") / self.dp_size  # the load-balancing loss's (moe.scaled_aux_loss)
@@ -415,10 +417,13 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
                 f.write(json.dumps({"layout": self.layout, "budget": self.token_budget,
                                     "tokens": [int(e.attention_mask.sum()) for e in window],
                                     "rows": [int(e.attention_mask.shape[0]) for e in window]}) + "\n")
+        # PAEC's head signals; R3's replay; the routers' statistics (closed in reverse: stats, then replay's counts)
+        taps = [HeadSignals(self.loss_fn.signals_top_p)] if self.loss_fn.signals_top_p is not None else []
+        taps += ([ReplayRoutes(route_stats)] if self.r3 else []) + ([RouterStats(route_stats)] if route_stats is not None
+                                                                   else [])
         out = forward_backward(self.ddp, self._micro_batches(window), loss_fn, vocab_size=self.vocab_size,
                                temperature=self.temperature, chunk_size=self.entropy_chunk, layout=self.layout,
-                               signals_top_p=self.loss_fn.signals_top_p, route_stats=route_stats,
-                               aux_loss_normaliser=aux_norm)
+                               taps=[*taps, AuxLossScale(aux_norm)])
         lr = self.schedulers[0].get_last_lr()[0]
         norm = self.optimizer.step()  # reduce over DP, clip at actor.max_norm, AdamW, gather parameters
         # a non-finite gradient: the optimizer skipped the update (every rank alike), the schedule
