@@ -533,6 +533,12 @@ def _bf16_engine_worker(rank, world, out):
         off = forward_backward(model, mbs, None, vocab_size=259, temperature=T, forward_only=True)[0][0]
         on = forward_backward(model, [{**mbs[0], "routed_experts": routes[rows]}], None, vocab_size=259,
                               temperature=T, forward_only=True, taps=[ReplayRoutes(stats), RouterStats(stats)])[0][0]
+        try:  # routes handed in without the tap that replays them: refused by name, not silently ignored
+            forward_backward(model, [{**mbs[0], "routed_experts": routes[rows]}], None, vocab_size=259,
+                             forward_only=True, taps=[RouterStats({})])
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
     everyone = [None] * world
     dist.all_gather_object(everyone, (dp_rank, off.double(), on.double(), stats["tokens"], stats["differed"]))
     if rank != 0:
@@ -543,7 +549,8 @@ def _bf16_engine_worker(rank, world, out):
     torch.save({"vllm_kl_off": float((lp_engine - lp_off)[m].mean()), "vllm_kl_on": float((lp_engine - lp_on)[m].mean()),
                 "abs_off": float((lp_engine - lp_off)[m].abs().mean()), "abs_on": float((lp_engine - lp_on)[m].abs().mean()),
                 "max_off": float((lp_engine - lp_off)[m].abs().max()), "max_on": float((lp_engine - lp_on)[m].abs().max()),
-                "differed": float(sum(e[4] for e in everyone)), "tokens": float(sum(e[3] for e in everyone))}, out)
+                "differed": float(sum(e[4] for e in everyone)), "tokens": float(sum(e[3] for e in everyone)),
+                "refused": refused}, out)
 
 
 def test_routing_replay_shrinks_the_bf16_engines_mismatch(tmp_path):
@@ -558,6 +565,7 @@ def test_routing_replay_shrinks_the_bf16_engines_mismatch(tmp_path):
     assert 0 < r["differed"] < r["tokens"], r  # bf16 flipped some routings, not most
     assert r["abs_on"] < r["abs_off"] and r["max_on"] < r["max_off"], r
     assert abs(r["vllm_kl_on"]) < abs(r["vllm_kl_off"]), r
+    assert "carry routed_experts but no taps.ReplayRoutes" in r["refused"], r["refused"]
 
 
 @pytest.mark.parametrize("layout, pad_to", [("thd", 1), ("thd", 4), ("padded", 1), ("padded", 4), ("masked", 1)])
