@@ -259,7 +259,7 @@ def test_a_second_process_on_a_busy_run_directory_is_refused(tmp_path):
         first.kill()
         first.wait()
     # the kernel dropped the killed holder's lock: a resume may take the directory now
-    from hapo_openrlhf import runlock
+    from hapo_openrlhf.rundir import runlock
 
     runlock.acquire(out)
     runlock.release(out)
