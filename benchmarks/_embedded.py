@@ -26,22 +26,23 @@ def grpo_step_batches(steps: int, warmup: int = 50) -> Iterator[tuple[algos.Adva
     tr = LocalTrainer(cfg, tempfile.mkdtemp())
     tr.run_warmup()
     captured = []
-    orig = algos.run_estimator
+    # the trainer reaches the estimator through the algorithm's step (algos/step.py)
+    import hapo_openrlhf.algos.step as step
+
+    orig = step.run_estimator
 
     def spy(name, inputs, **kw):
         captured.append(inputs)
         return orig(name, inputs, **kw)
 
-    import hapo_openrlhf.local.trainer as lt
-
-    lt.algos.run_estimator = spy
+    step.run_estimator = spy
     try:
         for i in range(steps):
             m = tr.train_step()
             if i:
                 yield captured[-1], m["time/step_s"]
     finally:
-        lt.algos.run_estimator = orig
+        step.run_estimator = orig
 
 
 def best_of(fn: Callable[[], object], repeat: int) -> float:
