@@ -206,3 +206,30 @@ def test_refused_methods_as_the_papers_spell_them_get_the_reason(spelled):
         load_config(REPO / "configs/cpu_tiny.yaml", [f"algorithm.estimator={spelled}"])
     with pytest.raises(ValueError, match=f"policy loss '{spelled}' is not implemented, by design: "):
         load_config(REPO / "configs/cpu_tiny.yaml", [f"algorithm.loss={spelled}"])
+
+
+def test_every_choice_is_typed_once_and_refused_by_name_outside_its_literal():
+    """Issue 56: a section's choices are its field's ``Literal[...]`` type (``config.choices``), the one
+    list the section's check reads; its default is one of them, and a value outside is refused naming
+    the dotted key -- for every Literal-typed field of every section."""
+    import dataclasses
+    import typing
+
+    from hapo_openrlhf import config as C
+
+    sections = {C.RunConfig: "", C.ModelConfig: "model", C.DataConfig: "data", C.RolloutConfig: "rollout",
+                C.ISCorrectionConfig: "algorithm.is_correction", C.OpenRLHFConfig: "openrlhf",
+                C.MegatronConfig: "megatron", C.MegatronMoEConfig: "megatron.moe"}
+    seen = 0
+    for cls, prefix in sections.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if typing.get_origin(hints[f.name]) is not typing.Literal:
+                continue
+            seen += 1
+            assert C.choices(cls, f.name) == typing.get_args(hints[f.name]) and f.default in C.choices(cls, f.name)
+            with pytest.raises(ValueError, match=rf"{prefix + '.' if prefix else ''}{f.name}"):
+                C.from_dict(cls, {f.name: "no-such-choice"}, prefix)
+            with pytest.raises(ValueError, match="expected a string"):
+                C.from_dict(cls, {f.name: 3}, prefix)
+    assert seen == 13

@@ -13,7 +13,7 @@ what they share. Everything is importable from here.
 """
 
 from .algorithm import BEHAVIOURS, AlgorithmConfig, ISCorrectionConfig, OverlongConfig  # noqa: F401
-from .base import FrozenDict, asdict_deep, freeze, require, to_plain  # noqa: F401
+from .base import FrozenDict, asdict_deep, choices, freeze, require, to_plain  # noqa: F401
 from .loader import (MAX_BASE_DEPTH, ON_MODES, _merge, apply_overrides, dump_config, from_dict,  # noqa: F401
                      load_config, load_yaml, read_raw, transported)
 from .megatron import MegatronConfig, MegatronMoEConfig  # noqa: F401

@@ -4,12 +4,12 @@ the registered functions), the aggregation, DAPO's pieces, the mismatch correcti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 
 from ..algos import ESTIMATORS, LOSSES, check_split
 from ..algos.losses import AGGREGATIONS
-from .base import freeze, require
+from .base import choices, freeze, require
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,6 @@ class OverlongConfig:
     cache_len: int = 8
 
 
-BEHAVIOURS = ("raw", "processed")
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class ISCorrectionConfig:
     # full-vocabulary log-prob at the rollout temperature (what the trainer's old log-prob is,
     # so an on-policy log-ratio is 0 up to numerics); "processed", the sampler's, renormalised
     # over the top-p nucleus (OpenRLHF 0.11.2's choice: biased by log P(nucleus) under top-p)
-    behaviour: str = "raw"
+    behaviour: Literal["raw", "processed"] = "raw"
 
     def __post_init__(self):
         from ..algos.is_correction import ISCorrection
@@ -45,12 +44,15 @@ class ISCorrectionConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(str(e)) from None
         object.__setattr__(self, "threshold", spec.threshold)
-        require(self.behaviour in BEHAVIOURS,
+        require(self.behaviour in choices(type(self), "behaviour"),
                  f"algorithm.is_correction.behaviour must be one of {BEHAVIOURS}, got {self.behaviour!r}")
 
     @property
     def enabled(self) -> bool:
         return self.level != "off"
+
+
+BEHAVIOURS = choices(ISCorrectionConfig, "behaviour")
 
 
 @dataclass(frozen=True)

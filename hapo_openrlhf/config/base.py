@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
-
-
 
 
 class FrozenDict(dict):
@@ -51,3 +50,11 @@ def to_plain(v: Any) -> Any:
         return [to_plain(x) for x in v]
     return v
 
+
+@functools.lru_cache(maxsize=None)
+def choices(cls, name: str) -> tuple[str, ...]:
+    """The values a ``Literal[...]``-typed field of config section ``cls`` may take (its type is the
+    one list of them; ``__post_init__`` refuses any other by name)."""
+    import typing
+
+    return typing.get_args(typing.get_type_hints(cls)[name])

@@ -65,6 +65,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not math.isfinite(value):  # no config number means anything at inf or NaN
             raise ValueError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
+    if origin is typing.Literal:  # a choice: a string here; the section names the choices (__post_init__)
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a string, got {value!r}")
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise ValueError(f"{key}: expected a string, got {value!r}")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from dataclasses import dataclass, field
 
 
-from .base import require
+from .base import choices, require
 
 
 @dataclass(frozen=True)
@@ -14,18 +16,18 @@ class MegatronMoEConfig:
     "Mixture of experts": where each default comes from). Ignored for a dense model, but
     ``routing_replay: r3`` on one is refused (``families.check_actor_family``)."""
 
-    dispatcher: str = "alltoall"  # megatron-core's token dispatcher (allgather needs equal token counts per EP rank)
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron-core's token dispatcher (allgather needs equal token counts per EP rank)
     aux_loss_coeff: float = 0.0  # the load-balancing loss (0: none, slime's RL default; moe.scaled_aux_loss)
     freeze_router: bool = False  # keep every router's weight at its checkpoint value
     # off | r3: replay the rollout's routed experts in the old-log-prob and training forwards (the engines
     # return them: vLLM with enable_return_routed_experts on GPUs; integrations/openrlhf/actors/routes.py)
-    routing_replay: str = "off"
+    routing_replay: Literal["off", "r3"] = "off"
 
     def __post_init__(self):
-        require(self.dispatcher in ("alltoall", "allgather"),
+        require(self.dispatcher in choices(type(self), "dispatcher"),
                  f"megatron.moe.dispatcher must be alltoall or allgather, got {self.dispatcher!r}")
         require(self.aux_loss_coeff >= 0, f"megatron.moe.aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
-        require(self.routing_replay in ("off", "r3"),
+        require(self.routing_replay in choices(type(self), "routing_replay"),
                  f"megatron.moe.routing_replay must be off or r3, got {self.routing_replay!r}")
 
 
@@ -42,27 +44,27 @@ class MegatronConfig:
     pipeline_parallel: int = 1
     context_parallel: int = 1  # must be 1: the schedule does not split sequences across CP ranks
     sequence_parallel: bool = False  # needs layer_spec: te (megatron-core's torch norms refuse it)
-    params_dtype: str = "bf16"  # bf16 | fp32 (weights, activations and the AdamW moments' params)
+    params_dtype: Literal["bf16", "fp32"] = "bf16"  # bf16 | fp32 (weights, activations and the AdamW moments' params)
     vocab_multiple: int = 128  # the vocabulary is padded to a multiple of this x tensor_parallel
     recompute: bool = False  # full activation recomputation, every layer (the 24k memory lever)
     timeout_minutes: int = 60  # torch.distributed collectives
     # flash: hapo's FlashCoreAttention (flash-attn varlen / causal SDPA, packed or right-padded rows);
     # local: megatron-core's DotProductAttention ([S, S] scores and an explicit mask; for comparison)
-    attention: str = "flash"
+    attention: Literal["flash", "local"] = "flash"
     # local: megatron-core's local spec (torch norms and linears; ``attention`` picks its core attention);
     # te: Transformer Engine's spec (fused norm + linear, TE's attention; needs transformer-engine on CUDA)
-    layer_spec: str = "local"
+    layer_spec: Literal["local", "te"] = "local"
     # fused: log-probs and entropy from the hidden states and the head shard, chunk by chunk (no
     # [T, V/TP] logits; megatron/head.py); logits: Megatron's output layer, then the vocabulary-
     # parallel reductions (for comparison); auto: fused with attention: flash, logits with local
-    head: str = "auto"
+    head: Literal["auto", "fused", "logits"] = "auto"
     # Megatron's DistributedOptimizer (fp32 masters and Adam moments sharded over data parallelism,
     # megatron/ddp.py): null (default) = on when DP > 1; false = every rank holds the whole state
     distributed_optimizer: bool | None = None
     # how the distributed optimizer's state is checkpointed, and so which layout a resume may change:
     # dp_reshardable (each rank writes its shards in parallel; resume at another DP size only) or
     # fully_reshardable (gathered per parameter on save; resume under any TP x PP x DP)
-    optimizer_sharding: str = "dp_reshardable"
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     # mixture of experts: expert-parallel ranks, carved out of data parallelism (each expert lives on
     # DP / expert_parallel replicas; expert tensor parallelism is TP), and the router settings
     expert_parallel: int = 1
@@ -71,16 +73,16 @@ class MegatronConfig:
     def __post_init__(self):
         require(self.tensor_parallel >= 1 and self.pipeline_parallel >= 1 and self.expert_parallel >= 1,
                  "megatron.tensor_parallel, pipeline_parallel and expert_parallel must be >= 1")
-        require(self.attention in ("flash", "local"), f"megatron.attention must be flash or local, got {self.attention!r}")
-        require(self.layer_spec in ("local", "te"), f"megatron.layer_spec must be local or te, got {self.layer_spec!r}")
+        require(self.attention in choices(type(self), "attention"), f"megatron.attention must be flash or local, got {self.attention!r}")
+        require(self.layer_spec in choices(type(self), "layer_spec"), f"megatron.layer_spec must be local or te, got {self.layer_spec!r}")
         require(self.layer_spec != "te" or self.attention == "flash",
                  "megatron.attention: local is the local spec's DotProductAttention; with megatron.layer_spec: te "
                  "the core attention is Transformer Engine's (leave attention: flash, the default)")
-        require(self.head in ("auto", "fused", "logits"), f"megatron.head must be auto, fused or logits, got {self.head!r}")
+        require(self.head in choices(type(self), "head"), f"megatron.head must be auto, fused or logits, got {self.head!r}")
         require(self.distributed_optimizer in (None, True, False),
                  f"megatron.distributed_optimizer must be true, false or null (on when DP > 1), "
                  f"got {self.distributed_optimizer!r}")
-        require(self.optimizer_sharding in ("dp_reshardable", "fully_reshardable"),
+        require(self.optimizer_sharding in choices(type(self), "optimizer_sharding"),
                  f"megatron.optimizer_sharding must be dp_reshardable or fully_reshardable, "
                  f"got {self.optimizer_sharding!r}")
         require(self.context_parallel == 1,
@@ -92,7 +94,7 @@ class MegatronConfig:
                  "megatron-core's local spec builds torch norms, which refuse it (docs/megatron.md)")
         require(not self.sequence_parallel or self.tensor_parallel > 1,
                  "megatron.sequence_parallel splits tokens over tensor-parallel ranks: it needs tensor_parallel > 1")
-        require(self.params_dtype in ("bf16", "fp32"), f"megatron.params_dtype must be bf16 or fp32, got {self.params_dtype!r}")
+        require(self.params_dtype in choices(type(self), "params_dtype"), f"megatron.params_dtype must be bf16 or fp32, got {self.params_dtype!r}")
         require(self.vocab_multiple >= 1 and self.timeout_minutes >= 1, "megatron.vocab_multiple and timeout_minutes must be >= 1")
 
     @property

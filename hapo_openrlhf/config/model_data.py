@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
-from .base import require
+from .base import choices, require
 
 
 # The tiny model's architecture when model.path is unset. With model.path these keys
@@ -123,7 +123,7 @@ class DataConfig:
     template: str = "tiny"
     problem_field: str | None = None
     answer_field: str | None = None
-    on_bad_row: str = "error"
+    on_bad_row: Literal["error", "skip"] = "error"
     eval_limit: int | None = None
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
@@ -131,7 +131,7 @@ class DataConfig:
         from ..data.templates import TEMPLATES
 
         require(self.template in TEMPLATES, f"data.template must be one of {sorted(TEMPLATES)}, got {self.template!r}")
-        require(self.on_bad_row in ("error", "skip"), f"data.on_bad_row must be 'error' or 'skip', got {self.on_bad_row!r}")
+        require(self.on_bad_row in choices(type(self), "on_bad_row"), f"data.on_bad_row must be 'error' or 'skip', got {self.on_bad_row!r}")
         require(self.eval_limit is None or self.eval_limit >= 1,
                  f"data.eval_limit must be >= 1 (or null: every problem), got {self.eval_limit}")
         for k in ("train", "eval"):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from dataclasses import dataclass, field
 
 
-from .base import require
+from .base import choices, require
 
 
 @dataclass(frozen=True)
@@ -25,10 +27,10 @@ class OpenRLHFConfig:
     vllm_gpu_memory_utilization: float | None = None
     vllm_enforce_eager: bool = False
     vllm_enable_sleep: bool = True
-    vllm_sync_backend: str = "nccl"
+    vllm_sync_backend: Literal["nccl", "gloo"] = "nccl"
     colocate_all: bool = True
     zero_stage: int = 2
-    param_dtype: str = "bf16"
+    param_dtype: Literal["bf16", "fp16"] = "bf16"
     attn_implementation: str = "flash_attention_2"
     packing_samples: bool = True
     ring_attn_size: int = 1
@@ -66,14 +68,14 @@ class OpenRLHFConfig:
         require(self.vllm_num_engines >= 1 and self.vllm_tensor_parallel_size >= 1,
                  "openrlhf.vllm_num_engines and vllm_tensor_parallel_size must be >= 1 (HAPO rollouts need an engine)")
         require(self.zero_stage in (0, 1, 2, 3), f"openrlhf.zero_stage must be 0-3, got {self.zero_stage}")
-        require(self.param_dtype in ("bf16", "fp16"), f"openrlhf.param_dtype must be bf16 or fp16, got {self.param_dtype!r}")
+        require(self.param_dtype in choices(type(self), "param_dtype"), f"openrlhf.param_dtype must be bf16 or fp16, got {self.param_dtype!r}")
         # refused, not cast: the DeepSpeed actor's weight sync is OpenRLHF's own broadcast
         require(self.param_dtype != "fp16",
                  "openrlhf.param_dtype: fp16 cannot run: OpenRLHF 0.11.2 creates every vLLM engine with dtype "
                  "bfloat16 (trainer/ray/vllm_engine.py, create_vllm_engines) and its worker asserts that each synced "
                  "weight has the engine's dtype (trainer/ray/vllm_worker_wrap.py, update_weight), so an fp16 actor "
                  "fails at the first weight sync; use bf16")
-        require(self.vllm_sync_backend in ("nccl", "gloo"), "openrlhf.vllm_sync_backend must be nccl or gloo")
+        require(self.vllm_sync_backend in choices(type(self), "vllm_sync_backend"), "openrlhf.vllm_sync_backend must be nccl or gloo")
         require(self.ring_attn_size >= 1, "openrlhf.ring_attn_size must be >= 1")
         require(self.ring_attn_size == 1 or self.packing_samples, "openrlhf.ring_attn_size > 1 needs packing_samples: true")
         world = self.actor_num_nodes * self.actor_gpus_per_node

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from dataclasses import dataclass
 
 
-from .base import require
+from .base import choices, require
 
 
 @dataclass(frozen=True)
@@ -22,11 +24,11 @@ class RolloutConfig:
     # the sampler computed as it drew, from the same logits; no scoring forward) or "forward"
     # (a separate no-grad forward over the batch, as OpenRLHF recomputes them); they agree to
     # float tolerance (tests/local/test_sampler.py). Models the sampler does not serve use a forward.
-    old_logprobs: str = "auto"  # auto: sampler on backend local, forward on the others
+    old_logprobs: Literal["auto", "sampler", "forward"] = "auto"  # auto: sampler on backend local, forward on the others
 
     def __post_init__(self):
         require(self.prompts_per_step > 0, "rollout.prompts_per_step must be > 0")
-        require(self.old_logprobs in ("auto", "sampler", "forward"),
+        require(self.old_logprobs in choices(type(self), "old_logprobs"),
                  f"rollout.old_logprobs must be auto, sampler or forward, got {self.old_logprobs!r}")
         require(self.samples_per_prompt >= 2, "rollout.samples_per_prompt must be >= 2 (group baselines)")
         require(self.temperature > 0, "rollout.temperature must be > 0")

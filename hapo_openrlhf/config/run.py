@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 from .algorithm import AlgorithmConfig
-from .base import asdict_deep, require, to_plain
+from .base import asdict_deep, choices, require, to_plain
 from .megatron import MegatronConfig
 from .model_data import DataConfig, ModelConfig, WarmupConfig
 from .openrlhf import OpenRLHFConfig
@@ -21,7 +21,7 @@ class RunConfig:
     run_name: str = "run"
     seed: int = 1234
     output_dir: str = "runs/run"
-    backend: str = "local"
+    backend: Literal["local", "openrlhf", "megatron"] = "local"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -37,7 +37,7 @@ class RunConfig:
     def __post_init__(self):
         require(0 <= self.seed < 2**32 - 100, f"seed must be an integer in [0, 2^32 - 100) (numpy's seed range, less "
                                                f"the offsets the trainer adds), got {self.seed}")
-        require(self.backend in ("local", "openrlhf", "megatron"), f"backend must be local, openrlhf or megatron, got {self.backend!r}")
+        require(self.backend in choices(type(self), "backend"), f"backend must be local, openrlhf or megatron, got {self.backend!r}")
         require(bool(str(self.output_dir).strip()), "output_dir must not be empty (it would write into the current "
                                                       "directory); name a run directory")
         require(bool(str(self.run_name).strip()) and "\n" not in str(self.run_name), "run_name must be one non-empty line")
