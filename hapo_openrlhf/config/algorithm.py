@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-
 from ..algos import ESTIMATORS, LOSSES, check_split
 from ..algos.losses import AGGREGATIONS
 from .base import choices, freeze, require
@@ -16,8 +15,6 @@ from .base import choices, freeze, require
 class OverlongConfig:
     enable: bool = False
     cache_len: int = 8
-
-
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from dataclasses import dataclass, field
-
+from typing import Literal
 
 from .base import choices, require
 
@@ -16,7 +14,8 @@ class MegatronMoEConfig:
     "Mixture of experts": where each default comes from). Ignored for a dense model, but
     ``routing_replay: r3`` on one is refused (``families.check_actor_family``)."""
 
-    dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron-core's token dispatcher (allgather needs equal token counts per EP rank)
+    # megatron-core's token dispatcher (allgather needs equal token counts per EP rank)
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     aux_loss_coeff: float = 0.0  # the load-balancing loss (0: none, slime's RL default; moe.scaled_aux_loss)
     freeze_router: bool = False  # keep every router's weight at its checkpoint value
     # off | r3: replay the rollout's routed experts in the old-log-prob and training forwards (the engines

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from dataclasses import dataclass
-
+from typing import Literal
 
 from .base import choices, require
 

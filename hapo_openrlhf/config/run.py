@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
 from .algorithm import AlgorithmConfig
 from .base import asdict_deep, choices, require, to_plain
 from .megatron import MegatronConfig

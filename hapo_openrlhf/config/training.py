@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
 from .base import require
 from .model_data import _optional_seed
 
