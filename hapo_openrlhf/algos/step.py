@@ -21,6 +21,7 @@ fields ``estimator``, ``estimator_params``, ``loss``, ``loss_params``, ``quadran
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
@@ -70,13 +71,9 @@ def before_update(algorithm: AlgorithmSection, inputs: AdvantageInputs, persiste
         advantages, loss_mask = out.advantages, out.loss_mask
     else:
         o = estimator_order
-        in_order = AdvantageInputs(rewards=inputs.rewards[o], response_mask=inputs.response_mask[o],
-                                   entropy=inputs.entropy[o], group_index=inputs.group_index[o],
-                                   correct=None if inputs.correct is None else inputs.correct[o],
-                                   response_ids=None if inputs.response_ids is None else inputs.response_ids[o],
-                                   logprobs=None if inputs.logprobs is None else inputs.logprobs[o],
-                                   old_logprobs=None if inputs.old_logprobs is None else inputs.old_logprobs[o],
-                                   step=inputs.step)
+        # every per-row tensor in rollout order (whatever fields AdvantageInputs has); the rest as is
+        in_order = dataclasses.replace(inputs, **{f.name: getattr(inputs, f.name)[o] for f in dataclasses.fields(inputs)
+                                                  if isinstance(getattr(inputs, f.name), torch.Tensor)})
         out = run_estimator(a.estimator, in_order, **dict(a.estimator_params))
         inv = torch.argsort(o)
         advantages = out.advantages[inv]
