@@ -14,5 +14,5 @@ export HAPO_REQUIRE_MEGATRON=1
 if [ "$#" -gt 0 ]; then
     exec "$PY312" -m pytest -q -p no:cacheprovider "$@"
 fi
-exec "$PY312" -m pytest -q -p no:cacheprovider tests/algos tests/test_config.py tests/test_checkpoint.py tests/local \
+exec "$PY312" -m pytest -q -p no:cacheprovider tests/algos tests/test_config.py tests/test_checkpoint.py tests/local tests/generation \
     tests/megatron

@@ -90,6 +90,17 @@ def test_algos_imports_nothing_of_the_package_outside_it():
     assert {m: d for m, d in outside.items() if d} == {}
 
 
+def test_generation_imports_nothing_of_the_package_outside_it():
+    """Sampling (the decoder, the KV-cache sampler, ``generate`` -> ``Rollout``) is a room of its own
+    that the embedded trainer and the evaluation's Hugging Face engine both import; it imports neither
+    (nor anything else of the package)."""
+    outside = {m: sorted(d for d in deps if not d.startswith("hapo_openrlhf.generation"))
+               for m, deps in _imports().items() if m.startswith("hapo_openrlhf.generation")}
+    assert {m: d for m, d in outside.items() if d} == {}
+    users = {m for m, deps in _imports().items() if any(d.startswith("hapo_openrlhf.generation") for d in deps)}
+    assert {"hapo_openrlhf.local.trainer", "hapo_openrlhf.eval.engines"} <= users, users
+
+
 def test_the_config_crosses_ray_typed():
     """The run config travels to the Ray actors as a plain dict (``args.hapo``), and every actor and
     the controller rebuild the typed ``RunConfig`` from it (``config.transported``): outside the one
@@ -129,8 +140,6 @@ def test_no_file_over_600_lines_and_at_most_three_functions_over_80():
 LOCAL_USERS = {
     "hapo_openrlhf.cli": "`hapo train` on backend local runs it",
     "hapo_openrlhf.experiment.runner": "an experiment's runs are embedded-trainer runs",
-    "hapo_openrlhf.eval.engines": "the evaluation's Hugging Face engine samples with the embedded sampler "
-                                  "(local/rollout.py)",
 }
 
 

@@ -21,7 +21,7 @@ class RolloutConfig:
     # the embedded trainer's old log-probs, behaviour entropy and nucleus mass: "sampler" (what
     # the sampler computed as it drew, from the same logits; no scoring forward) or "forward"
     # (a separate no-grad forward over the batch, as OpenRLHF recomputes them); they agree to
-    # float tolerance (tests/local/test_sampler.py). Models the sampler does not serve use a forward.
+    # float tolerance (tests/generation/test_sampler.py). Models the sampler does not serve use a forward.
     old_logprobs: Literal["auto", "sampler", "forward"] = "auto"  # auto: sampler on backend local, forward on the others
 
     def __post_init__(self):

@@ -55,7 +55,7 @@ class HFEngine:
         self.prompt_limit = f"{why} of {mem / 2**30:.1f} GiB (its [n, n] attention scores)"
 
     def generate(self, prompts, spec):
-        from ..local.rollout import generate
+        from ..generation.rollout import generate
 
         out = []
         for prompt, seed in zip(prompts, spec.seeds, strict=True):

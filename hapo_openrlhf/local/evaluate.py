@@ -7,7 +7,7 @@ import torch
 from ..data.templates import apply_template
 from ..eval.metrics import summarize_samples
 from ..rewards import MathVerifier
-from .rollout import generate
+from ..generation.rollout import generate
 
 
 def evaluate(model, tokenizer, problems, *, template: str, n: int, temperature: float, top_p: float,

@@ -39,7 +39,8 @@ from ..data.datasets import make_datasets
 from .evaluate import evaluate
 from ..rundir.logger import MetricsLogger
 from .model import load_or_build, save_hf
-from .rollout import Rollout, concat_rollouts, fused_policy_loss, generate, policy_forward
+from ..generation.rollout import Rollout, concat_rollouts, generate
+from .forward import fused_policy_loss, policy_forward
 from .samples import dump_token_samples
 from .sft import warmup
 

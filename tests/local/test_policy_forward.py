@@ -4,7 +4,8 @@ values and gradients, on a random tiny Qwen2 with both CPU attention kernels."""
 import pytest
 import torch
 
-from hapo_openrlhf.local.rollout import Rollout, policy_forward
+from hapo_openrlhf.generation.rollout import Rollout
+from hapo_openrlhf.local.forward import policy_forward
 
 
 def _model(attn: str, tie: bool = True):

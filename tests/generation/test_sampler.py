@@ -1,4 +1,4 @@
-"""KVSampler (hapo_openrlhf/local/sampler.py).
+"""KVSampler (hapo_openrlhf/generation/sampler.py).
 
 * The cache machinery exactly: its tokens equal a cache-free reference that runs transformers'
   own model over the whole sequence at every step and draws with the same uniforms (every
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from hapo_openrlhf.config import ModelConfig
-from hapo_openrlhf.local import sampler as sampler_mod
+from hapo_openrlhf.generation import sampler as sampler_mod
 from hapo_openrlhf.local.model import build_model, build_tokenizer
-from hapo_openrlhf.local.sampler import KVSampler
+from hapo_openrlhf.generation.sampler import KVSampler
 
 ALPHA = 1e-3  # significance of the distribution tests
 
@@ -239,7 +239,8 @@ def test_the_rollout_scores_equal_the_trainers_scoring_forward():
     """``rollout.generate`` carries the sampler's log-probs, entropy and nucleus mass; they
     equal ``policy_forward``'s (the old-log-prob forward ``rollout.old_logprobs: forward``
     runs) within 1e-5 on every response token, and are 0 off the mask."""
-    from hapo_openrlhf.local.rollout import concat_rollouts, generate, policy_forward
+    from hapo_openrlhf.generation.rollout import concat_rollouts, generate
+    from hapo_openrlhf.local.forward import policy_forward
 
     for eos_bias, fused in ((2.5, False), (0.0, True)):  # the fused head has no bias
         model, tok = _model("qwen3", eos_bias=eos_bias, sharpen=2.0)

@@ -13,7 +13,7 @@ model's activation, the final norm -- and differs in how:
 * the norms are ``torch.rms_norm``; the rotary embedding is applied to queries and keys
   together, ``rotate_half(x) * sin`` as ``flip(halves of x) * (sign * sin)``.
 
-``tests/local/test_decoder.py`` checks hidden states, log-probs, entropy and every weight's
+``tests/generation/test_decoder.py`` checks hidden states, log-probs, entropy and every weight's
 gradient against transformers' own model (float tolerance) for every family.
 """
 

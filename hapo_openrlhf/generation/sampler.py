@@ -27,7 +27,7 @@ The random stream: one ``torch.rand(B)`` a step from the global generator, for e
 not depend on when other rows end, on the compaction, or on the batch's prompt grouping.
 They are not ``generate``'s tokens under the same seed (``torch.multinomial`` draws
 exponentials for every row and vocabulary entry); the distribution is the same, which
-``tests/local/test_sampler.py`` checks with a chi-square test against the exact top-p
+``tests/generation/test_sampler.py`` checks with a chi-square test against the exact top-p
 distribution and against ``generate``'s draws, and it checks the cache machinery exactly
 against a cache-free reference that uses the same uniforms.
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hapo_openrlhf.config import ModelConfig
-from hapo_openrlhf.local.decoder import Decoder, unsupported
+from hapo_openrlhf.generation.decoder import Decoder, unsupported
 from hapo_openrlhf.local.model import build_model, build_tokenizer
 
 
@@ -67,19 +67,20 @@ def test_hidden_states_and_gradients_equal_transformers(family, kv_heads):
 
 
 def test_the_trainers_scoring_forward_uses_it_and_matches_transformers():
-    from hapo_openrlhf.local import rollout as ro_mod
+    from hapo_openrlhf.generation.rollout import generate
+    from hapo_openrlhf.local.forward import policy_forward
 
     tok = build_tokenizer()
     model = build_model(ModelConfig(), tok, seed=6)
     torch.manual_seed(0)
-    ro = ro_mod.generate(model, tok, ["1+2 =", "Compute 7-3+5 ="], n=3, temperature=1.0, top_p=0.95,
+    ro = generate(model, tok, ["1+2 =", "Compute 7-3+5 ="], n=3, temperature=1.0, top_p=0.95,
                          max_new_tokens=12)
-    lp, en = ro_mod.policy_forward(model, ro, temperature=1.0, chunk_size=64)
+    lp, en = policy_forward(model, ro, temperature=1.0, chunk_size=64)
     seen = []
     orig = Decoder.forward
     Decoder.forward = lambda self, *a, **k: seen.append(1) or orig(self, *a, **k)
     try:
-        ro_mod.policy_forward(model, ro, temperature=1.0, chunk_size=64)
+        policy_forward(model, ro, temperature=1.0, chunk_size=64)
     finally:
         Decoder.forward = orig
     assert seen  # the scoring forward went through Decoder
