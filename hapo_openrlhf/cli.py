@@ -121,7 +121,7 @@ def _submit_options(args):
 def _submit(args) -> int:
     from .cluster.sbatch import output_dir_of, render, submit
     from .config import load_config
-    from .doctor import FAIL, report, run_checks
+    from .cluster.doctor import FAIL, report, run_checks
 
     opts = _submit_options(args)
     script = render(args.config, opts)
@@ -241,7 +241,7 @@ def _report(args) -> int:
 
 
 def _doctor(args) -> int:
-    from .doctor import FAIL, report, run_checks
+    from .cluster.doctor import FAIL, report, run_checks
     from .gpu_smoke import gpu_smoke, smoke_table
 
     if args.gpu_smoke:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hapo_openrlhf.config import load_config
-from hapo_openrlhf.doctor import FAIL, OK, WARN, check_output_dir, check_slurm_lead, check_vllm_memory, run_checks
+from hapo_openrlhf.cluster.doctor import FAIL, OK, WARN, check_output_dir, check_slurm_lead, check_vllm_memory, run_checks
 from tests.conftest import REPO, run_cli
 
 
@@ -164,7 +164,7 @@ def test_the_version_matrix_prints_every_package_and_refuses_known_bad_combinati
     fails with the import error (megatron-core would stop on a broken TE)."""
     import sys
 
-    from hapo_openrlhf import doctor
+    from hapo_openrlhf.cluster import doctor
 
     got = {c.name: c for c in doctor.check_matrix()}
     assert set(got) >= {"matrix python", "matrix torch", "matrix megatron-core", "matrix transformer-engine",

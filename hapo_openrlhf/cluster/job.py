@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     on_stop_signal(on_signal)
     if cfg.backend in ("openrlhf", "megatron") and not a.ray_check:
         # the full preflight on the node that trains, before Ray: CUDA, NCCL, packages, paths, disk
-        from ..doctor import FAIL, report, run_checks
+        from .doctor import FAIL, report, run_checks
 
         checks = run_checks(cfg, output_dir=str(out), interface=a.network_interface)
         print("hapo doctor:\n" + report(checks), flush=True)

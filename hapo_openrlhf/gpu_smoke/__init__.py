@@ -8,7 +8,7 @@ weight-gradient GEMM (and its in-place accumulation), flash-attn varlen against 
 attention, the algorithms on CUDA, megatron-core's attention against the local one, and
 OpenRLHF's loop with a vLLM engine (sleep mode, stop and resume), with DeepSpeed and with
 the Megatron actor. Each step reports its own figures and ``ok``; the preflight checks
-are in :mod:`hapo_openrlhf.doctor`.
+are in :mod:`hapo_openrlhf.cluster.doctor`.
 """
 
 from __future__ import annotations

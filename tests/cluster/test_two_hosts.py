@@ -71,7 +71,7 @@ def test_a_wrong_interface_is_a_named_error_not_a_hang(hosts, tmp_path, interfac
 
 def test_doctor_warns_when_several_interfaces_and_none_named(hosts):
     a, _ = hosts
-    code = ("import json; from hapo_openrlhf.doctor import check_network as c; "
+    code = ("import json; from hapo_openrlhf.cluster.doctor import check_network as c; "
             "print(json.dumps([vars(c(None)), vars(c('hnet0')), vars(c('hdecoy1'))]))")
     p = subprocess.run([*a.exec_prefix(), sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -1,7 +1,7 @@
 """The one seam into OpenRLHF 0.11.2 (Ray controller, vLLM rollouts, DeepSpeed actors), grouped by
 role as OpenRLHF groups its own (``cli``, ``trainer/ppo_utils``, ``trainer/ray``).
 
-Nothing here is imported by the rest of the package but the CLI, the doctor and the Slurm job;
+Nothing here is imported by the rest of the package but the CLI (which the Slurm job runs);
 only :mod:`.launch.flags` (pure Python) may be imported without OpenRLHF installed.
 
 * :mod:`.launch`     -- the run config as OpenRLHF's flags (``flags``), OpenRLHF's own main with

@@ -23,8 +23,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .config import RunConfig
-from .megatron import compat as megatron_compat
+from ..config import RunConfig
+from ..megatron import compat as megatron_compat
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -201,7 +201,7 @@ def gpus_needed(cfg: RunConfig) -> int:
     """GPUs per node the layout uses (actors, plus vLLM's own when not colocated)."""
     if cfg.backend == "local":
         return 0
-    from .cluster.sbatch import default_gpus_per_node
+    from .sbatch import default_gpus_per_node
 
     return default_gpus_per_node(cfg)
 
@@ -261,7 +261,7 @@ def check_model(cfg: RunConfig) -> Check:
     if local.exists():
         missing = [f for f in ("config.json",) if not (local / f).exists()]
         if not missing:
-            from .rundir.jsonfile import check_safetensors, read_json_object
+            from ..rundir.jsonfile import check_safetensors, read_json_object
 
             try:
                 meta = read_json_object(local / "config.json", "the model's config")
@@ -270,7 +270,7 @@ def check_model(cfg: RunConfig) -> Check:
                 if cfg.backend == "megatron":  # the family and its variant (RoPE scaling, biases, sliding window)
                     from types import SimpleNamespace
 
-                    from .megatron.families import check_actor_family
+                    from ..megatron.families import check_actor_family
 
                     check_actor_family(SimpleNamespace(**meta), cfg.megatron)
             except ValueError as e:
@@ -285,7 +285,7 @@ def check_model(cfg: RunConfig) -> Check:
 
 
 def check_data(cfg: RunConfig) -> list[Check]:
-    from .data.loader import BUNDLED
+    from ..data.loader import BUNDLED
 
     out = []
     for key in ("train", "eval"):
@@ -305,7 +305,7 @@ def check_data(cfg: RunConfig) -> list[Check]:
 
 def model_params(cfg: RunConfig) -> float | None:
     """Parameters of the policy: from the local config.json, the name ("...-7B"), or the tiny config."""
-    from .cluster.sbatch import model_size_billions
+    from .sbatch import model_size_billions
 
     if not cfg.model.path:
         m = cfg.model
@@ -313,7 +313,7 @@ def model_params(cfg: RunConfig) -> float | None:
         return float(m.num_layers * per_layer + 2 * 260 * m.hidden_size)
     cfgjson = Path(cfg.model.path).expanduser() / "config.json"
     if cfgjson.is_file():
-        from .rundir.jsonfile import read_json_object
+        from ..rundir.jsonfile import read_json_object
 
         try:
             c = read_json_object(cfgjson)
@@ -350,7 +350,7 @@ def check_output_dir(cfg: RunConfig, out: str | None = None) -> list[Check]:
 
 
 def check_slurm_lead(cfg: RunConfig) -> Check:
-    from .cluster.sbatch import signal_lead_seconds
+    from .sbatch import signal_lead_seconds
 
     lead = signal_lead_seconds(cfg)
     step = cfg.slurm.expected_step_s
@@ -377,7 +377,7 @@ def check_vllm_memory(cfg: RunConfig) -> Check | None:
 
 def check_network(interface: str | None) -> Check:
     """The interface every node's Ray, gloo and NCCL traffic goes through (cluster/netif.py)."""
-    from .cluster.netif import NetworkInterfaceError, candidates, interface_ip
+    from .netif import NetworkInterfaceError, candidates, interface_ip
 
     if interface:
         try:
@@ -412,8 +412,8 @@ def check_dry_run(cfg: RunConfig, gpu_gb: float | None = None) -> list[Check]:
     import subprocess
     import tempfile
 
-    from .config import dump_config
-    from .megatron.dryrun import RESERVE_GB
+    from ..config import dump_config
+    from ..megatron.dryrun import RESERVE_GB
 
     gpu_gb = gpu_memory_gb() if gpu_gb is None else gpu_gb
     with tempfile.TemporaryDirectory() as tmp:
