@@ -205,6 +205,43 @@ def run_cli(args, cwd=REPO, timeout=600, **kw):
     )
 
 
+def cli_in_process(args, cwd=REPO):
+    """``hapo ARGS`` run in this process (``cli.main``), as :func:`run_cli` would report it: a
+    ``CompletedProcess`` with the exit code and what it wrote to stdout and stderr. For the tables
+    whose subject is the parser's or the loader's answer: a fresh interpreter costs ~2.5 s of torch
+    import per case (issue 57). The working directory, the signal handlers the CLI installs, the
+    root logger, the RNG and torch's thread count are put back afterwards; the entry point itself
+    and the exit codes are held by the subprocess cases kept beside each table."""
+    import io
+    import logging
+    import signal
+    import subprocess
+
+    from hapo_openrlhf import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    root = logging.getLogger()
+    root_state = (list(root.handlers), root.level)
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    here = os.getcwd()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main([str(a) for a in args])
+            except SystemExit as e:  # argparse's own refusals exit 2 with its usage line
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(here)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        root.handlers[:], _ = root_state[0], root.setLevel(root_state[1])
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+    return subprocess.CompletedProcess(["hapo", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def largest_tensor_numel(fn, dtype=None) -> int:
     """Run ``fn()`` and return the numel of the largest tensor any op produced (of
     ``dtype`` if given): a direct check that a code path never materialises a big tensor."""

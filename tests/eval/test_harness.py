@@ -14,7 +14,7 @@ from hapo_openrlhf.eval.harness import markdown_table, summarize
 from hapo_openrlhf.rewards import MathVerifier
 from hapo_openrlhf.rewards.extract import as_number, normalize
 
-from ..conftest import REPO, run_cli
+from ..conftest import REPO, cli_in_process, run_cli
 
 
 def reformat(ans: str) -> str:
@@ -123,9 +123,10 @@ def test_cpu_eval_writes_tables_and_resumes_after_kill(tiny_model, tmp_path):
 def test_eval_bad_input_is_one_clear_line(tmp_path):
     res = run_cli(["eval", "--model", str(tmp_path / "missing"), "--template", "tiny", "--benchmarks", "aime24"])
     assert res.returncode == 2 and "model directory" in res.stderr and "not found" in res.stderr
-    res = run_cli(["eval", "--model", str(tmp_path), "--template", "tiny", "--k", "0"])
+    # the parser's answers, in this process (cli.main; issue 57)
+    res = cli_in_process(["eval", "--model", str(tmp_path), "--template", "tiny", "--k", "0"])
     assert res.returncode == 2 and "--k and --limit must be >= 1" in res.stderr
-    res = run_cli(["eval", "--model", str(tmp_path), "--engine", "hf", "--vllm-enforce-eager"])
+    res = cli_in_process(["eval", "--model", str(tmp_path), "--engine", "hf", "--vllm-enforce-eager"])
     assert res.returncode == 2 and "--vllm-enforce-eager is a vLLM setting; --engine hf does not take it" in res.stderr
 
 

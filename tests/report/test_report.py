@@ -8,7 +8,7 @@ from hapo_openrlhf.local.trainer import LocalTrainer
 from hapo_openrlhf.report.html import build_report
 from hapo_openrlhf.report.token_credit import render_token_credit
 
-from ..conftest import REPO, run_cli
+from ..conftest import REPO, cli_in_process, run_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -147,7 +147,7 @@ def test_an_unknown_quadrant_label_is_named_with_file_and_line(two_runs, tmp_pat
     rec["quadrant"][0] = '"><script>x</script>'
     lines[1] = json.dumps(rec)
     f.write_text("\n".join(lines) + "\n")
-    res = run_cli(["report", str(run), "--output-dir", str(tmp_path / "r")])
+    res = cli_in_process(["report", str(run), "--output-dir", str(tmp_path / "r")])
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert f"{f}:2: corrupt sample record (unknown quadrant label(s)" in res.stderr
 

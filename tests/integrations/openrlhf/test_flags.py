@@ -7,7 +7,7 @@ import pytest
 
 from hapo_openrlhf.config import load_config
 from hapo_openrlhf.integrations.openrlhf.launch.flags import PROGRAM, REWARD_FUNC, build_argv
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, cli_in_process, run_cli
 
 CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if load_config(p).backend in ("openrlhf", "megatron"))
 E2E = Path(__file__).with_name("e2e_tiny.yaml")
@@ -198,7 +198,8 @@ def test_print_command_is_the_argv(tmp_path):
     assert argv == build_argv(load_config(cfg), tmp_path)
     assert not any(tmp_path.iterdir())  # started nothing, wrote nothing
     # --backend overrides the config's; the local config needs a model path for OpenRLHF
-    p = run_cli(["train", "--config", str(REPO / "configs/cpu_tiny.yaml"), "--backend", "openrlhf", "--print-command"])
+    p = cli_in_process(["train", "--config", str(REPO / "configs/cpu_tiny.yaml"), "--backend", "openrlhf",
+                        "--print-command"])
     assert p.returncode == 2 and "model.path" in p.stderr
 
 
@@ -285,9 +286,9 @@ def test_raw_behaviour_at_another_temperature_under_top_p_is_refused_by_name(tmp
         "algorithm.is_correction={level: token}", "rollout.temperature=0.7", "rollout.top_p=0.95"])
     with pytest.raises(ValueError, match="behaviour=raw needs rollout.temperature 1.0 or rollout.top_p 1.0"):
         build_argv(cfg, tmp_path)
-    p = run_cli(["train", "--config", "configs/qwen25_math_7b_hapo.yaml", "--print-command", "--set",
-                 "algorithm.is_correction={level: token}", "--set", "rollout.temperature=0.7", "--set",
-                 "rollout.top_p=0.95"])
+    p = cli_in_process(["train", "--config", "configs/qwen25_math_7b_hapo.yaml", "--print-command", "--set",
+                        "algorithm.is_correction={level: token}", "--set", "rollout.temperature=0.7", "--set",
+                        "rollout.top_p=0.95"])
     assert p.returncode == 2 and "algorithm.is_correction.behaviour=raw needs" in p.stderr
 
 
