@@ -227,6 +227,12 @@ def cli_in_process(args, cwd=REPO):
     here = os.getcwd()
     try:
         os.chdir(cwd)
+        # what main's logging.basicConfig gives a fresh interpreter: warnings on stderr in its format
+        # (here pytest's capture handlers are already on the root logger, so basicConfig would add none)
+        handler = logging.StreamHandler(err)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.handlers[:] = [handler]
+        root.setLevel(logging.INFO if "-v" in args or "--verbose" in args else logging.WARNING)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = cli.main([str(a) for a in args])
@@ -236,7 +242,8 @@ def cli_in_process(args, cwd=REPO):
         os.chdir(here)
         for s, h in handlers.items():
             signal.signal(s, h)
-        root.handlers[:], _ = root_state[0], root.setLevel(root_state[1])
+        root.handlers[:] = root_state[0]
+        root.setLevel(root_state[1])
         torch.set_num_threads(threads)
         torch.set_rng_state(rng)
     return subprocess.CompletedProcess(["hapo", *map(str, args)], code, out.getvalue(), err.getvalue())

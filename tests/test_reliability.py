@@ -206,7 +206,9 @@ SMALL = ["warmup.steps=40", "data.synthetic.eval_size=8", "rollout.prompts_per_s
          "trainer.keep_last=3", "trainer.eval_every=0", "trainer.sample_every=0", "eval.n_samples=1"]
 
 
-def _train(out, *extra, resume=False, wait=True):
+def _train(out, *extra, resume=False, wait=True, in_process=False):
+    """``hapo train`` on the small embedded config: a subprocess of the entry point, or with
+    ``in_process`` ``cli.main`` in this process (no interpreter start and imports per run, issue 57)."""
     import subprocess
     import sys
 
@@ -216,7 +218,7 @@ def _train(out, *extra, resume=False, wait=True):
     if not wait:
         return subprocess.Popen([sys.executable, "-m", "hapo_openrlhf", *args], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return run_cli(args)
+    return cli_in_process(args) if in_process else run_cli(args)
 
 
 def _steps(out):
@@ -226,10 +228,12 @@ def _steps(out):
 
 @pytest.mark.slow
 def test_corrupt_newest_checkpoint_garbage_latest_and_torn_metrics_still_resume(tmp_path):
+    # four runs of cli.main in this process: what is checked is the resume's choice of checkpoint and
+    # its messages, the same in or out of a fresh interpreter (the subprocess resumes: test_trainer.py)
     ref = tmp_path / "ref"
-    assert _train(ref, "trainer.steps=6").returncode == 0
+    assert _train(ref, "trainer.steps=6", in_process=True).returncode == 0
     out = tmp_path / "run"
-    assert _train(out, "trainer.steps=4").returncode == 0
+    assert _train(out, "trainer.steps=4", in_process=True).returncode == 0
     ck = out / "checkpoints"
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step_")) == \
         ["step_00000000", "step_00000002", "step_00000004"]
@@ -238,7 +242,7 @@ def test_corrupt_newest_checkpoint_garbage_latest_and_torn_metrics_still_resume(
     (ck / "latest").write_bytes(b"\xff\xfe garbage \x00")  # the pointer is advisory
     with (out / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "reward/me')  # torn last line (a full disk mid-write)
-    p = _train(out, "trainer.steps=6", resume=True)
+    p = _train(out, "trainer.steps=6", resume=True, in_process=True)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "skipping checkpoint" in p.stderr and "step_00000004" in p.stderr and "truncated" in p.stderr
     assert "resumed from" in p.stderr and "(step 2)" in p.stderr
@@ -250,7 +254,7 @@ def test_corrupt_newest_checkpoint_garbage_latest_and_torn_metrics_still_resume(
         if d.name.startswith("step_"):
             s = d / "shard_rank00000.pt"
             s.write_bytes(b"x" + s.read_bytes()[1:])
-    p = _train(out, "trainer.steps=8", resume=True)
+    p = _train(out, "trainer.steps=8", resume=True, in_process=True)
     assert p.returncode == 2 and "no checkpoint under" in p.stderr and "CRC-32" in p.stderr, p.stderr[-2000:]
     assert p.stderr.count("step_0000000") >= 3 and "Traceback" not in p.stderr
 

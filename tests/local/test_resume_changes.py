@@ -2,12 +2,13 @@
 severity 1), through the real CLI: STARE's W changed at --resume is the W the remaining steps
 train with; EAPO-entropic's kappa schedule continues from the optimizer steps actually taken
 when --resume changes optim.ppo_epochs; PAEC's anchor_steps changed after the anchor is fixed is
-refused by name, with nothing written."""
+refused by name, with nothing written. The runs call the CLI's ``main`` in this process (issue 57:
+no interpreter start per run); the entry point's own resumes, in subprocesses, are test_trainer.py's."""
 
 import json
 from pathlib import Path
 
-from ..conftest import REPO, run_cli
+from ..conftest import REPO, cli_in_process
 from .test_trainer import STOPPED_RUN, records
 
 CONFIG = str(REPO / "configs" / "cpu_tiny.yaml")
@@ -17,7 +18,7 @@ def _train(out: Path, *sets_, resume=False):
     args = ["train", "--config", CONFIG, "--output-dir", str(out)]
     for s in [*STOPPED_RUN, "trainer.save_every=2", *sets_]:
         args += ["--set", s]
-    return run_cli(args + (["--resume"] if resume else []))
+    return cli_in_process(args + (["--resume"] if resume else []))
 
 
 def _steps(out: Path, key: str) -> dict[int, float]:
