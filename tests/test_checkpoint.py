@@ -129,18 +129,18 @@ def test_new_rng_state_needs_no_numpy_globals(tmp_path):
 
 @pytest.mark.slow
 def test_resume_never_runs_a_planted_checkpoint_and_falls_back(tmp_path):
-    """Through the real CLI: a planted newest checkpoint that verifies by CRC is refused
-    (no code runs) and the run resumes from the newest real one."""
-    from tests.conftest import REPO, run_cli
+    """Through the CLI's main (in this process, issue 57): a planted newest checkpoint that verifies
+    by CRC is refused (no code runs) and the run resumes from the newest real one."""
+    from tests.conftest import REPO, cli_in_process
 
     out, marker = tmp_path / "run", tmp_path / "MARKER"
     base = ["train", "--config", str(REPO / "configs" / "cpu_tiny.yaml"), "--output-dir", str(out)]
     small = ["warmup.steps=20", "data.synthetic.eval_size=8", "rollout.prompts_per_step=4", "trainer.save_every=2",
              "trainer.eval_every=0", "trainer.sample_every=0", "eval.n_samples=1"]
     sets = [x for kv in small for x in ("--set", kv)]
-    assert run_cli([*base, *sets, "--set", "trainer.steps=2"]).returncode == 0
+    assert cli_in_process([*base, *sets, "--set", "trainer.steps=2"]).returncode == 0
     _plant_malicious(out / "checkpoints", 9, marker)
-    p = run_cli([*base, "--resume", *sets, "--set", "trainer.steps=3"])
+    p = cli_in_process([*base, "--resume", *sets, "--set", "trainer.steps=3"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert not marker.exists()
     assert "step_00000009: cannot be loaded" in p.stderr and "holds objects other than tensors" in p.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hapo_openrlhf.cluster.ray_cluster import RayCluster
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, cli_in_process, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +170,7 @@ def test_paper_dry_runs_pass_sbatch_test_only(slurm, name, nodes):
     """The checked-in docs examples are what `hapo submit --dry-run` prints, and sbatch accepts them."""
     args = [f"configs/{name}.yaml", "--nodes", str(nodes), "--partition", "gpu", "--time", "48:00:00",
             "--output-dir", f"/scratch/hapo/{name}_n{nodes}"]
-    p = run_cli(["submit", *args, "--dry-run"])
+    p = cli_in_process(["submit", *args, "--dry-run"])  # the script text, in this process (issue 57)
     assert p.returncode == 0, p.stderr
     example = REPO / "docs" / "cluster_examples" / f"{name}_n{nodes}.sbatch"
     assert p.stdout == _normalise(example.read_text(), to_local=True)

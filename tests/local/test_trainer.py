@@ -17,7 +17,7 @@ from hapo_openrlhf.algos import list_estimators, list_losses
 from hapo_openrlhf.config import load_config
 from hapo_openrlhf.local.trainer import LocalTrainer
 
-from ..conftest import REPO, run_cli
+from ..conftest import REPO, cli_in_process, run_cli
 
 SMALL = [
     "warmup.steps=30", "trainer.steps=6", "trainer.save_every=2", "rollout.prompts_per_step=4",
@@ -206,17 +206,18 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     res = run_cli(["train", "--config", str(bad), "--output-dir", str(tmp_path / "o")])
     assert res.returncode == 2
     assert "unknown config key 'rollout.prompt_per_step' (did you mean 'rollout.prompts_per_step'?)" in res.stderr
-    res = run_cli(["train", "--config", CONFIG, "--set", "algorithm.estimator=nope", "--output-dir", str(tmp_path / "o")])
+    # the loader's and the data's refusals, in this process (cli.main; issue 57)
+    res = cli_in_process(["train", "--config", CONFIG, "--set", "algorithm.estimator=nope", "--output-dir", str(tmp_path / "o")])
     assert res.returncode == 2 and "unknown advantage estimator 'nope'" in res.stderr
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    res = run_cli(["train", "--config", CONFIG, "--set", f"data.train={empty}", "--set", "warmup.steps=0",
-                   "--output-dir", str(tmp_path / "o")])
+    res = cli_in_process(["train", "--config", CONFIG, "--set", f"data.train={empty}", "--set", "warmup.steps=0",
+                          "--output-dir", str(tmp_path / "o")])
     assert res.returncode == 2 and "yielded no usable problems" in res.stderr
     bad_rows = tmp_path / "bad.jsonl"
     bad_rows.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": oops}\n')
-    res = run_cli(["train", "--config", CONFIG, "--set", f"data.train={bad_rows}", "--set", "warmup.steps=0",
-                   "--output-dir", str(tmp_path / "o")])
+    res = cli_in_process(["train", "--config", CONFIG, "--set", f"data.train={bad_rows}", "--set", "warmup.steps=0",
+                          "--output-dir", str(tmp_path / "o")])
     assert res.returncode == 2 and "bad.jsonl:2: malformed row" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
