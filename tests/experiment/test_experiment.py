@@ -11,7 +11,7 @@ import yaml
 from hapo_openrlhf.experiment import load_experiment
 from hapo_openrlhf.experiment.runner import _run_job
 
-from ..conftest import REPO, run_cli
+from ..conftest import REPO, cli_in_process, run_cli
 
 TOY = REPO / "configs" / "experiments" / "toy_repro.yaml"
 BASE = str(REPO / "configs" / "cpu_tiny.yaml")
@@ -137,8 +137,8 @@ def test_experiment_cli_smoke(tmp_path):
 
     # a run is an ordinary run: `hapo train` on its saved config reproduces it exactly
     alone = tmp_path / "alone"
-    res = run_cli(["train", "--config", str(out / "runs" / "hapo" / "seed_2" / "config.yaml"),
-                   "--output-dir", str(alone)])
+    res = cli_in_process(["train", "--config", str(out / "runs" / "hapo" / "seed_2" / "config.yaml"),
+                          "--output-dir", str(alone)])  # the CLI's main in this process (issue 57)
     assert res.returncode == 0, res.stderr[-2000:]
 
     def recs(d):
@@ -158,13 +158,13 @@ def test_experiment_cli_smoke(tmp_path):
     assert rerun["hapo/seed_1"]["reused"] and rerun["hapo/seed_1"]["wall_s"] == manifest["jobs"]["hapo/seed_1"]["wall_s"]
 
     # a finished run made with another configuration is never overwritten
-    res = run_cli(["experiment", "compare", "--config", str(TOY), "--seeds", "1,2", "--output-dir", str(out),
-                   *_sets([*SMOKE, "optim.lr=3e-4"])], timeout=600)
+    res = cli_in_process(["experiment", "compare", "--config", str(TOY), "--seeds", "1,2", "--output-dir", str(out),
+                          *_sets([*SMOKE, "optim.lr=3e-4"])])  # refused before any job runs
     assert res.returncode == 2 and "different configuration" in res.stderr
 
     # `hapo report EXPERIMENT_DIR` rebuilds the same report
     (report.parent / "experiment.md").unlink()
-    res = run_cli(["report", str(out)])
+    res = cli_in_process(["report", str(out)])
     assert res.returncode == 0 and Path(res.stdout.strip()).read_text().startswith("# Experiment report")
 
 
