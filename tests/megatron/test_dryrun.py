@@ -27,25 +27,25 @@ def _dry_run(config, *args):
     return p, (json.loads(p.stdout) if p.stdout.strip().startswith("{") else None)
 
 
-# every shipped config's dry run, in one fresh interpreter for the session (each rank already joins and
-# leaves the fake world in turn inside one process; the module's CLI, one config a process, is
-# test_a_layout_that_cannot_start_or_fit_fails_with_the_rank_and_reason's): issue 57
+# every shipped config's dry run through the module's CLI (its main), in one fresh interpreter for the
+# session -- each rank already joins and leaves the fake world in turn inside one process; the
+# module run as `python -m`, one config a process, is test_a_layout_that_cannot_start_or_fit_...'s: issue 57
 _SHIPPED = textwrap.dedent("""
-    import json, sys, warnings
-    warnings.filterwarnings("ignore")
-    from hapo_openrlhf.config import load_config
-    from hapo_openrlhf.megatron.dryrun import dry_run
+    import contextlib, io, json, sys
+    from hapo_openrlhf.megatron.dryrun import main
     out = {}
-    for name in sys.argv[2:]:
-        run = dry_run(load_config(name), config_name=name)
-        out[name] = run.to_dict()
+    for name in sys.argv[2:]:  # the module's CLI, `python -m hapo_openrlhf.megatron.dryrun --config NAME --json`
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = main(["--config", name, "--json"])
+        out[name] = {"returncode": rc, "run": json.loads(buf.getvalue())}
     open(sys.argv[1], "w").write(json.dumps(out))
 """)
 
 
 @pytest.fixture(scope="session")
 def shipped_runs(tmp_path_factory, request):
-    """{config: its dry run's JSON} for the shipped Megatron configs this session's tests ask for
+    """{config: (the module CLI's exit code, its JSON)} for the shipped Megatron configs this session's tests ask for
     (a deselected case's config is not run), built once per test run, shared by the xdist workers."""
     from tests.conftest import shared_once
 
@@ -57,7 +57,7 @@ def shipped_runs(tmp_path_factory, request):
             p = subprocess.run([sys.executable, "-c", _SHIPPED, str(d / "runs.json"), *wanted],
                                cwd=REPO, capture_output=True, text=True, timeout=900)
             assert p.returncode == 0 and (d / "runs.json").exists(), p.stderr[-3000:]
-    return json.loads((d / "runs.json").read_text())
+    return {k: (v["returncode"], v["run"]) for k, v in json.loads((d / "runs.json").read_text()).items()}
 
 
 def test_the_glob_finds_the_shipped_megatron_configs():
@@ -67,7 +67,7 @@ def test_the_glob_finds_the_shipped_megatron_configs():
 
 @pytest.mark.parametrize("config", MEGATRON_CONFIGS)
 def test_every_shipped_megatron_config_starts_every_rank_role_at_full_size(config, shipped_runs):
-    run = shipped_runs[config]
+    returncode, run = shipped_runs[config]
     assert run["error"] is None, run["error"]
     cfg = load_config(REPO / config)
     m, o = cfg.megatron, cfg.openrlhf
@@ -78,7 +78,7 @@ def test_every_shipped_megatron_config_starts_every_rank_role_at_full_size(confi
             for e in {0, m.expert_parallel - 1}} <= roles
     for r in run["ranks"]:
         assert r["tensors_checked"] > 0 and r["params"] > 0 and r["total_gb"] > 0
-    assert run["fits"], (run["peak_gb"], run["gpu_gb"])
+    assert run["fits"] and returncode == 0, (run["peak_gb"], run["gpu_gb"])
 
 
 def test_the_30b_moe_layout_by_hand(shipped_runs):
@@ -86,7 +86,7 @@ def test_the_30b_moe_layout_by_hand(shipped_runs):
     hand from the config. Dense part: embedding and head 2 x 151936 x 2048, per layer q/o
     2 x 2048 x 4096, k/v 2 x 2048 x 512, two norms, QK-norm 2 x 128, router 128 x 2048, the
     final norm: 1,541,093,376. Experts: 48 layers x 8 local experts x 3 x 2048 x 768."""
-    run = shipped_runs["configs/qwen3_30b_a3b_hapo_megatron.yaml"]
+    _, run = shipped_runs["configs/qwen3_30b_a3b_hapo_megatron.yaml"]
     assert run["error"] is None, run["error"]
     dense = 2 * 151936 * 2048 + 48 * (2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 2048 + 2 * 128 + 128 * 2048) + 2048
     assert dense == 1_541_093_376
