@@ -24,6 +24,7 @@ ids decode to one string). It fails on an empty response; here one is left as it
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Mapping
 
 import torch
@@ -46,33 +47,71 @@ def _find(sub: tuple[int, ...], seq: tuple[int, ...]) -> int:
     return -1 if at < 0 else _text(seq).count(",", 0, at)
 
 
-def _segments(member: int, ids: list[int], h: list[float], tau: float, min_len: int) -> list[Segment]:
-    out, t = [], 0
-    while t < len(h):
-        if h[t] < tau:
-            s = t
-            while t < len(h) and h[t] < tau:
-                t += 1
-            if t - s >= min_len:
-                out.append((member, tuple(ids[s:t]), list(range(s, t))))
-        else:
-            t += 1
-    return out
+def _segments(member: int, ids: list[int], h: torch.Tensor, tau: float, min_len: int) -> list[Segment]:
+    """Maximal runs of H < tau of at least ``min_len`` tokens (the runs found on the row's tensor)."""
+    low = (h < tau).to(torch.int8)
+    zero = low.new_zeros(1)
+    edge = torch.diff(low, prepend=zero, append=zero)
+    starts, ends = (edge == 1).nonzero().flatten().tolist(), (edge == -1).nonzero().flatten().tolist()
+    return [(member, tuple(ids[s:e]), list(range(s, e))) for s, e in zip(starts, ends) if e - s >= min_len]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _windows(toks: tuple[int, ...], k: int) -> frozenset[tuple[int, ...]]:
+    """The k-token windows of ``toks`` (a segment's or key's, looked up again as pairs form)."""
+    return frozenset(toks[i:i + k] for i in range(len(toks) - k + 1))
 
 
 def _clusters(segments: list[Segment], min_len: int) -> dict[tuple[int, ...], tuple[set[int], dict[int, list[int]]]]:
-    """Steps 3: key -> (members, member -> positions), in the reference's order."""
-    pairs = []
+    """Steps 3: key -> (members, member -> positions), in the reference's order.
+
+    The reference scans every other segment for a host, and every cluster key for each pair; a
+    sequence can only contain another if it holds the other's first k tokens (k the shortest
+    segment's length, at most ``min_len``) as a window, so both scans here visit only the
+    segments / keys an index of k-token windows names, in the reference's order (a segment's
+    index; a key's insertion number, which an overwritten key keeps, as a dict does). The result
+    is the reference's exactly (tests/algos/test_competitors.py holds the full scan as the oracle,
+    on random groups)."""
+    if not segments:
+        return {}
+    k = max(1, min(min_len, min(len(t) for _, t, _ in segments)))
     texts = [_text(toks) for _, toks, _ in segments]
-    for seg, text in zip(segments, texts):
-        host = next((o for o, t in zip(segments, texts) if o[0] != seg[0] and len(t) >= len(text) and text in t), None)
+    holding: dict[tuple[int, ...], list[int]] = {}  # window -> the segments holding it, in order
+    for n, (_, toks, _) in enumerate(segments):
+        for w in _windows(toks, k):
+            holding.setdefault(w, []).append(n)
+    pairs = []
+    for n, (seg, text) in enumerate(zip(segments, texts)):
+        host = next((segments[o] for o in holding[seg[1][:k]]
+                     if segments[o][0] != seg[0] and len(texts[o]) >= len(text) and text in texts[o]), None)
         if host is not None:
             pairs.append((seg, host))
     clusters: dict[tuple[int, ...], tuple[set[int], dict[int, list[int]]]] = {}
+    order: dict[tuple[int, ...], int] = {}  # key -> its place in the dict's order
+    places = itertools.count()
+    by_first: dict[tuple[int, ...], set] = {}  # a key's first window -> keys
+    by_window: dict[tuple[int, ...], set] = {}  # any window of a key -> keys
+
+    def add(key, value):
+        if key not in clusters:  # a new key goes last; an existing one keeps its place (dict assignment)
+            order[key] = next(places)
+            by_first.setdefault(key[:k], set()).add(key)
+            for w in _windows(key, k):
+                by_window.setdefault(w, set()).add(key)
+        clusters[key] = value
+
+    def drop(key):
+        del clusters[key], order[key]
+        by_first[key[:k]].discard(key)
+        for w in _windows(key, k):
+            by_window[w].discard(key)
+
     for (m, toks, pos), (hm, htoks, hpos) in pairs:
         if len(toks) < min_len:
             continue
-        for key in list(clusters):
+        inside = set().union(*(by_first.get(w, ()) for w in _windows(toks, k)))  # keys toks may hold
+        around = by_window.get(toks[:k], set())  # keys that may hold toks
+        for key in sorted(inside | around, key=order.__getitem__):
             members, where = clusters[key]
             if (i := _find(key, toks)) >= 0:  # the key lies inside this segment
                 j = _find(key, htoks)
@@ -80,33 +119,34 @@ def _clusters(segments: list[Segment], min_len: int) -> dict[tuple[int, ...], tu
                 members.update((m, hm))
                 break
             if (i := _find(toks, key)) >= 0:  # this segment lies inside the key: it becomes the key
-                for k in where:
-                    where[k] = where[k][i:i + len(toks)]
+                for q in where:
+                    where[q] = where[q][i:i + len(toks)]
                 j = _find(toks, htoks)
                 where[m], where[hm] = pos, hpos[j:j + len(toks)]
                 members.update((m, hm))
-                del clusters[key]
-                clusters[toks] = (members, where)
+                drop(key)
+                add(toks, (members, where))
                 break
         else:
             j = _find(toks, htoks)
-            clusters[toks] = ({m, hm}, {m: pos, hm: hpos[j:j + len(toks)]})
+            add(toks, ({m, hm}, {m: pos, hm: hpos[j:j + len(toks)]}))
     return clusters
 
 
-def group_weights(ids: list[list[int]], ent: list[list[float]], correct: list[bool], min_len: int,
+def group_weights(ids: list[list[int]], ent: list[torch.Tensor], correct: list[bool], min_len: int,
                   device: torch.device | str = "cpu"):
     """Steps 1-4 for one group: each response's per-token weights (on ``device``), and
-    (clusters, mixed)."""
+    (clusters, mixed). ``ent``: each response's entropies, a float32 CPU tensor of its valid tokens."""
     n = {True: sum(correct), False: len(correct) - sum(correct)}
     weights, segs = [], {True: [], False: []}
     for m, (t_ids, h) in enumerate(zip(ids, ent)):
-        if not h:
+        T = h.shape[0]
+        if not T:
             weights.append(torch.zeros(0, device=device))
             continue
-        tau = sorted(h)[min(round(len(h) * 0.8), len(h) - 1)]
-        weights.append(torch.tensor([1.0 / n[correct[m]] if x <= tau else 1.0 for x in h], dtype=torch.float32,
-                                    device=device))
+        tau = float(h.sort().values[min(round(T * 0.8), T - 1)])
+        w = torch.where(h <= tau, 1.0 / n[correct[m]], 1.0).float()
+        weights.append(w.to(device))
         segs[correct[m]] += _segments(m, t_ids, h, tau, min_len)
     clusters = _clusters(segs[True] + segs[False], min_len)
     mixed = 0
@@ -142,7 +182,7 @@ def less(inputs: AdvantageInputs, *, min_len: int = 5, eps: float = 1e-6) -> Adv
     n_clusters = n_mixed = zeroed = 0
     for rows in groups.values():
         ids = [inputs.response_ids[i, :lengths[i]].tolist() for i in rows]
-        ent = [inputs.entropy[i, :lengths[i]].detach().float().tolist() for i in rows]
+        ent = [inputs.entropy[i, :lengths[i]].detach().float().cpu() for i in rows]
         w, c, mx = group_weights(ids, ent, [correct[i] for i in rows], min_len, device=A.device)
         n_clusters, n_mixed = n_clusters + c, n_mixed + mx
         for i, wi in zip(rows, w):

@@ -283,6 +283,45 @@ def test_less_without_shared_segments_keeps_the_base_weights_and_zero_advantages
         assert float(out.advantages[i, n:].abs().sum()) == 0
 
 
+def _random_less_batch(seed: int, groups: int, G: int, T: int, vocab: int, levels: int, hole: bool):
+    """Random groups where segments recur: a small vocabulary (shared, nested and overlapping
+    segments across and within outcomes), entropies from ``levels`` values (ties at the threshold,
+    runs of low entropy), some rows a shared motif pasted in, a mask with a hole in some rows (the
+    reference counts only the leading run), an all-correct and an all-wrong group among them."""
+    g = torch.Generator().manual_seed(seed)
+    B = groups * G
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    motif = torch.randint(0, vocab, (T // 2,), generator=g)
+    for b in range(B):
+        if torch.rand((), generator=g) < 0.5:
+            at, n = int(torch.randint(0, T // 2, (), generator=g)), int(torch.randint(3, T // 2, (), generator=g))
+            ids[b, at:at + n] = motif[:n]
+    h = torch.randint(0, levels, (B, T), generator=g).float() / levels
+    lens = torch.randint(0, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lens[:, None]
+    if hole:
+        mask[::3, T // 3] = False
+    rewards = (torch.rand(B, generator=g) > 0.5).float()
+    rewards[:G], rewards[G:2 * G] = 1.0, 0.0
+    return algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=h,
+                                 group_index=torch.arange(B) // G, correct=rewards > 0.5, response_ids=ids)
+
+
+@pytest.mark.parametrize("seed, vocab, levels, min_len, hole", [
+    (0, 3, 4, 2, False), (1, 4, 5, 5, True), (2, 2, 3, 1, True), (3, 5, 10, 3, False), (4, 3, 2, 4, True),
+    (5, 2, 8, 2, False)])
+def test_less_indexed_matcher_equals_the_full_scan_on_random_groups(seed, vocab, levels, min_len, hole):
+    """Issue 61: the k-token-window index visits only the segments and keys that can contain one
+    another; advantages and metrics equal the full scan's exactly (tests/algos/less_reference.py,
+    the module before the change, the reference's order token for token)."""
+    from .less_reference import less_reference
+
+    inputs = _random_less_batch(seed, groups=4, G=8, T=48, vocab=vocab, levels=levels, hole=hole)
+    got, want = algos.run_estimator("less", inputs, min_len=min_len), less_reference(inputs, min_len=min_len)
+    assert torch.equal(got.advantages, want.advantages)
+    assert got.metrics == want.metrics and want.metrics["less/clusters"] > 0
+
+
 def test_less_needs_token_ids_and_a_positive_segment_length():
     inputs = _batch(0)
     with pytest.raises(ValueError, match="needs the responses' token ids"):
