@@ -10,7 +10,9 @@ dual clip). The same estimators on a synthetic paper-scale batch (``--rows`` x `
 how the cost scales (there is no CPU step time for that). PAEC's head signals (nucleus entropy and
 top-two gap, ``sharded_nucleus_stats`` from hidden states + LM head, ``--head-tokens`` x
 ``--hidden`` x ``--vocab``) are timed as a ratio to the fused head's log-prob + entropy forward
-on the same rows (``fused_logprobs_entropy``): the extra head pass a PAEC step pays.
+on the same rows (``fused_logprobs_entropy``): the extra head pass a PAEC step pays. LESS's
+full-scan matcher from before issue 61 (the tests' oracle) is timed on the paper-scale batch in
+the same run, and its advantages compared with the indexed matcher's.
 
     python benchmarks/competitors_cost.py [--steps 3 --repeat 10 --rows 256 --tokens 4096]
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
@@ -116,6 +120,16 @@ def main() -> None:
         out[f"loss_{m}"] = row
         print(f"loss {m:10s} {row['embedded_ms']:12.3f} {row['embedded_ratio']:8.2f} {row['extra_pct_of_step']:10.3f} "
               f"{row['paper_ms']:15.1f} {row['paper_ratio']:8.2f}   (x ppo)")
+    # LESS's matcher before issue 61 (every scan in full: tests/algos/less_reference.py, the tests' oracle),
+    # on the same paper-scale batch in this run, and the two results compared
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for the tests' oracle
+    from tests.algos.less_reference import less_reference
+
+    ref_s = best_of(lambda: less_reference(big), 1)
+    same = torch.equal(less_reference(big).advantages, algos.run_estimator("less", big).advantages)
+    out["less_full_scan"] = {"paper_ms": ref_s * 1e3, "indexed_over_full_scan": paper["less"] / ref_s, "equal": same}
+    print(f"less, the full scan before issue 61: {ref_s * 1e3:.1f} ms at paper scale; the indexed matcher "
+          f"{paper['less'] * 1e3:.1f} ms = {paper['less'] / ref_s:.3f} x it; advantages equal: {same}")
     hs = _head_signal_times(a.head_tokens, a.hidden, a.vocab, max(2, a.repeat // 5))
     out["paec_head_signals"] = {"head_ms": hs["head"] * 1e3, "signals_ms": hs["signals"] * 1e3,
                                 "ratio_to_head": hs["signals"] / hs["head"], "shape": [a.head_tokens, a.hidden, a.vocab]}

@@ -102,6 +102,7 @@ def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     for m in ("hapo", "eapo_entropic", "pepo", "less"):
         assert res[m]["embedded_ratio"] > 0 and res[m]["paper_ratio"] > 0
     assert res["loss_ppo"]["paper_ratio"] == 1.0 and res["loss_stare"]["paper_ratio"] > 0 and res["loss_rsi_s"]["paper_ratio"] > 0
+    assert res["less_full_scan"]["equal"] is True and res["less_full_scan"]["paper_ms"] > 0
 
 
 def test_chain_cost_script_times_runs_and_compares_two_directories(tmp_path):
