@@ -180,9 +180,12 @@ def less(inputs: AdvantageInputs, *, min_len: int = 5, eps: float = 1e-6) -> Adv
     for i, g in enumerate(inputs.group_index.tolist()):
         groups.setdefault(g, []).append(i)
     n_clusters = n_mixed = zeroed = 0
+    # one copy of the token ids and entropies to the host for the whole batch (the matcher runs there),
+    # not one per row
+    all_ids, all_ent = inputs.response_ids.cpu(), inputs.entropy.detach().float().cpu()
     for rows in groups.values():
-        ids = [inputs.response_ids[i, :lengths[i]].tolist() for i in rows]
-        ent = [inputs.entropy[i, :lengths[i]].detach().float().cpu() for i in rows]
+        ids = [all_ids[i, :lengths[i]].tolist() for i in rows]
+        ent = [all_ent[i, :lengths[i]] for i in rows]
         w, c, mx = group_weights(ids, ent, [correct[i] for i in rows], min_len, device=A.device)
         n_clusters, n_mixed = n_clusters + c, n_mixed + mx
         for i, wi in zip(rows, w):
