@@ -200,12 +200,17 @@ def test_method_numbers_as_users_write_them_and_float32s_range():
                                                      f"algorithm.loss_params={paec.replace('1e-3', 'abc')}"])
 
 
-@pytest.mark.parametrize("spelled", ["PRIME", "EP-GRPO", "Papo"])
+@pytest.mark.parametrize("spelled", ["ERPO", "EP-GRPO", "Papo"])
 def test_refused_methods_as_the_papers_spell_them_get_the_reason(spelled):
     with pytest.raises(ValueError, match=f"advantage estimator '{spelled}' is not implemented, by design: "):
         load_config(REPO / "configs/cpu_tiny.yaml", [f"algorithm.estimator={spelled}"])
     with pytest.raises(ValueError, match=f"policy loss '{spelled}' is not implemented, by design: "):
         load_config(REPO / "configs/cpu_tiny.yaml", [f"algorithm.loss={spelled}"])
+
+
+def test_an_implemented_method_as_its_paper_spells_it_gets_the_registrys_name():
+    with pytest.raises(ValueError, match="unknown advantage estimator 'PRIME'; did you mean 'prime'"):
+        load_config(REPO / "configs/cpu_tiny.yaml", ["algorithm.estimator=PRIME"])
 
 
 def test_every_choice_is_typed_once_and_refused_by_name_outside_its_literal():

@@ -12,7 +12,7 @@ from .advantages import (
     split_quadrants,
 )
 from .hapo import hapo_credit, hapo_multiplier
-from . import eapo, less, paec, pepo, rsi, stare, unpublished  # noqa: F401 - register the competitors (one module a family)
+from . import eapo, less, paec, pepo, prime, rsi, stare, unpublished  # noqa: F401 - register the competitors (one module a family)
 from .groups import group_mean_std, group_token_entropy_stats
 from .dapo import DynamicSamplingBuffer, informative_groups, overlong_penalty
 from .entropy import check_finite, entropy_from_logits, logprobs_and_entropy, logprobs_from_logits

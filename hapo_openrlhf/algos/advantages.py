@@ -22,7 +22,9 @@ from .groups import masked_mean as _masked_mean
 from .quadrants import DEFAULT_QUANTILE, check_split, entropy_cut, entropy_threshold, normalize_quadrants, quadrant_masks
 from .registry import Registry
 
-ESTIMATORS = Registry("advantage estimator", fixed=("inputs",))
+# ``trains_prm``: the estimator reads ``AdvantageInputs.process_q``, an implicit process reward
+# model's q, so a trainer builds and trains that model (the ``prm`` config section; PRIME)
+ESTIMATORS = Registry("advantage estimator", fixed=("inputs",), hooks=("trains_prm",))
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class AdvantageInputs:
     group_index [B] (same value = same prompt); optional logprobs/old_logprobs [B,T];
     optional correct [B] bool (the verifier's outcome, before any length penalty:
     the quadrants' polarity); optional step (optimizer steps so far) and response_ids
-    [B,T] (token ids), for the estimators that need them."""
+    [B,T] (token ids), for the estimators that need them; optional process_q [B,T] (an implicit
+    PRM's log pi_phi - log pi_ref per response token: PRIME)."""
 
     rewards: torch.Tensor
     response_mask: torch.Tensor
@@ -45,6 +48,8 @@ class AdvantageInputs:
     step: int | None = None
     # the response's token ids [B,T] (LESS matches low-entropy segments across a group)
     response_ids: torch.Tensor | None = None
+    # the implicit process reward model's q per response token [B,T] (algos/prime.py)
+    process_q: torch.Tensor | None = None
 
     def __post_init__(self):
         m = self.response_mask
@@ -57,7 +62,7 @@ class AdvantageInputs:
                 continue
             if t.dim() != 1 or t.shape[0] != B:
                 raise ValueError(f"{name} must be [B]=[{B}], got shape {tuple(t.shape)}")
-        for name in ("entropy", "logprobs", "old_logprobs", "response_ids"):
+        for name in ("entropy", "logprobs", "old_logprobs", "response_ids", "process_q"):
             t = getattr(self, name)
             if t is not None and t.shape != m.shape:
                 raise ValueError(f"{name} must be [B, T]={tuple(m.shape)}, got {tuple(t.shape)}")

@@ -30,6 +30,7 @@ class Entry:
     check_state: Callable[..., Any] | None = None
     metrics: tuple[str, ...] = ()
     row_local: bool = False
+    trains_prm: bool = False  # an estimator that reads an implicit PRM's q (advantages.py, ESTIMATORS)
 
     @property
     def stateful(self) -> bool:
@@ -109,7 +110,7 @@ class Registry:
             key = name if name in self._refused else spelled
             raise ValueError(f"{self.kind} {name!r} is not implemented, by design: {self._refused[key]}")
         if name not in self._entries:
-            hint = difflib.get_close_matches(str(name), self._entries, n=1)
+            hint = [spelled] if spelled in self._entries else difflib.get_close_matches(str(name), self._entries, n=1)
             extra = f"; did you mean {hint[0]!r}?" if hint else ""
             raise ValueError(
                 f"unknown {self.kind} {name!r}{extra} (registered: {', '.join(self.names())})"

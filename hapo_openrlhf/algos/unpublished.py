@@ -3,9 +3,8 @@ faithfully: what each lacks, shown by ``hapo list`` and given as the error when 
 names one (``Registry.refuse``). Nothing here is guessed.
 
 Sources (SPEC 2.8): the abstracts of EP-GRPO, PAPO, ERPO and CES state no formulation
-that can be computed (no equations, no values); PRIME is complete (verl ``recipe/prime``)
-but needs a second, trainable model (the implicit process reward model), which no back
-end of this project trains.
+that can be computed (no equations, no values). (PRIME, refused here until its implicit
+process reward model had a back end to train it, is ``algos/prime.py``.)
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ REFUSED = {
             "implementation would be a guess",
     "ces": "CES (arXiv 2605.19358): its abstract publishes no formulation (no equations or values), so any "
            "implementation would be a guess",
-    "prime": "PRIME (Cui et al., arXiv 2502.01456; HAPO's paper compares against it) needs a second, trainable "
-             "model (the implicit process reward model, verl recipe/prime); no back end here trains one",
 }
 
 for _name, _why in REFUSED.items():  # in either slot a config could name it

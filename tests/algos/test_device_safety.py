@@ -38,6 +38,7 @@ def _batch(seed=0, B=8, T=6):
         correct=torch.tensor([True, False, False, True, True, True, False, False]),
         logprobs=-torch.rand(B, T, generator=g),
         response_ids=torch.randint(0, 3, (B, T), generator=g),  # a tiny vocabulary: LESS finds segments
+        process_q=torch.randn(B, T, generator=g),  # PRIME's implicit PRM
         step=3,
     )
 
@@ -64,7 +65,7 @@ def test_every_estimator_is_device_safe(name):
     b = _batch()
     inputs = algos.AdvantageInputs(rewards=b["rewards"], response_mask=b["response_mask"], entropy=b["entropy"],
                                    group_index=b["group_index"], correct=b["correct"], step=b["step"],
-                                   response_ids=b["response_ids"])
+                                   response_ids=b["response_ids"], process_q=b["process_q"])
     ref = algos.run_estimator(name, inputs)
     with default_device_meta():
         out = algos.run_estimator(name, inputs)
@@ -74,6 +75,8 @@ def test_every_estimator_is_device_safe(name):
                      algos.run_estimator(name, inputs, ablate=["PHR", "NLR"]),
                      algos.run_estimator(name, inputs, ablate=["PLR"], split="quantile"),
                      algos.run_estimator(name, inputs, ablate=["NHR"], split="value", threshold=0.5)]
+        if name == "prime":  # the reverse accumulation, the whole-response score, no normalisation
+            extra = [algos.run_estimator(name, inputs, lam=0.5, granularity="whole", norm="none")]
     for o in [out, *extra]:
         _on_cpu(o.advantages)
         _on_cpu(o.loss_mask)
