@@ -105,6 +105,17 @@ def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     assert res["less_full_scan"]["equal"] is True and res["less_full_scan"]["paper_ms"] > 0
 
 
+def test_prime_cost_script_reports_each_update_order_as_a_ratio_to_grpo():
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prime_cost.py"), "--prompts", "2", "--repeat", "1",
+                          "--warmup", "2"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["rows"] == 8 and res["grpo"]["ratio_to_grpo"] == 1.0 and res["oversample_rollout_ratio"] == 4.0
+    for order in ("before", "after", "none"):
+        assert res[f"prime_{order}"]["median_ms"] > 0
+    assert res["paper_scale"]["training_side_ratio_before"] == 2.25
+
+
 def test_chain_cost_script_times_runs_and_compares_two_directories(tmp_path):
     """benchmarks/chain_cost.py reduced to a few steps: it writes the experiment file from the
     decisive one, runs it in a subprocess, reads each job's wall time from experiment.json;

@@ -18,6 +18,33 @@ class OverlongConfig:
 
 
 @dataclass(frozen=True)
+class AccuracyFilterConfig:
+    """PRIME's data filter (verl ``recipe/prime``, ``RayPRIMETrainer.filter_and_downsample``): sample
+    ``oversample`` x the step's prompts, rank the groups whose accuracy lies in [lower, upper] (and, with
+    ``drop_truncated``, none of whose responses reach max_new_tokens - 1 tokens) first, in sampled order,
+    and train on the first ``rollout.prompts_per_step`` groups; failing groups fill in when too few pass."""
+
+    enable: bool = False
+    lower: float = 0.2
+    upper: float = 0.8
+    oversample: float = 4.0
+    drop_truncated: bool = True
+
+    def __post_init__(self):
+        import math
+
+        for key in ("lower", "upper"):
+            v = getattr(self, key)
+            require(math.isfinite(v) and 0 <= v <= 1,
+                    f"algorithm.accuracy_filter.{key} must be a group accuracy in [0, 1], got {v}")
+        require(self.lower <= self.upper, f"algorithm.accuracy_filter: lower ({self.lower}) is above upper "
+                                          f"({self.upper}): no group could pass")
+        require(math.isfinite(self.oversample) and self.oversample >= 1,
+                f"algorithm.accuracy_filter.oversample must be a finite number >= 1 (prompts sampled per prompt "
+                f"trained), got {self.oversample}")
+
+
+@dataclass(frozen=True)
 class ISCorrectionConfig:
     """Rollout/training mismatch correction (``algos.is_correction``; OpenRLHF 0.11.2's
     ``--algo.advantage.is_correction_*``): ``level`` off | token | seq, ``mode`` mask |
@@ -63,6 +90,8 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False
     max_gen_rounds: int = 4
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    # PRIME's group-accuracy filter with oversampling (the embedded trainer)
+    accuracy_filter: AccuracyFilterConfig = field(default_factory=AccuracyFilterConfig)
     # rollout/training mismatch correction (backend openrlhf / megatron: vLLM's log-probs)
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     # the logged Four Quadrant metrics: high entropy = H >= the group's mean token entropy
@@ -87,4 +116,7 @@ class AlgorithmConfig:
         check_split(self.quadrant_split, self.quadrant_quantile, self.quadrant_threshold, "algorithm.quadrant_")
         require(self.entropy_chunk_size > 0, "algorithm.entropy_chunk_size must be > 0")
         require(self.max_gen_rounds >= 1, "algorithm.max_gen_rounds must be >= 1")
+        require(not (self.dynamic_sampling and self.accuracy_filter.enable),
+                "algorithm.dynamic_sampling and algorithm.accuracy_filter are two filters of the step's groups "
+                "(DAPO's: accuracy strictly between 0 and 1, refilled; PRIME's: a band, oversampled once): enable one")
         require(self.reward_timeout_s > 0, "algorithm.reward_timeout_s must be > 0")

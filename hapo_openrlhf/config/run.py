@@ -10,6 +10,7 @@ from .base import asdict_deep, choices, require, to_plain
 from .megatron import MegatronConfig
 from .model_data import DataConfig, ModelConfig, WarmupConfig
 from .openrlhf import OpenRLHFConfig
+from .prm import PRMConfig
 from .rollout import RolloutConfig
 from .slurm import SlurmConfig
 from .training import EvalConfig, OptimConfig, TrainerConfig
@@ -32,6 +33,7 @@ class RunConfig:
     openrlhf: OpenRLHFConfig = field(default_factory=OpenRLHFConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    prm: PRMConfig = field(default_factory=PRMConfig)  # read where the estimator trains_prm (PRIME)
 
     def __post_init__(self):
         require(0 <= self.seed < 2**32 - 100, f"seed must be an integer in [0, 2^32 - 100) (numpy's seed range, less "
@@ -53,6 +55,16 @@ class RunConfig:
                      f"response (>= {need} tokens: max_new_tokens {need - prompt} + a ~{prompt}-token prompt)")
         if self.backend == "megatron":
             self._check_megatron()
+        if self.backend != "local":
+            from ..algos import ESTIMATORS
+
+            require(not ESTIMATORS.get(self.algorithm.estimator).trains_prm,
+                    f"algorithm.estimator {self.algorithm.estimator} trains an implicit process reward model beside "
+                    f"the policy, which backend {self.backend} does not build yet (its PRM actor group is issue 59's "
+                    f"next step): run it on backend local")
+            require(not self.algorithm.accuracy_filter.enable,
+                    f"algorithm.accuracy_filter runs in the embedded trainer (backend local); backend {self.backend} "
+                    f"filters with algorithm.dynamic_sampling")
         require(self.backend == "local" or self.rollout.old_logprobs != "sampler",
                  f"rollout.old_logprobs: sampler is the embedded trainer's (backend local); backend {self.backend} "
                  "recomputes old log-probs with the actor, as OpenRLHF does: set rollout.old_logprobs: auto or forward "

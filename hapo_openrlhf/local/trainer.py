@@ -39,6 +39,7 @@ from ..data.datasets import make_datasets
 from .evaluate import evaluate
 from ..rundir.logger import MetricsLogger
 from .model import load_or_build, save_hf
+from .prm import ImplicitPRM
 from ..generation.rollout import Rollout, concat_rollouts, generate
 from .forward import fused_policy_loss, policy_forward
 from .samples import dump_token_samples
@@ -124,6 +125,9 @@ class LocalTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lambda s: min(1.0, (s + 1) / warm))
         self.verifier = MathVerifier(timeout_s=cfg.algorithm.reward_timeout_s, wrong_value=cfg.algorithm.reward_wrong)
         self.loss_rng = torch.Generator().manual_seed(cfg.seed + 7)
+        # PRIME's implicit PRM (an estimator that trains_prm): built from the policy when RL starts
+        # (after any warm-up), or restored from the checkpoint
+        self.prm: ImplicitPRM | None = None
         self.resumed_from = resumed_from = self._maybe_resume() if resume else None
         if not resume and list_complete(self.ckpt_root):
             raise ValueError(
@@ -197,8 +201,39 @@ class LocalTrainer:
                                                          dict(a.loss_params), self.state.loss_state)
         for note in notes:
             log.warning("resuming %s: %s", ckpt, note)
+        self._restore_prm(ckpt, shard, old)
         set_rng_state(shard["rng"])
         log.info("resumed from %s (step %d)", ckpt, self.state.step)
+
+    @property
+    def trains_prm(self) -> bool:
+        return algos.ESTIMATORS.get(self.cfg.algorithm.estimator).trains_prm
+
+    def _build_prm(self) -> ImplicitPRM:
+        a, m = self.cfg.algorithm, self.cfg.model
+        beta = {**algos.ESTIMATORS.get(a.estimator).defaults, **a.estimator_params}["beta"]
+        return ImplicitPRM(self.cfg.prm, self.model, beta=beta, chunk_size=a.entropy_chunk_size, fused=m.fused_head,
+                           packing=m.packing)
+
+    def _restore_prm(self, ckpt: Path, shard: dict, old: dict) -> None:
+        """The implicit PRM a checkpoint holds, for a run whose estimator trains one; each other case named."""
+        held = "prm" in shard
+        if held and self.trains_prm:
+            moved = [f"prm.{k}: {old.get('prm', {}).get(k)!r} -> {getattr(self.cfg.prm, k)!r}"
+                     for k in ("path", "ref_path") if old.get("prm", {}).get(k) != getattr(self.cfg.prm, k)]
+            if moved:
+                raise ValueError(f"--resume: {ckpt} holds the implicit PRM trained from its own starting weights and "
+                                 f"reference; this config names others ({', '.join(moved)}), which a resume would not "
+                                 f"train: resume with the checkpoint's, or start a new --output-dir")
+            self.prm = self._build_prm()
+            self.prm.load_state_dict(shard["prm"])
+        elif held:
+            log.warning("resuming %s: it holds an implicit PRM, which algorithm.estimator %s does not use: dropped",
+                        ckpt, self.cfg.algorithm.estimator)
+        elif self.trains_prm and self.state.step > 0:
+            log.warning("resuming %s: it holds no implicit PRM (saved under algorithm.estimator %s); the PRM starts "
+                        "from the policy's weights at step %d", ckpt, old.get("algorithm", {}).get("estimator"),
+                        self.state.step)
 
     def _apply_optim_config(self) -> None:
         """A resume trains at this run's optimizer settings, not the checkpoint's: the
@@ -221,6 +256,8 @@ class LocalTrainer:
             "rng": rng_state(),
             "loss_rng": self.loss_rng.get_state(),
         }
+        if self.prm is not None:
+            shard["prm"] = self.prm.state_dict()
         meta = {"config": self.cfg.to_dict(), "consumed_prompts": self.state.consumed_prompts}
         return save_checkpoint(self.ckpt_root, self.state.step, {0: shard}, meta, self.cfg.trainer.keep_last)
 
@@ -291,6 +328,8 @@ class LocalTrainer:
         """One step's batch; with dynamic sampling, refill until every group is informative."""
         r, a = self.cfg.rollout, self.cfg.algorithm
         self.verifier.stats = RewardStats()  # reward outcome counts are per step
+        if a.accuracy_filter.enable:
+            return self._accuracy_filtered()
         if not a.dynamic_sampling:
             return self._sample(self.next_prompts(r.prompts_per_step)), {}
         buf = algos.DynamicSamplingBuffer(r.prompts_per_step, a.max_gen_rounds)
@@ -307,6 +346,26 @@ class LocalTrainer:
             log.warning("dynamic sampling: no informative group in %d rounds; using the last batch", buf.rounds)
             return b, buf.metrics()
         return _merge_groups(kept, self.tok.pad_token_id), buf.metrics()
+
+    def _accuracy_filtered(self) -> tuple[Batch, dict[str, float]]:
+        """PRIME's filter (``algorithm.accuracy_filter``; the recipe's ``filter_and_downsample``): sample
+        ``oversample`` x the step's prompts at once; the groups whose accuracy is in [lower, upper] (and, with
+        ``drop_truncated``, whose longest response is under max_new_tokens - 1 tokens) come first, each part
+        in sampled order (a stable sort, where the recipe's ``argsort`` leaves ties' order to the kernel);
+        the first ``prompts_per_step`` groups are the batch."""
+        r, f = self.cfg.rollout, self.cfg.algorithm.accuracy_filter
+        P, G = r.prompts_per_step, r.samples_per_prompt
+        n = max(P, math.ceil(P * f.oversample - 1e-9))
+        b = self._sample(self.next_prompts(n))
+        acc = b.correct.float().view(n, G).mean(-1)
+        ok = (acc >= f.lower) & (acc <= f.upper)
+        if f.drop_truncated:
+            ok &= b.rollout.response_mask_BR.sum(-1).view(n, G).max(-1).values < r.max_new_tokens - 1
+        order = torch.argsort(ok.to(torch.int8), descending=True, stable=True)[:P].tolist()
+        kept = [(b, list(range(j * G, (j + 1) * G))) for j in order]
+        metrics = {"filter/rejected_frac": float(1 - ok.float().mean()),
+                   "filter/failing_kept_frac": float((~ok[order]).float().mean())}
+        return _merge_groups(kept, self.tok.pad_token_id), metrics
 
     # ------------------------------------------------------------------- update
     def _behaviour(self, ro: Rollout, nucleus: bool = False, sampler: bool = False):
@@ -334,11 +393,17 @@ class LocalTrainer:
         old_logp, ent, *logmass = self._behaviour(ro, nucleus=due, sampler=cfg.rollout.old_logprobs != "forward")
         if logmass:  # top-p rollouts: the mean log P(nucleus) over response tokens (docs/method.md 6b)
             metrics["rollout/nucleus_logmass"] = float(logmass[0].sum() / mask.sum().clamp(min=1))
+        process_q = None
+        if self.trains_prm:  # PRIME: the implicit PRM's update and q, in prm.update's order (local/prm.py)
+            if self.prm is None:
+                self.prm = self._build_prm()
+            process_q, prm_metrics = self.prm.step(ro, batch.correct, batch.group_index)
+            metrics.update(prm_metrics)
         inputs = algos.AdvantageInputs(
             rewards=batch.rewards, response_mask=mask, entropy=ent, group_index=batch.group_index,
             old_logprobs=old_logp, correct=batch.correct,
             step=self.state.optimizer_steps,  # optimizer steps taken so far (one per PPO epoch)
-            response_ids=ro.response_ids_BR,
+            response_ids=ro.response_ids_BR, process_q=process_q,
         )
         # the algorithm's step, as on every back end (algos/step.py): advantages, loss mask, quadrants
         # and their metrics, and a stateful loss's state (STARE's controller) for this step

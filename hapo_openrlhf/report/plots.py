@@ -26,7 +26,8 @@ PER_QUADRANT = {
 
 # each competitor's own metrics (docs/method.md 5b), one figure per method whose runs log them
 METHOD_METRICS = {"eapo": "EAPO-entropic", "pepo": "PEPO", "less": "LESS", "stare": "STARE", "rsi": "RSI-S",
-                  "paec": "PAEC"}
+                  "paec": "PAEC", "prime": "PRIME (its rewards)", "prm": "PRIME's implicit PRM",
+                  "filter": "the group-accuracy filter"}
 
 
 def moving_average(ys: list[float], w: int) -> list[float]:
