@@ -9,12 +9,15 @@ forward the quadrant metrics read) and PRIME's (the same, plus the implicit PRM 
 forward, PRM forward + backward; ``none`` -- reference and PRM forwards). Each model update is
 undone between repetitions (the weights and both optimizers restored), so every repetition times
 the same work. Reported: the medians, PRIME's over GRPO's, and the rollout cost of the accuracy
-filter's oversampling (``oversample`` x the prompts generated per prompt trained).
+filter's oversampling (``oversample`` x the prompts generated per prompt trained), and the whole
+embedded step's ratio (generation oversampled + the training side). The embedded training side
+also runs the entropy-after forward the quadrant metrics read (F), so its GRPO is 5F.
 
 At paper scale (a policy forward over the batch = F, a backward = 2F, one policy update = 3F): a
 GRPO step's training side is the old-log-prob forward and the update, 4F (no KL reference, as the
 recipe's script); PRIME adds the PRM's update (3F) and the reference's forward (F), and with
-``before`` a second PRM forward (F): 5F, i.e. 2.25x the training side (``after``: 4F, 2x). Generation
+``before`` a second PRM forward (F; the reference's log-probs are reused, where the recipe runs the
+reference again): 5F, i.e. 2.25x the training side (``after``: 4F, 2x). Generation
 is oversampled 4x by the recipe's filter; with generation a share g of a GRPO step, the step costs
 4g + 2.25 (1 - g) GRPO steps.
 
@@ -104,6 +107,9 @@ def main() -> None:
                   "max_ms": round(max(times[k]) * 1e3, 2), "ratio_to_grpo": round(ratio, 3)}
         print(f"  {k:13s} training side {v * 1e3:8.1f} ms (range {min(times[k]) * 1e3:.1f}-"
               f"{max(times[k]) * 1e3:.1f})  x{ratio:.2f} GRPO")
+    # the whole embedded step: generation (oversampled under PRIME) + the training side
+    out["embedded_step_ratio_before"] = round((oversample * gen_s + med["prime_before"]) / (gen_s + med["grpo"]), 3)
+    print(f"embedded step (generation x{oversample:g} + training side) over GRPO's: x{out['embedded_step_ratio_before']}")
     # paper scale, in forwards F over the batch (module docstring)
     paper = {"grpo_F": 4, "prime_before_F": 9, "prime_after_F": 8, "training_side_ratio_before": 9 / 4,
              "training_side_ratio_after": 8 / 4,
