@@ -213,7 +213,7 @@ def _experiment(args) -> int:
         how = "reused" if kind == "reused" else f"{info['wall_s']:.0f} s"
         console.print(f"{head} ({how}): held-out accuracy {b:.3f} -> {a:.3f}", highlight=False)
 
-    manifest = run_experiment(exp, suites, on_event)
+    manifest = run_experiment(exp, suites, on_event, code_change=args.code_change)
     bad = manifest["failed"] + manifest["skipped_after_failed_warm_start"]
     report = None
     if any(j["status"] == "done" and not j["name"].startswith("warm_start/") for j in manifest["jobs"].values()):
@@ -323,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--output-dir", default=None, help="default: the experiment file's output_dir")
     x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a run-config key in every run (merged into 'common')")
+    x.add_argument("--code-change", default=None, metavar="REASON",
+                   help="go on with an experiment registered under other code (package sources, torch or "
+                        "transformers); the reason is recorded in experiment.json and printed in the report")
     x.set_defaults(fn=_experiment)
     r = sub.add_parser("report", help="plots from run directories, or an experiment directory's report")
     r.add_argument("run_dirs", nargs="+", help="run directories, or one experiment directory")

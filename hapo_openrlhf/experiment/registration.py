@@ -15,6 +15,11 @@ names and paths). Later invocations:
 * seeds and variants first run later are recorded with their time (``seeds_added``,
   ``variants_added``), and the report says so.
 
+Code (issue 60): a later invocation whose package sources, torch or transformers differ from the
+registered ``code`` is refused by name, unless ``--code-change REASON`` is given: the reason, the
+differences and the time are appended to ``code_changes``, and the report prints them. The
+family-wise level of Holm's verdicts (``familywise_alpha``) is frozen with the registration.
+
 The registration is written before the first job runs (not when it ends: a runner stopped during
 the warm start leaves it), holds the code that runs it (``code``: the package's version, a
 sha256 of its sources, and the git commit where there is one), and is marked
@@ -77,7 +82,8 @@ def read_manifest_for_update(path: Path) -> dict[str, Any]:
 
 def code_identity() -> dict[str, Any]:
     """What code runs the experiment: hapo-openrlhf's version, a sha256 over its Python sources
-    (path and content, sorted), and the git commit (with ``dirty``) when the package is a checkout."""
+    (path and content, sorted), the versions of torch and transformers, and the git commit (with
+    ``dirty``: the package's tree differs from it) when the package is a checkout."""
     import subprocess
     from importlib import metadata
 
@@ -86,10 +92,11 @@ def code_identity() -> dict[str, Any]:
     for f in sorted(pkg.rglob("*.py")):
         h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     out: dict[str, Any] = {"sources_sha256": h.hexdigest()}
-    try:
-        out["version"] = metadata.version("hapo-openrlhf")
-    except metadata.PackageNotFoundError:
-        pass
+    for key, dist in (("version", "hapo-openrlhf"), ("torch", "torch"), ("transformers", "transformers")):
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
     try:
         head = subprocess.run(["git", "-C", str(pkg), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode == 0:
@@ -102,6 +109,16 @@ def code_identity() -> dict[str, Any]:
     return out
 
 
+# what makes two invocations "the same code": the package's sources and the libraries its numbers depend on
+CODE_KEYS = ("sources_sha256", "torch", "transformers")
+
+
+def code_difference(registered: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: registered -> current`` for each of CODE_KEYS both record and that differ."""
+    return [f"{k}: {registered[k]} -> {current[k]}" for k in CODE_KEYS
+            if k in registered and k in current and registered[k] != current[k]]
+
+
 def _stamp(t: str) -> float:
     import calendar
 
@@ -109,11 +126,14 @@ def _stamp(t: str) -> float:
 
 
 def register(previous: dict[str, Any], exp, variants: list[str], path: Path,
-             finished: dict[str, float] | None = None) -> dict[str, Any]:
+             finished: dict[str, float] | None = None, code_change: str | None = None) -> dict[str, Any]:
     """The manifest fields that record the pre-registration (new, or checked and extended).
     ``finished``: each finished run's name -> when it finished (its summary's mtime): runs that
-    finished before the registration mark it ``recorded_after_runs``."""
+    finished before the registration mark it ``recorded_after_runs``. A later invocation from other
+    code (:data:`CODE_KEYS`) is refused by name unless ``code_change`` gives the reason, which is
+    recorded (``code_changes``) and printed by the report."""
     t = now()
+    code = code_identity()
     finished = finished or {}
     settings = {v: fingerprint(exp.runs[(v, exp.seeds[0])].config) for v in variants}
     warm = fingerprint(exp.warm_jobs()[0].config)
@@ -121,13 +141,14 @@ def register(previous: dict[str, Any], exp, variants: list[str], path: Path,
     reg = previous.get("registration")
     if reg is None:
         reg = {"at": t, "comparisons": comps, "seeds": list(exp.seeds), "settings": settings, "warm_start": warm,
-               "code": code_identity()}
+               "code": code, "familywise_alpha": exp.familywise_alpha}
         before = sorted(n for n in finished if not n.startswith("warm_start"))
         if previous.get("jobs") or before:  # runs exist already: this registration follows them
             reg["recorded_after_runs"] = True
             if before:
                 reg["runs_before_registration"] = before
-        return {"registration": reg, "comparisons_added": [], "seeds_added": {}, "variants_added": {}}
+        return {"registration": reg, "comparisons_added": [], "seeds_added": {}, "variants_added": {},
+                "code_changes": []}
     before = sorted(n for n, when in finished.items() if not n.startswith("warm_start") and when < _stamp(reg["at"]))
     if before and not reg.get("recorded_after_runs"):  # a registration written after its results
         reg["recorded_after_runs"] = True
@@ -139,6 +160,20 @@ def register(previous: dict[str, Any], exp, variants: list[str], path: Path,
         raise ValueError(f"{path}: {', '.join(changed)} now resolve to a different configuration than the one "
                          f"registered when this experiment's runs started ({reg['at']}); pre-registered settings "
                          f"cannot change. Use another --output-dir for the new settings")
+    if reg.get("familywise_alpha", exp.familywise_alpha) != exp.familywise_alpha:
+        raise ValueError(f"{path}: familywise_alpha is now {exp.familywise_alpha}, registered as "
+                         f"{reg['familywise_alpha']} ({reg['at']}); the level of the pre-registered verdicts cannot "
+                         f"change. Use another --output-dir")
+    changes = [dict(c) for c in previous.get("code_changes") or [] if isinstance(c, dict)]
+    diff = code_difference(reg.get("code") or {}, code)
+    if diff and not code_change:
+        raise ValueError(f"{path}: this experiment was registered ({reg['at']}) with other code than this checkout's "
+                         f"({'; '.join(diff)}); runs from other code would not be the registered experiment. Run it "
+                         f"from the registered code (git commit {(reg.get('code') or {}).get('git_commit', 'unknown')}), "
+                         f"or pass --code-change 'REASON' to go on, recorded and printed in the report")
+    if diff:
+        changes.append({"at": t, "reason": str(code_change), "differences": diff,
+                        "git_commit": code.get("git_commit"), "git_dirty": code.get("git_dirty")})
     added = [dict(c) for c in previous.get("comparisons_added", []) if isinstance(c, dict)]
     for c in comps:
         if c not in reg["comparisons"] and not any(a.get("a") == c["a"] and a.get("b") == c["b"] for a in added):
@@ -153,4 +188,4 @@ def register(previous: dict[str, Any], exp, variants: list[str], path: Path,
             reg["settings"][v] = fp
             variants_added[v] = t
     return {"registration": reg, "comparisons_added": added, "seeds_added": seeds_added,
-            "variants_added": variants_added}
+            "variants_added": variants_added, "code_changes": changes}

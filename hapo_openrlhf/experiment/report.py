@@ -19,6 +19,7 @@ from .registration import check_jobs
 from .credit import markdown as credit_markdown
 from .findings import evaluate_findings
 from .verdicts import compare
+from .verdicts import holm
 from .verdicts import markdown as verdict_table
 from .stats import RunStats, load_run, spread
 
@@ -77,6 +78,33 @@ def read_manifest(path: Path) -> dict:
     if missing:
         raise ValueError(f"{path}: 'runs' lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     return m
+
+
+def _code_lines(manifest: dict) -> list[str]:
+    """The code the experiment was registered with, and every later invocation's named change."""
+    code = (manifest.get("registration") or {}).get("code")
+    if not isinstance(code, dict):
+        return []
+    commit = code.get("git_commit")
+    where = (f"git commit {commit[:12]}" + (" with uncommitted changes" if code.get("git_dirty") else "")
+             if isinstance(commit, str) else "no git checkout")
+    lines = [f"Registered code: {where}; package sources sha256 {str(code.get('sources_sha256', '?'))[:16]}...; "
+             f"torch {code.get('torch', '?')}, transformers {code.get('transformers', '?')}.", ""]
+    for c in manifest.get("code_changes") or []:
+        if isinstance(c, dict):
+            lines += [f"**Code changed after the registration** ({c.get('at')}; `--code-change`): "
+                      f"{'; '.join(map(str, c.get('differences', [])))}. Reason given: {c.get('reason')!r}.", ""]
+    return lines
+
+
+def familywise_alpha(manifest: dict) -> float:
+    """The family-wise level Holm's verdicts use: the registration's (frozen with the comparisons),
+    else the file's, else 0.05."""
+    reg = manifest.get("registration") or {}
+    a = reg.get("familywise_alpha", manifest.get("familywise_alpha", 0.05))
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < 1:
+        raise ValueError(f"experiment.json: familywise_alpha must be a number in (0, 1), got {a!r}")
+    return float(a)
 
 
 def comparison_sets(manifest: dict) -> tuple[list[dict], list[dict], str | None]:
@@ -251,7 +279,13 @@ def _comparison_sections(manifest: dict, registered: list, added: list, register
                   f"interval (Student's t, n - 1 df); **a > b** / **a < b** when the mean exceeds twice its "
                   f"standard error in that direction, else **unresolved**; *seeds to resolve* = (2 sd / |mean|)^2 "
                   f"(`hapo_openrlhf/experiment/verdicts.py`).", ""]
-        lines += verdict_table(comparisons, k) + [""]
+        alpha = familywise_alpha(manifest)
+        lines += [f"Multiplicity: *p* is the two-sided p-value of the paired t statistic (n - 1 df); **Holm** is "
+                  f"Holm's step-down verdict over these {len(comparisons)} pre-registered comparisons at the "
+                  f"family-wise level {alpha:g} the experiment file names (`familywise_alpha`): sorted by p, the "
+                  f"i-th smallest (from 0) is resolved while p <= {alpha:g} / (m - i), and the first that is not "
+                  f"stops it. A comparison resolved at 2 s.e. but not by Holm does not survive the correction.", ""]
+        lines += verdict_table(comparisons, k, alpha) + [""]
     if late:
         lines += ["## Comparisons added after the runs started", "",
                   "Not pre-registered: each was first stated after the runs had started (" +
@@ -279,7 +313,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     findings = evaluate_findings(runs)
     (out / "findings.json").write_text(json.dumps(findings, indent=1))
     registered, added, registered_at = comparison_sets(manifest)
-    comparisons = compare(runs, registered)
+    comparisons = holm(compare(runs, registered), familywise_alpha(manifest))  # one family: the registered ones
     late = compare(runs, [{"a": c["a"], "b": c["b"]} for c in added])
     for row, c in zip(late, added):
         row["added_after_runs"] = c["at"]
@@ -303,6 +337,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
         f"({manifest['workers']} workers x {manifest['threads_per_worker']} thread(s); "
         f"{_f(job_s / 60, 1)} min of run time over all runs, including earlier invocations).", "",
     ]
+    lines += _code_lines(manifest)
     if missing:
         lines += [f"**Missing runs** (not finished): {', '.join(missing)}", ""]
     if manifest.get("failed"):

@@ -256,7 +256,7 @@ class _Workers:
 
 
 def run_experiment(exp: Experiment, suites: list[str],
-                   on_event: Callable[[str, dict], None] | None = None) -> dict[str, Any]:
+                   on_event: Callable[[str, dict], None] | None = None, code_change: str | None = None) -> dict[str, Any]:
     """Train the warm starts and every run of ``suites``; returns (and writes to
     ``OUTPUT/experiment.json``) the manifest with each job's status and wall time. One
     runner per output directory (``OUT/.hapo.lock``, as for a run directory)."""
@@ -269,12 +269,12 @@ def run_experiment(exp: Experiment, suites: list[str],
         raise ValueError(f"output directory {exp.output_dir} is a dangling symbolic link")
     runlock.acquire(exp.output_dir)  # a second runner is refused here, before anything is touched
     try:
-        return _run_locked(exp, suites, on_event)
+        return _run_locked(exp, suites, on_event, code_change)
     finally:
         runlock.release(exp.output_dir)
 
 
-def _run_locked(exp: Experiment, suites: list[str], on_event) -> dict[str, Any]:
+def _run_locked(exp: Experiment, suites: list[str], on_event, code_change: str | None = None) -> dict[str, Any]:
     variants = exp.variants_of(suites)
     warm = exp.warm_jobs()
     runs = {s: [exp.runs[(v, s)] for v in variants] for s in exp.seeds}
@@ -292,7 +292,7 @@ def _run_locked(exp: Experiment, suites: list[str], on_event) -> dict[str, Any]:
                 "jobs": previous.get("jobs", {})}
     finished = {name: (j.out / "summary.json").stat().st_mtime for j in warm + [j for js in runs.values() for j in js]
                 if (name := j.name) in results}
-    manifest.update(register(previous, exp, variants, manifest_path, finished))
+    manifest.update(register(previous, exp, variants, manifest_path, finished, code_change))
     exp.output_dir.mkdir(parents=True, exist_ok=True)
     _write_json(manifest_path, manifest)  # the registration, before the first job starts
     t_start = time.perf_counter()

@@ -21,7 +21,7 @@ from ..config import RunConfig, _merge, apply_overrides, from_dict, load_yaml, r
 from ..rundir.jsonfile import read_small_text
 
 _KEYS = {"run_config", "output_dir", "seeds", "workers", "threads_per_worker", "common", "variants", "suites",
-         "comparisons", "warm_start_seed"}
+         "comparisons", "warm_start_seed", "familywise_alpha"}
 _VARIANT_KEYS = {"config", "override"}
 # a variant may change the algorithm, the optimiser, the rollout and the schedule, but
 # not what the shared warm start was built from
@@ -57,6 +57,8 @@ class Experiment:
     # pre-registered paired comparisons {a, b} (experiment/verdicts.py), stated before the runs
     comparisons: tuple[dict[str, str], ...] = ()
     warm_start_seed: int | None = None  # one warm start, trained with this seed, shared by every seed's runs
+    # the family-wise level of Holm's verdicts over the pre-registered comparisons (experiment/verdicts.py)
+    familywise_alpha: float = 0.05
 
     def warm_jobs(self) -> list[Job]:
         """The distinct warm-start jobs, in seed order."""
@@ -78,6 +80,7 @@ class Experiment:
             "warm_starts": {s: str(j.out) for s, j in self.warm.items()},
             "runs": {f"{v}/seed_{s}": str(j.out) for (v, s), j in self.runs.items()},
             "comparisons": [dict(c) for c in self.comparisons], "warm_start_seed": self.warm_start_seed,
+            "familywise_alpha": self.familywise_alpha,
         }
 
 
@@ -242,6 +245,10 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
     _check_variants(path, variants)
     suites = _read_suites(path, raw["suites"], variants)
     comparisons = _read_comparisons(path, raw, variants)
+    alpha = raw.get("familywise_alpha", 0.05)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise _err(path, f"familywise_alpha must be a number in (0, 1) (the family-wise level of Holm's verdicts over "
+                         f"the comparisons), got {alpha!r}")
 
     shared = _read_warm_start_seed(path, raw, warm_start_seed, seeds)
     # each config is resolved and validated once; the per-seed copies differ only in the seed
@@ -275,7 +282,7 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
             cfg = _with(run_cfg, seed=s, run_name=f"{v}_seed_{s}", output_dir=str(run_out))
             cfg["model"]["path"] = str(root / warm[s].out.relative_to(out) / "final_model")
             runs[(v, s)] = Job(v, s, run_out, cfg)
-    return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons), shared)
+    return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons), shared, float(alpha))
 
 
 def _with(cfg: dict[str, Any], **top: Any) -> dict[str, Any]:

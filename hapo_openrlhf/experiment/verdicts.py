@@ -14,6 +14,13 @@ their warm start, so the difference is paired):
 
 Because both runs of a seed start from the same model, ``final(a) - final(b)`` equals
 ``gain(a) - gain(b)``.
+
+Multiplicity (issue 60): each row also carries ``p``, the two-sided p-value of the paired t
+statistic ``diff / se`` on n - 1 degrees of freedom, and :func:`holm` gives **Holm's step-down
+verdict** over a family of comparisons (the pre-registered ones) at the family-wise level the
+experiment file names (``familywise_alpha``, default 0.05): sorted by p, the i-th smallest (from
+0) is rejected while p <= alpha / (m - i); the first that is not stops the procedure, and it and
+every larger p are unresolved. A rejected comparison's direction is its difference's sign.
 """
 
 from __future__ import annotations
@@ -44,6 +51,64 @@ def t975(df: int) -> float:
     return _T975[max(k for k in _T975 if k < df)]
 
 
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularised incomplete beta function (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b)."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom: I_{df / (df + t^2)}(df / 2, 1 / 2)."""
+    if df < 1 or math.isnan(t):
+        return math.nan
+    if math.isinf(t):
+        return 0.0
+    return _betainc(df / 2.0, 0.5, df / (df + t * t))
+
+
+def holm(rows: list[dict[str, Any]], alpha: float) -> list[dict[str, Any]]:
+    """Holm's step-down verdicts over ``rows`` (one family; each with ``p`` and ``diff``): each row
+    gets ``holm`` (a > b / a < b / unresolved) and ``holm_threshold`` (alpha / (m - rank)). Rows
+    without a p-value (fewer than two seeds) are unresolved and count in m."""
+    m = len(rows)
+    order = sorted(range(m), key=lambda i: (math.isnan(rows[i]["p"]), rows[i]["p"]))
+    stopped = False
+    for rank, i in enumerate(order):
+        r = rows[i]
+        r["holm_threshold"] = alpha / (m - rank)
+        if not stopped and not math.isnan(r["p"]) and r["p"] <= r["holm_threshold"] and r["diff"] != 0:
+            r["holm"] = A_WINS if r["diff"] > 0 else B_WINS
+        else:
+            stopped = True
+            r["holm"] = UNRESOLVED
+    return rows
+
+
 def compare(runs: list[RunStats], comparisons: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per comparison whose two variants have runs (the module docstring's rule)."""
     out = []
@@ -61,22 +126,35 @@ def compare(runs: list[RunStats], comparisons: list[dict[str, Any]]) -> list[dic
         else:
             v = A_WINS if d > 2 * se else B_WINS if d < -2 * se else UNRESOLVED
         need = math.ceil((2 * sd / abs(d)) ** 2) if n > 1 and d and not math.isnan(sd) else None
+        if n < 2 or math.isnan(se):
+            p = math.nan
+        elif se == 0:  # every seed's difference the same: none (p 1) or a certain one (p 0)
+            p = 0.0 if d else 1.0
+        else:
+            p = t_two_sided_p(d / se, n - 1)
         out.append({"a": a, "b": b, "n": n, "diff": d, "se": se, "sd": sd, "ci95": [d - half, d + half],
-                    "verdict": v, "seeds_needed": need, "per_seed": t["per_seed"],
+                    "verdict": v, "p": p, "seeds_needed": need, "per_seed": t["per_seed"],
                     "mean_a": sum(fa.values()) / len(fa), "mean_b": sum(fb.values()) / len(fb)})
     return out
 
 
-def markdown(rows: list[dict[str, Any]], k: int) -> list[str]:
-    """The report's table of :func:`compare` rows."""
+def markdown(rows: list[dict[str, Any]], k: int, alpha: float | None = None) -> list[str]:
+    """The report's table of :func:`compare` rows; with ``alpha``, the rows are one family and
+    Holm's verdicts (:func:`holm`) are a column beside the 2-s.e. ones."""
     if not rows:
         return ["(no comparison has runs of both variants yet)"]
-    lines = [f"| a | b | seeds | Avg@{k} a | Avg@{k} b | a - b | s.e. | 95% interval | verdict (2 s.e.) | "
-             f"seeds to resolve |", "|---|---|---|---|---|---|---|---|---|---|"]
+    holm_col = alpha is not None
+    if holm_col:
+        holm(rows, alpha)
+    lines = [f"| a | b | seeds | Avg@{k} a | Avg@{k} b | a - b | s.e. | 95% interval | p | verdict (2 s.e.) | "
+             + (f"Holm (family-wise {alpha:g}) | " if holm_col else "") + "seeds to resolve |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if holm_col else "") + "---|"]
     for r in rows:
         ci = "n/a" if math.isnan(r["ci95"][0]) else f"[{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}]"
         se = "n/a" if math.isnan(r["se"]) else f"{r['se']:.4f}"
+        p = "n/a" if math.isnan(r["p"]) else f"{r['p']:.4f}"
+        hv = (f"{r['holm']} (p <= {r['holm_threshold']:.4f}?) | " if holm_col else "")
         lines.append(f"| {r['a']} | {r['b']} | {r['n']} | {r['mean_a']:.4f} | {r['mean_b']:.4f} | "
-                     f"{r['diff']:+.4f} | {se} | {ci} | {r['verdict']} | "
+                     f"{r['diff']:+.4f} | {se} | {ci} | {p} | {r['verdict']} | {hv}"
                      f"{r['seeds_needed'] if r['seeds_needed'] is not None else 'n/a'} |")
     return lines

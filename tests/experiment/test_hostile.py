@@ -209,6 +209,47 @@ def test_preregistration_is_recorded_enforced_and_late_comparisons_are_reported_
     assert comparison_sets({"comparisons": [{"a": "a", "b": "b"}], **late}) == ([{"a": "a", "b": "b"}], [], None)
 
 
+def test_other_code_than_the_registered_is_refused_unless_named_and_the_report_prints_it(tmp_path):
+    """Issue 60: the registration records the code (package sources, torch, transformers, the commit);
+    a later invocation whose sources or libraries differ is refused by name; ``--code-change REASON``
+    goes on and records the reason and the differences, which the report prints. The family-wise
+    level is frozen with the registration."""
+    from hapo_openrlhf.experiment.registration import code_identity
+
+    def exp(alpha=None):
+        body = {"variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]}, "comparisons": [{"a": "a", "b": "b"}],
+                "seeds": [1]}
+        if alpha is not None:
+            body["familywise_alpha"] = alpha
+        return load_experiment(_exp(tmp_path, body), output_dir=str(tmp_path / "o"))
+
+    path = tmp_path / "o" / "experiment.json"
+    first = register({}, exp(), ["a", "b"], path)
+    code = first["registration"]["code"]
+    assert code == code_identity() and {"sources_sha256", "torch", "transformers"} <= set(code)
+    assert first["registration"]["familywise_alpha"] == 0.05
+    assert register(first, exp(), ["a", "b"], path)["code_changes"] == []  # the same code: nothing to say
+    other = json.loads(json.dumps(first))
+    other["registration"]["code"]["sources_sha256"] = "0" * 64
+    other["registration"]["code"]["torch"] = "2.0.0"
+    with pytest.raises(ValueError, match=r"registered .* with other code than this checkout's \(sources_sha256: 0000"):
+        register(other, exp(), ["a", "b"], path)
+    went = register(other, exp(), ["a", "b"], path, code_change="a docstring fix, numbers unchanged")
+    (c,) = went["code_changes"]
+    assert c["reason"] == "a docstring fix, numbers unchanged"
+    assert c["differences"] == [f"sources_sha256: {'0' * 64} -> {code['sources_sha256']}",
+                                f"torch: 2.0.0 -> {code['torch']}"]
+    assert len(register({**other, **went}, exp(), ["a", "b"], path, code_change="again")["code_changes"]) == 2
+    with pytest.raises(ValueError, match="familywise_alpha is now 0.01, registered as 0.05"):
+        register(first, exp(alpha=0.01), ["a", "b"], path)
+    # the report prints the registered code and the named change
+    from hapo_openrlhf.experiment.report import _code_lines
+
+    text = "\n".join(_code_lines({**other, **went}))
+    assert "package sources sha256 0000000000000000..." in text and "torch 2.0.0" in text
+    assert "**Code changed after the registration**" in text and "'a docstring fix, numbers unchanged'" in text
+
+
 def test_the_report_shows_late_comparisons_apart(tmp_path):
     from hapo_openrlhf.experiment.report import build_experiment_report
 

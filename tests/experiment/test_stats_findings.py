@@ -169,6 +169,43 @@ def test_preregistered_comparison_hand_computed():
     assert one[0]["verdict"] == UNRESOLVED and one[0]["seeds_needed"] is None  # one seed: no spread
 
 
+def test_p_values_of_the_paired_t_statistic_against_tabled_quantiles():
+    """Two-sided p of Student's t: at each tabled 0.975 quantile p is 0.05; t = 2 at 34 df (the first
+    league's five primaries) is p 0.0535, the figure issue 60 quotes; t = 0 is p 1."""
+    from hapo_openrlhf.experiment.verdicts import t975, t_two_sided_p
+
+    for df in (1, 2, 5, 8, 17, 30, 120):
+        assert t_two_sided_p(t975(df), df) == pytest.approx(0.05, abs=2e-4)
+    assert t_two_sided_p(2.0, 34) == pytest.approx(0.05354, abs=1e-4)
+    assert t_two_sided_p(-2.0, 34) == t_two_sided_p(2.0, 34)
+    assert t_two_sided_p(0.0, 5) == 1.0 and t_two_sided_p(float("inf"), 5) == 0.0
+    # df 1 is Cauchy: P(|T| >= 1) = 1/2
+    assert t_two_sided_p(1.0, 1) == pytest.approx(0.5, abs=1e-9)
+
+
+def test_holm_step_down_hand_computed():
+    """p = 0.01, 0.04, 0.03, 0.005 at family-wise 0.05 (m = 4): sorted 0.005 <= 0.05/4 resolved,
+    0.01 <= 0.05/3 resolved, 0.03 > 0.05/2 stops; 0.03 and 0.04 unresolved, whatever their own
+    2-s.e. verdicts; directions from the signs. A row without p counts in m and is unresolved."""
+    from hapo_openrlhf.experiment.verdicts import A_WINS, B_WINS, UNRESOLVED, holm, markdown
+
+    def row(a, p, diff):
+        return {"a": a, "b": "grpo", "n": 10, "p": p, "diff": diff, "se": 0.01, "ci95": [0, 0], "verdict": A_WINS,
+                "seeds_needed": 1, "mean_a": 0.5, "mean_b": 0.5}
+
+    rows = holm([row("x", 0.01, 0.03), row("y", 0.04, 0.02), row("z", 0.03, -0.02), row("w", 0.005, -0.05)], 0.05)
+    assert [r["holm"] for r in rows] == [A_WINS, UNRESOLVED, UNRESOLVED, B_WINS]
+    assert [r["holm_threshold"] for r in rows] == pytest.approx([0.05 / 3, 0.05 / 1, 0.05 / 2, 0.05 / 4])
+    # the first league's two 2-s.e. "wins" (p 0.034, 0.039) among five primaries do not survive
+    league = holm([row("hapo", 0.034, 0.02), row("eapo", 0.039, -0.02), row("stare", 0.30, 0.01),
+                   row("pepo", 0.50, 0.0), row("less", 0.20, 0.01)], 0.05)
+    assert all(r["holm"] == UNRESOLVED for r in league)
+    nan = holm([row("x", float("nan"), 0.1), row("y", 0.01, 0.1)], 0.05)
+    assert [r["holm"] for r in nan] == [UNRESOLVED, A_WINS] and nan[1]["holm_threshold"] == 0.025
+    md = "\n".join(markdown(rows, 4, 0.05))
+    assert "Holm (family-wise 0.05)" in md and "| x | grpo | 10 |" in md and "a > b (p <= 0.0167?)" in md
+
+
 def test_comparisons_in_the_experiment_file_are_checked(tmp_path):
     import yaml
 
@@ -187,6 +224,13 @@ def test_comparisons_in_the_experiment_file_are_checked(tmp_path):
         exp([{"a": "a", "b": "c"}])
     with pytest.raises(ValueError, match="must be a mapping"):
         exp([{"a": "a", "b": "b", "metric": "x"}])
+    assert exp([{"a": "a", "b": "b"}]).familywise_alpha == 0.05  # the default
+    for bad in (0, 1, 1.5, "0.05", True, -0.1):
+        p = tmp_path / "e.yaml"
+        p.write_text(yaml.safe_dump({"run_config": base, "variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]},
+                                     "comparisons": [{"a": "a", "b": "b"}], "familywise_alpha": bad}))
+        with pytest.raises(ValueError, match="familywise_alpha must be a number in \\(0, 1\\)"):
+            load_experiment(p, output_dir=str(tmp_path / "o"))
 
 
 def test_token_classes_and_credit_shares_hand_computed(tmp_path):
