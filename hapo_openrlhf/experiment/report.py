@@ -97,6 +97,15 @@ def _code_lines(manifest: dict) -> list[str]:
     return lines
 
 
+def warm_start_of_seed(manifest: dict) -> dict[int, int]:
+    """RL seed -> its warm start's seed: nested (``warm_start_of_seed``), one shared, or its own."""
+    nested = manifest.get("warm_start_of_seed")
+    if isinstance(nested, dict):
+        return {int(k): v for k, v in nested.items()}
+    ws = manifest.get("warm_start_seed")
+    return {s: (ws if ws is not None else s) for s in manifest.get("seeds", [])}
+
+
 def familywise_alpha(manifest: dict) -> float:
     """The family-wise level Holm's verdicts use: the registration's (frozen with the comparisons),
     else the file's, else 0.05."""
@@ -313,8 +322,9 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     findings = evaluate_findings(runs)
     (out / "findings.json").write_text(json.dumps(findings, indent=1))
     registered, added, registered_at = comparison_sets(manifest)
-    comparisons = holm(compare(runs, registered), familywise_alpha(manifest))  # one family: the registered ones
-    late = compare(runs, [{"a": c["a"], "b": c["b"]} for c in added])
+    clusters = warm_start_of_seed(manifest)
+    comparisons = holm(compare(runs, registered, clusters), familywise_alpha(manifest))  # one family: the registered
+    late = compare(runs, [{"a": c["a"], "b": c["b"]} for c in added], clusters)
     for row, c in zip(late, added):
         row["added_after_runs"] = c["at"]
     if comparisons or late:
@@ -327,8 +337,14 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     job_s = sum(j.get("wall_s", 0.0) for j in jobs.values())
     steps = sorted({r.steps for r in runs})
     ws = manifest.get("warm_start_seed")
-    warm = ("every run starts from one warm start (trained with seed {})".format(ws) if ws is not None
-            else "each seed's runs share one warm start")
+    nested = manifest.get("warm_start_of_seed")
+    if isinstance(nested, dict):
+        starts = sorted(set(nested.values()))
+        warm = (f"the seeds are nested in {len(starts)} warm starts (trained with seeds {starts}); comparisons "
+                f"average the paired differences within each warm start, then over warm starts")
+    else:
+        warm = ("every run starts from one warm start (trained with seed {}): verdicts are conditional on that "
+                "model".format(ws) if ws is not None else "each seed's runs share one warm start")
     lines = [
         f"# Experiment report: {Path(manifest['experiment']).name}", "",
         f"Seeds {manifest['seeds']}; {len(runs)} finished runs; RL steps {steps}; "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,7 +21,7 @@ from ..config import RunConfig, _merge, apply_overrides, from_dict, load_yaml, r
 from ..rundir.jsonfile import read_small_text
 
 _KEYS = {"run_config", "output_dir", "seeds", "workers", "threads_per_worker", "common", "variants", "suites",
-         "comparisons", "warm_start_seed", "familywise_alpha"}
+         "comparisons", "warm_start_seed", "familywise_alpha", "warm_starts"}
 _VARIANT_KEYS = {"config", "override"}
 # a variant may change the algorithm, the optimiser, the rollout and the schedule, but
 # not what the shared warm start was built from
@@ -59,6 +59,9 @@ class Experiment:
     warm_start_seed: int | None = None  # one warm start, trained with this seed, shared by every seed's runs
     # the family-wise level of Holm's verdicts over the pre-registered comparisons (experiment/verdicts.py)
     familywise_alpha: float = 0.05
+    # several warm starts, each RL seed nested in one: RL seed -> its warm start's seed (``warm_starts``);
+    # empty: one shared warm start (``warm_start_seed``) or a warm start per seed
+    nested: dict[int, int] = field(default_factory=dict)
 
     def warm_jobs(self) -> list[Job]:
         """The distinct warm-start jobs, in seed order."""
@@ -81,7 +84,14 @@ class Experiment:
             "runs": {f"{v}/seed_{s}": str(j.out) for (v, s), j in self.runs.items()},
             "comparisons": [dict(c) for c in self.comparisons], "warm_start_seed": self.warm_start_seed,
             "familywise_alpha": self.familywise_alpha,
+            **({"warm_start_of_seed": {str(k): v for k, v in self.nested.items()}} if self.nested else {}),
         }
+
+    def clusters(self) -> dict[int, int]:
+        """RL seed -> the seed its warm start was trained with (its own seed without a shared one)."""
+        if self.nested:
+            return dict(self.nested)
+        return {s: (self.warm_start_seed if self.warm_start_seed is not None else s) for s in self.seeds}
 
 
 def _err(path: Path, msg: str) -> ValueError:
@@ -202,6 +212,36 @@ def _read_warm_start_seed(path: Path, raw: dict, warm_start_seed: int | None, se
     return shared
 
 
+def _read_warm_starts(path: Path, raw: dict, seeds: tuple[int, ...] | None) -> dict[int, int]:
+    """``warm_starts: {warm seed: [RL seeds]}``: several warm starts, each RL seed nested in one (the
+    analysis pairs within a warm start and takes the warm starts as its units; experiment/verdicts.py).
+    Returns RL seed -> warm seed, or {} when the key is absent."""
+    ws = raw.get("warm_starts")
+    if ws is None:
+        return {}
+    if "warm_start_seed" in raw:
+        raise _err(path, "warm_starts (several warm starts, seeds nested) and warm_start_seed (one shared) exclude "
+                         "each other: keep one")
+    if not (isinstance(ws, dict) and len(ws) >= 2):
+        raise _err(path, f"warm_starts must map two or more warm-start seeds to lists of RL seeds, got {ws!r:.120}")
+    nested: dict[int, int] = {}
+    for w, rl in ws.items():
+        if not _is_int(w) or not (isinstance(rl, list) and rl and all(_is_int(x) for x in rl)):
+            raise _err(path, f"warm_starts: {w!r}: must be an integer seed mapped to a non-empty list of integer RL "
+                             f"seeds, got {rl!r:.80}")
+        for x in rl:
+            if x in nested:
+                raise _err(path, f"warm_starts: RL seed {x} is nested in two warm starts ({nested[x]} and {w})")
+            nested[x] = w
+    clash = sorted(set(ws) & set(nested))
+    if clash:
+        raise _err(path, f"warm_starts: seed {clash[0]} is both a warm start's and an RL seed")
+    if seeds is not None and set(seeds) != set(nested):
+        raise _err(path, f"warm_starts nests the RL seeds {sorted(nested)}, which are not the experiment's seeds "
+                         f"{sorted(seeds)}: name the RL seeds in warm_starts only (or in both, the same)")
+    return nested
+
+
 def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_dir: str | None = None,
                     workers: int | None = None, overrides: list[str] | None = None,
                     warm_start_seed: int | None = None) -> Experiment:
@@ -226,7 +266,18 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
             raise _err(path, f"missing {k!r}")
     if not isinstance(raw["run_config"], str) or not raw["run_config"].strip():
         raise _err(path, f"run_config must be a file name, got {raw['run_config']!r}")
+    nested = _read_warm_starts(path, raw, tuple(raw["seeds"]) if isinstance(raw.get("seeds"), list) and seeds is None
+                               else None)
+    if nested and seeds is not None:  # --seeds picks some of the nested seeds
+        unknown = sorted(set(seeds) - set(nested))
+        if unknown:
+            raise _err(path, f"--seeds {unknown} are nested in none of warm_starts' warm starts")
+    if nested and "seeds" not in raw and seeds is None:
+        seeds = sorted(nested)
     seeds = _read_seeds(path, raw, seeds)
+    if nested and warm_start_seed is not None:
+        raise _err(path, "--warm-start-seed names one shared warm start, and this file nests its seeds in several "
+                         "(warm_starts)")
     workers = _count(path, "--workers" if workers is not None else "workers",
                      workers if workers is not None else raw.get("workers", 1))
     threads = _count(path, "threads_per_worker", raw.get("threads_per_worker", 1))
@@ -251,6 +302,10 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
                          f"the comparisons), got {alpha!r}")
 
     shared = _read_warm_start_seed(path, raw, warm_start_seed, seeds)
+    if nested:
+        clash = sorted(set(nested.values()) & set(seeds))
+        if clash:
+            raise _err(path, f"warm_starts: warm-start seed {clash[0]} is also an RL seed")
     # each config is resolved and validated once; the per-seed copies differ only in the seed
     # (range-checked above) and in the names and paths derived from it
     warm_cfg = _resolve(_merge(read_raw(base_file), common), {
@@ -259,11 +314,13 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
         "trainer": {"steps": 0, "save_every": 0, "eval_every": 0, "threads": threads},
     }, path, "the warm start")
     warm = {}
-    for s in ([shared] if shared is not None else seeds):
+    for s in ([shared] if shared is not None else sorted({nested[x] for x in seeds}) if nested else seeds):
         w_out = out / "warm_start" / f"seed_{s}"
         warm[s] = Job(None, s, w_out, _with(warm_cfg, seed=s, run_name=f"warm_start_seed_{s}", output_dir=str(w_out)))
     if shared is not None:
         warm = {s: warm[shared] for s in seeds}
+    elif nested:
+        warm = {s: warm[nested[s]] for s in seeds}
     runs = {}
     for v, spec in variants.items():
         spec = spec or {}
@@ -282,7 +339,8 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
             cfg = _with(run_cfg, seed=s, run_name=f"{v}_seed_{s}", output_dir=str(run_out))
             cfg["model"]["path"] = str(root / warm[s].out.relative_to(out) / "final_model")
             runs[(v, s)] = Job(v, s, run_out, cfg)
-    return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons), shared, float(alpha))
+    return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons), shared, float(alpha),
+                      {s: nested[s] for s in seeds} if nested else {})
 
 
 def _with(cfg: dict[str, Any], **top: Any) -> dict[str, Any]:

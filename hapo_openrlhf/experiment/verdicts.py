@@ -15,6 +15,17 @@ their warm start, so the difference is paired):
 Because both runs of a seed start from the same model, ``final(a) - final(b)`` equals
 ``gain(a) - gain(b)``.
 
+Several warm starts (issue 60): when the RL seeds are nested in W >= 2 warm starts
+(``warm_starts`` in the experiment file), the unit of the analysis is the warm start, as a
+two-level mean: the paired differences are averaged within each warm start, ``diff`` is the mean
+of those W means, ``se`` their sample standard deviation / sqrt(W), the interval and p on W - 1
+degrees of freedom, and ``seeds_needed`` counts warm starts (``unit``). Warm starts weigh
+equally whatever their seed counts. This s.e. carries the warm starts' luck, which the paired
+per-seed s.e. of one shared warm start cannot (its verdicts are conditional on that model); with a
+warm start per seed the two are the same computation. (A mixed model would use the within-start
+spread too; with a handful of warm starts the two-level mean is the robust choice, and the one a
+reader can recompute.)
+
 Multiplicity (issue 60): each row also carries ``p``, the two-sided p-value of the paired t
 statistic ``diff / se`` on n - 1 degrees of freedom, and :func:`holm` gives **Holm's step-down
 verdict** over a family of comparisons (the pre-registered ones) at the family-wise level the
@@ -109,16 +120,41 @@ def holm(rows: list[dict[str, Any]], alpha: float) -> list[dict[str, Any]]:
     return rows
 
 
-def compare(runs: list[RunStats], comparisons: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per comparison whose two variants have runs (the module docstring's rule)."""
+def _two_level(fa: dict[int, float], fb: dict[int, float], clusters: dict[int, Any]) -> dict[str, Any]:
+    """The paired differences averaged within each warm start, then over warm starts (docstring)."""
+    per: dict[Any, list[float]] = {}
+    for s in sorted(set(fa) & set(fb)):
+        if not (math.isnan(fa[s]) or math.isnan(fb[s])):
+            per.setdefault(clusters[s], []).append(fa[s] - fb[s])
+    means = [sum(v) / len(v) for v in per.values()]
+    W = len(means)
+    d = sum(means) / W if W else math.nan
+    se = math.sqrt(sum((m - d) ** 2 for m in means) / (W - 1)) / math.sqrt(W) if W > 1 else math.nan
+    return {"diff": d, "se": se, "units": W, "n": sum(map(len, per.values())),
+            "per_seed": [x for v in per.values() for x in v], "per_warm_start": dict(zip(map(str, per), means))}
+
+
+def compare(runs: list[RunStats], comparisons: list[dict[str, Any]],
+            clusters: dict[int, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per comparison whose two variants have runs (the module docstring's rule).
+    ``clusters``: RL seed -> its warm start; with two or more warm starts holding some seed
+    more than once the analysis is the two-level mean over warm starts."""
     out = []
     for c in comparisons:
         a, b = c["a"], c["b"]
         fa, fb = by_seed(runs, a, lambda r: r.final), by_seed(runs, b, lambda r: r.final)
         if not fa or not fb:
             continue
-        t = paired(fa, fb)
-        n, d, se = t["n"], t["diff"], t["se"]
+        seeds = set(fa) & set(fb)
+        starts = {clusters[s] for s in seeds} if clusters else set()
+        nested = len(starts) >= 2 and len(starts) < len(seeds)
+        if nested:
+            t = _two_level(fa, fb, clusters)
+            units, unit = t["units"], "warm start"
+        else:
+            t = paired(fa, fb)
+            units, unit = t["n"], "seed"
+        n, d, se = units, t["diff"], t["se"]
         sd = se * math.sqrt(n) if n > 1 else math.nan
         half = t975(n - 1) * se if n > 1 else math.nan
         if n < 2 or math.isnan(se):
@@ -132,7 +168,8 @@ def compare(runs: list[RunStats], comparisons: list[dict[str, Any]]) -> list[dic
             p = 0.0 if d else 1.0
         else:
             p = t_two_sided_p(d / se, n - 1)
-        out.append({"a": a, "b": b, "n": n, "diff": d, "se": se, "sd": sd, "ci95": [d - half, d + half],
+        out.append({"a": a, "b": b, "n": n, "unit": unit, "seeds": t["n"] if nested else n, "diff": d, "se": se,
+                    "sd": sd, "ci95": [d - half, d + half], **({"per_warm_start": t["per_warm_start"]} if nested else {}),
                     "verdict": v, "p": p, "seeds_needed": need, "per_seed": t["per_seed"],
                     "mean_a": sum(fa.values()) / len(fa), "mean_b": sum(fb.values()) / len(fb)})
     return out
@@ -154,7 +191,9 @@ def markdown(rows: list[dict[str, Any]], k: int, alpha: float | None = None) -> 
         se = "n/a" if math.isnan(r["se"]) else f"{r['se']:.4f}"
         p = "n/a" if math.isnan(r["p"]) else f"{r['p']:.4f}"
         hv = (f"{r['holm']} (p <= {r['holm_threshold']:.4f}?) | " if holm_col else "")
-        lines.append(f"| {r['a']} | {r['b']} | {r['n']} | {r['mean_a']:.4f} | {r['mean_b']:.4f} | "
+        n = f"{r['n']} warm starts x {r['seeds']} seeds" if r.get("unit") == "warm start" else r["n"]
+        lines.append(f"| {r['a']} | {r['b']} | {n} | {r['mean_a']:.4f} | {r['mean_b']:.4f} | "
                      f"{r['diff']:+.4f} | {se} | {ci} | {p} | {r['verdict']} | {hv}"
-                     f"{r['seeds_needed'] if r['seeds_needed'] is not None else 'n/a'} |")
+                     f"{r['seeds_needed'] if r['seeds_needed'] is not None else 'n/a'}"
+                     f"{' warm starts' if r.get('unit') == 'warm start' and r['seeds_needed'] is not None else ''} |")
     return lines

@@ -274,6 +274,35 @@ def test_the_report_shows_late_comparisons_apart(tmp_path):
     assert rows[0]["added_after_runs"] == "2026-12-02T09:00:00Z"
 
 
+def test_the_report_of_nested_warm_starts_averages_within_each_and_prints_holm(tmp_path):
+    """Seeds 1, 2 from warm start 10 and 3, 4 from 20: the report says so, the registered comparison's
+    row is the two-level mean (2 warm starts x 4 seeds) with its p and Holm's verdict at the registered
+    family-wise level."""
+    from hapo_openrlhf.experiment.report import build_experiment_report
+
+    from .test_stats_findings import _write_run
+
+    runs, finals = {}, {"a": (0.62, 0.64, 0.60, 0.62), "b": (0.50, 0.50, 0.50, 0.50)}
+    for v, fs in finals.items():
+        for s, f in zip((1, 2, 3, 4), fs):
+            d = tmp_path / "runs" / v / f"seed_{s}"
+            _write_run(d, [(0, 0.4), (10, f)], [1.0] * 10)
+            (d / "summary.json").write_text(json.dumps({"before": {"eval/accuracy": 0.4}, "after": {"eval/accuracy": f}}))
+            runs[f"{v}/seed_{s}"] = str(d)
+    manifest = {"experiment": "e.yaml", "seeds": [1, 2, 3, 4], "suites": {"s": ["a", "b"]}, "suites_run": ["s"],
+                "jobs": {}, "runs": runs, "workers": 1, "threads_per_worker": 1, "comparisons": [{"a": "a", "b": "b"}],
+                "warm_start_of_seed": {"1": 10, "2": 10, "3": 20, "4": 20},
+                "registration": {"at": "2026-12-01T10:00:00Z", "comparisons": [{"a": "a", "b": "b"}], "seeds": [1, 2, 3, 4],
+                                 "settings": {}, "familywise_alpha": 0.1}}
+    (tmp_path / "experiment.json").write_text(json.dumps(manifest))
+    md = build_experiment_report(tmp_path).read_text()
+    assert "nested in 2 warm starts (trained with seeds [10, 20])" in md
+    assert "| a | b | 2 warm starts x 4 seeds |" in md and "Holm (family-wise 0.1)" in md
+    (row,) = json.loads((tmp_path / "report" / "comparisons.json").read_text())
+    assert row["diff"] == pytest.approx(0.12) and row["per_warm_start"] == pytest.approx({"10": 0.13, "20": 0.11})
+    assert row["holm"] == row["verdict"] == "a > b" and row["holm_threshold"] == 0.1
+
+
 # ------------------------------------------------------------------ named errors
 def _manifest(tmp_path):
     return {"seeds": [1], "suites": {"s": ["a"]}, "suites_run": ["s"], "runs": {"a/seed_1": str(tmp_path / "r")},

@@ -206,6 +206,57 @@ def test_holm_step_down_hand_computed():
     assert "Holm (family-wise 0.05)" in md and "| x | grpo | 10 |" in md and "a > b (p <= 0.0167?)" in md
 
 
+def test_several_warm_starts_make_a_two_level_mean_hand_computed():
+    """Seeds nested in two warm starts (10: seeds 1, 2; 20: seeds 3, 4): per-seed a - b 0.02, 0.04 |
+    0.00, 0.02 -> warm-start means 0.03, 0.01 -> diff 0.02, se = sd(0.03, 0.01) / sqrt(2) = 0.01 on
+    1 df (p 0.295, t interval +-12.706 se); seeds_needed counts warm starts. With one shared warm start
+    the same finals give the per-seed paired rule (4 seeds), conditional on that model."""
+    from hapo_openrlhf.experiment.verdicts import UNRESOLVED, compare, markdown, t_two_sided_p
+
+    finals = {"a": [0.52, 0.54, 0.50, 0.52], "b": [0.50, 0.50, 0.50, 0.50]}
+    runs = [_run(v, s, evals=(0.45, f)) for v, fs in finals.items() for s, f in enumerate(fs, start=1)]
+    (r,) = compare(runs, [{"a": "a", "b": "b"}], clusters={1: 10, 2: 10, 3: 20, 4: 20})
+    assert r["unit"] == "warm start" and r["n"] == 2 and r["seeds"] == 4
+    assert r["diff"] == pytest.approx(0.02) and r["se"] == pytest.approx(0.01)
+    assert r["per_warm_start"] == pytest.approx({"10": 0.03, "20": 0.01})
+    assert r["p"] == pytest.approx(t_two_sided_p(2.0, 1)) and r["ci95"] == pytest.approx([0.02 - 0.12706, 0.02 + 0.12706])
+    assert r["verdict"] == UNRESOLVED and r["seeds_needed"] == math.ceil((2 * 0.01 * math.sqrt(2) / 0.02) ** 2)
+    assert "| a | b | 2 warm starts x 4 seeds |" in "\n".join(markdown([r], 4)) and " warm starts |" in markdown([r], 4)[-1]
+    (one,) = compare(runs, [{"a": "a", "b": "b"}], clusters={s: 99 for s in (1, 2, 3, 4)})
+    assert one["unit"] == "seed" and one["n"] == 4 and one["diff"] == pytest.approx(0.02)
+    (own,) = compare(runs, [{"a": "a", "b": "b"}], clusters={s: s for s in (1, 2, 3, 4)})  # a warm start per seed
+    assert own["unit"] == "seed" and own["se"] == pytest.approx(one["se"])
+
+
+def test_warm_starts_nest_the_seeds_and_are_checked(tmp_path):
+    import yaml
+
+    from hapo_openrlhf.experiment import load_experiment
+
+    base = str((__import__("pathlib").Path(__file__).parents[2] / "configs" / "cpu_tiny.yaml").resolve())
+
+    def exp(**extra):
+        p = tmp_path / "e.yaml"
+        p.write_text(yaml.safe_dump({"run_config": base, "variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]},
+                                     **extra}))
+        return load_experiment(p, output_dir=str(tmp_path / "o"))
+
+    e = exp(warm_starts={100: [1, 2], 200: [3]})
+    assert e.seeds == (1, 2, 3) and e.clusters() == {1: 100, 2: 100, 3: 200}
+    assert [j.seed for j in e.warm_jobs()] == [100, 200]
+    assert e.runs[("a", 3)].config["model"]["path"].endswith("warm_start/seed_200/final_model")
+    assert e.manifest()["warm_start_of_seed"] == {"1": 100, "2": 100, "3": 200}
+    assert exp(warm_starts={100: [1, 2], 200: [3]}, seeds=[3, 1, 2]).seeds == (3, 1, 2)
+    for bad, named in (({"warm_starts": {100: [1, 2]}}, "two or more warm-start seeds"),
+                       ({"warm_starts": {100: [1], 200: [1]}}, "nested in two warm starts"),
+                       ({"warm_starts": {100: [1], 200: [100]}}, "both a warm start's and an RL seed"),
+                       ({"warm_starts": {100: [1], 200: [2]}, "warm_start_seed": 7}, "exclude each other"),
+                       ({"warm_starts": {100: [1], 200: [2]}, "seeds": [1, 2, 3]}, "not the experiment's seeds"),
+                       ({"warm_starts": {100: [], 200: [2]}}, "non-empty list")):
+        with pytest.raises(ValueError, match=named):
+            exp(**bad)
+
+
 def test_comparisons_in_the_experiment_file_are_checked(tmp_path):
     import yaml
 
