@@ -219,6 +219,10 @@ def _experiment(args) -> int:
     if any(j["status"] == "done" and not j["name"].startswith("warm_start/") for j in manifest["jobs"].values()):
         report = build_experiment_report(exp.output_dir)
         console.print(f"report: {report}")
+        from .experiment.report import export_results
+
+        console.print(f"results (every table of the report, to keep under version control): "
+                      f"{export_results(exp.output_dir)}")
     if bad:
         console.print(f"[red]{len(manifest['failed'])} failed[/] ({', '.join(manifest['failed'])}); "
                       f"{len(manifest['skipped_after_failed_warm_start'])} not run because their warm start failed. "
@@ -232,7 +236,18 @@ def _report(args) -> int:
     from .experiment import build_experiment_report, is_experiment_dir
     from .report.html import build_report
 
+    from .experiment.results import is_results_file
+
     if len(args.run_dirs) == 1 and is_experiment_dir(args.run_dirs[0]):
+        if args.results:
+            from .experiment.report import export_results
+
+            print(export_results(args.run_dirs[0], args.results))
+        print(build_experiment_report(args.run_dirs[0], args.output_dir))
+        return 0
+    if args.results:
+        raise ValueError("--results writes an experiment's results file: give one experiment directory")
+    if len(args.run_dirs) == 1 and is_results_file(args.run_dirs[0]):  # a committed results file, alone
         print(build_experiment_report(args.run_dirs[0], args.output_dir))
         return 0
     out = args.output_dir or (Path(args.run_dirs[0]) / "report" if len(args.run_dirs) == 1 else Path("hapo_report"))
@@ -328,8 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformers); the reason is recorded in experiment.json and printed in the report")
     x.set_defaults(fn=_experiment)
     r = sub.add_parser("report", help="plots from run directories, or an experiment directory's report")
-    r.add_argument("run_dirs", nargs="+", help="run directories, or one experiment directory")
+    r.add_argument("run_dirs", nargs="+", help="run directories, one experiment directory, or one experiment's "
+                                                "results file (results.json)")
     r.add_argument("--output-dir", default=None, help="default: RUN_DIR/report (one run) or ./hapo_report")
+    r.add_argument("--results", default=None, metavar="FILE",
+                   help="with an experiment directory: also write its results file there (to commit)")
     r.set_defaults(fn=_report)
     d = sub.add_parser("doctor", help="preflight a run config here (packages, CUDA, paths, disk, Slurm lead), "
                                       "or --gpu-smoke: the one-GPU acceptance run")

@@ -309,11 +309,40 @@ def _comparison_sections(manifest: dict, registered: list, added: list, register
     return lines
 
 
-def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+def export_results(exp_dir: str | Path, path: str | Path | None = None) -> Path:
+    """Write the experiment's results file (experiment/results.py): ``path``, else ``EXP_DIR/results.json``."""
+    from .registration import fingerprint
+    from .results import export, write
+
     exp_dir = Path(exp_dir)
-    out = Path(out_dir or exp_dir / "report")
+    manifest, runs, _ = load_experiment_runs(exp_dir)
+    prints = {}
+    for r in runs:
+        name = f"{r.variant}/seed_{r.seed}"
+        cfg = Path(manifest["runs"][name]) / "config.yaml"
+        if cfg.exists():
+            import yaml
+
+            prints[name] = fingerprint(yaml.safe_load(cfg.read_text()) or {})
+    return write(path or exp_dir / "results.json", export(manifest, runs, prints))
+
+
+def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """The report of an experiment directory, or of a results file alone (``results.json``: every
+    table and figure but the token-credit table, which reads the runs' token samples)."""
+    from .results import is_results_file, load
+
+    exp_dir = Path(exp_dir)
+    from_file = is_results_file(exp_dir)
+    out = Path(out_dir or (exp_dir.parent / f"{exp_dir.stem}_report" if from_file else exp_dir / "report"))
     out.mkdir(parents=True, exist_ok=True)
-    manifest, runs, missing = load_experiment_runs(exp_dir)
+    if from_file:
+        manifest, runs = load(exp_dir)
+        have = {f"{r.variant}/seed_{r.seed}" for r in runs}
+        missing = sorted({f"{v}/seed_{s}" for su in suites_run(manifest) for v in manifest["suites"][su]
+                          for s in manifest["seeds"]} - have)
+    else:
+        manifest, runs, missing = load_experiment_runs(exp_dir)
     if not runs:
         raise ValueError(f"{str(exp_dir)!r}: no finished run yet")
     suites = {s: manifest["suites"][s] for s in suites_run(manifest)}
@@ -360,7 +389,10 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
         lines += [f"**Failed runs**: {', '.join(manifest['failed'])} (see experiment.json)", ""]
     lines += _suite_tables(suites, table, k)
     lines += _comparison_sections(manifest, registered, added, registered_at, comparisons, late, k)
-    credit = credit_table(manifest, variants)
+    credit = {} if from_file else credit_table(manifest, variants)
+    if from_file:
+        lines += [f"(Built from the results file `{exp_dir.name}` alone: the token-credit table reads each run's "
+                  f"dumped token samples, which the results file does not keep.)", ""]
     if credit:
         (out / "credit.json").write_text(json.dumps(credit, indent=1))
         lines += ["## Token credit: where the advantage moved", "",

@@ -166,6 +166,30 @@ def test_experiment_cli_smoke(tmp_path):
     (report.parent / "experiment.md").unlink()
     res = cli_in_process(["report", str(out)])
     assert res.returncode == 0 and Path(res.stdout.strip()).read_text().startswith("# Experiment report")
+    full = Path(res.stdout.strip()).read_text()
+
+    # the results file (issue 60): written by the runner, and every table of the report rebuilt from it
+    # alone, moved away from the run directories (which a fresh clone does not have)
+    kept = tmp_path / "kept" / "toy.json"
+    res = cli_in_process(["report", str(out), "--results", str(kept)])
+    assert res.returncode == 0 and kept.exists() and (out / "results.json").exists()
+    assert kept.stat().st_size < 200_000  # compact: 36 runs of a few steps
+    shutil.rmtree(out / "runs")
+    res = cli_in_process(["report", str(kept), "--output-dir", str(tmp_path / "from_file")])
+    assert res.returncode == 0, res.stderr[-2000:]
+    alone_md = (tmp_path / "from_file" / "experiment.md").read_text()
+
+    def tables(text):  # every table row but the token-credit section's (the results file keeps no samples)
+        body = text.split("## Token credit")[0] + text.split("## Per-quadrant entropy")[-1]
+        return [ln for ln in body.splitlines() if ln.startswith("|")]
+
+    assert tables(alone_md) == tables(full) and len(tables(full)) > 40
+    assert "does not keep" in alone_md
+    rebuilt = json.loads((tmp_path / "from_file" / "findings.json").read_text())
+    assert [(f["id"], f["verdict"]) for f in rebuilt] == [(f["id"], f["verdict"]) for f in findings]
+    assert json.dumps(rebuilt) == json.dumps(findings) or all(  # the entropy curves are kept to 6 digits
+        t1["diff"] == pytest.approx(t2["diff"], rel=1e-4, abs=1e-6)
+        for f1, f2 in zip(rebuilt, findings) for t1, t2 in zip(f1["tests"], f2["tests"]))
 
 
 def test_decisive_experiment_is_the_chain_task_with_its_preregistered_comparisons():

@@ -303,6 +303,28 @@ def test_the_report_of_nested_warm_starts_averages_within_each_and_prints_holm(t
     assert row["holm"] == row["verdict"] == "a > b" and row["holm_threshold"] == 0.1
 
 
+def test_a_damaged_results_file_is_named(tmp_path):
+    from hapo_openrlhf.experiment.results import FORMAT, load
+
+    f = tmp_path / "r.json"
+    run = {"variant": "a", "seed": 1, "k": 4, "steps": 2, "eval_steps": [0, 2], "avg": [0.5, 0.6], "pass": [0.7, 0.8],
+           "train_steps": [1, 2], "entropy": [1.0, 0.9],
+           "quadrant": {q: {s: [0.1, None] for s in ("token_frac", "entropy_mean", "adv_abs_mean", "entropy_delta")}
+                        for q in ("PHR", "PLR", "NHR", "NLR")}}
+    good = {"format": FORMAT, "manifest": {"seeds": [1], "suites": {"s": ["a"]}}, "runs": [run]}
+    f.write_text(json.dumps(good))
+    m, runs = load(f)
+    assert runs[0].final == 0.6 and runs[0].quadrant["PHR"]["entropy_mean"] == [0.1, None] and m["suites_run"] == ["s"]
+    for bad, named in (({**good, "format": "x"}, "not a results file of this format"),
+                       ({**good, "runs": [{**run, "avg": [0.5]}]}, "avg and eval_steps differ"),
+                       ({**good, "runs": [{**run, "avg": [0.5, "x"]}]}, r"runs\[0\] is damaged"),
+                       ({**good, "runs": [{k: v for k, v in run.items() if k != "entropy"}]}, r"runs\[0\] is damaged"),
+                       ({k: v for k, v in good.items() if k != "manifest"}, "'manifest' must be an object")):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=named):
+            load(f)
+
+
 # ------------------------------------------------------------------ named errors
 def _manifest(tmp_path):
     return {"seeds": [1], "suites": {"s": ["a"]}, "suites_run": ["s"], "runs": {"a/seed_1": str(tmp_path / "r")},
