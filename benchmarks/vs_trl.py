@@ -12,10 +12,16 @@ Tokens/s = generated response tokens (EOS included) / wall time of the step
 (generation + reward + old-log-prob/scoring forwards + update), step 1 excluded as
 warm-up. TRL's per-step count comes from its logged ``completions/mean_length``.
 
-    pip install trl==1.16.0
-    python benchmarks/vs_trl.py [--steps 8 --prompts 16 --group 8 --max-new-tokens 40]
+Both trainers are graded alike: TRL's reward function hands the verifier the same answers the
+embedded trainer grades against (issue 60: it used to get ``str(answer)`` of a tuple, which
+never matched, so TRL trained on all-zero rewards). Each run prints both trainers' per-step
+mean rewards, and a run where either is constant gives no ratio. ``--runs`` interleaved runs
+(ours, TRL, ours, TRL, ...) from one saved warm start; the median ratio and the range.
 
-Prints one line per trainer and, last, one JSON object with ``ratio_ours_vs_trl``.
+    pip install trl==1.16.0
+    python benchmarks/vs_trl.py [--runs 5 --steps 8 --prompts 16 --group 8 --max-new-tokens 40]
+
+Last line: one JSON object with ``median_ratio`` and every run's rewards and ratio.
 """
 
 from __future__ import annotations
@@ -45,24 +51,37 @@ def _cfg(args):
     ])
 
 
-def run_ours(cfg, out: Path, steps: int) -> dict:
+def warm_start(cfg, out: Path):
+    """The embedded SFT warm-up, saved once: both trainers of every run start from it."""
+    from hapo_openrlhf.local.model import save_hf
     from hapo_openrlhf.local.trainer import LocalTrainer
 
-    t = LocalTrainer(cfg, out / "ours")
+    t = LocalTrainer(cfg, out / "warm_run")
     t.run_warmup()
-    from hapo_openrlhf.local.model import save_hf
-
     save_hf(t.model, t.tok, out / "warm")
-    # the data position after warm-up is the start of RL for both trainers
-    prompts = [p for p in t.train_problems]
-    rows = []
+    problems = list(t.train_problems)
+    t.close()
+    return problems
+
+
+def run_ours(cfg, out: Path, steps: int, run: int) -> dict:
+    """The embedded trainer from the warm model (no warm-up of its own), ``steps`` RL steps."""
+    from dataclasses import replace
+
+    from hapo_openrlhf.local.trainer import LocalTrainer
+
+    c = replace(cfg, model=replace(cfg.model, path=str(out / "warm")), warmup=replace(cfg.warmup, steps=0))
+    t = LocalTrainer(c, out / f"ours_{run}")
+    rows, rewards = [], []
     for _ in range(steps):
         m = t.train_step()
         rows.append((m["response/tokens"], m["time/step_s"]))
-    return {"rows": rows, "train_problems": prompts}
+        rewards.append(m["reward/mean"])
+    t.close()
+    return {"rows": rows, "rewards": rewards}
 
 
-def run_trl(cfg, out: Path, steps: int, problems) -> dict:
+def run_trl(cfg, out: Path, steps: int, problems, run: int = 0) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -76,11 +95,18 @@ def run_trl(cfg, out: Path, steps: int, problems) -> dict:
     verifier = MathVerifier()
     r = cfg.rollout
 
-    def reward(prompts, completions, answer, **_):
-        return verifier.score_batch(completions, answer)
+    rewards_seen: list[list[float]] = []
 
-    ds = Dataset.from_list([{"prompt": apply_template(cfg.data.template, p.problem), "answer": str(p.answer)}
-                            for p in problems])
+    def reward(prompts, completions, idx, **_):
+        # the very answers the embedded trainer grades against (problems[i].answer: a tuple of accepted
+        # forms), looked up by index: a dataset column holding str(answer) was "('20',)", which the
+        # verifier never graded correct, so TRL trained on all-zero rewards (issue 60)
+        out = verifier.score_batch(completions, [problems[i].answer for i in idx])
+        rewards_seen.append(out)
+        return out
+
+    ds = Dataset.from_list([{"prompt": apply_template(cfg.data.template, p.problem), "idx": i}
+                            for i, p in enumerate(problems)])
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -98,7 +124,7 @@ def run_trl(cfg, out: Path, steps: int, problems) -> dict:
 
     B = r.prompts_per_step * r.samples_per_prompt
     targs = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        output_dir=str(out / f"trl_{run}"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
         max_steps=steps, per_device_train_batch_size=B, gradient_accumulation_steps=1, steps_per_generation=1,
         num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
         temperature=r.temperature, top_p=r.top_p, top_k=0, learning_rate=cfg.optim.lr, beta=0.0,
@@ -111,24 +137,28 @@ def run_trl(cfg, out: Path, steps: int, problems) -> dict:
                           callbacks=[clock])
     trainer.train()
     rows = [(length * B, dt) for length, dt in zip(clock.lengths, clock.times)]
-    return {"rows": rows}
+    return {"rows": rows, "rewards": [sum(r) / len(r) for r in rewards_seen]}
 
 
 def _summary(name: str, rows) -> dict:
     steady = rows[1:] or rows
     tok = sum(n for n, _ in steady)
     sec = sum(t for _, t in steady)
-    res = {"trainer": name, "steps_timed": len(steady), "tokens": tok, "seconds": sec, "tokens_per_s": tok / sec,
-           "median_step_s": statistics.median(t for _, t in steady),
-           "mean_response_len": tok / len(steady) / max(1, ARGS.prompts * ARGS.group)}
-    print(json.dumps(res), flush=True)
-    return res
+    return {"trainer": name, "steps_timed": len(steady), "tokens": tok, "seconds": sec, "tokens_per_s": tok / sec,
+            "median_step_s": statistics.median(t for _, t in steady),
+            "mean_response_len": tok / len(steady) / max(1, ARGS.prompts * ARGS.group)}
+
+
+def constant(rewards: list[float]) -> bool:
+    """Every step's mean reward the same (all 0: a trainer learning from nothing)."""
+    return len(set(round(r, 12) for r in rewards)) <= 1
 
 
 def main() -> None:
     global ARGS
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=5, help="interleaved runs of both trainers (ours, TRL, ours, ...)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=40)
@@ -141,16 +171,40 @@ def main() -> None:
         sys.exit("benchmarks/vs_trl.py needs TRL: pip install trl==1.16.0")
     torch.set_num_threads(args.threads)
     cfg = _cfg(args)
+    ratios, per_run = [], []
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
-        ours = run_ours(cfg, out, args.steps)
-        trl_res = run_trl(cfg, out, args.steps, ours["train_problems"])
-    a, b = _summary("hapo-openrlhf (embedded)", ours["rows"]), _summary(f"trl {trl.__version__} GRPOTrainer", trl_res["rows"])
-    print(json.dumps({"ours_tokens_per_s": a["tokens_per_s"], "trl_tokens_per_s": b["tokens_per_s"],
-                      "ratio_ours_vs_trl": a["tokens_per_s"] / b["tokens_per_s"],
-                      "ours_median_step_s": a["median_step_s"], "trl_median_step_s": b["median_step_s"],
-                      "ours_mean_response_len": a["mean_response_len"], "trl_mean_response_len": b["mean_response_len"],
-                      "steps": args.steps, "batch": args.prompts * args.group, "group": args.group}))
+        problems = warm_start(cfg, out)
+        for run in range(args.runs):  # interleaved: drift on a noisy machine hits both trainers alike
+            ours = run_ours(cfg, out, args.steps, run)
+            theirs = run_trl(cfg, out, args.steps, problems, run)
+            a = _summary("hapo-openrlhf (embedded)", ours["rows"])
+            b = _summary(f"trl {trl.__version__} GRPOTrainer", theirs["rows"])
+            print(f"run {run + 1}: per-step reward, ours {[round(x, 3) for x in ours['rewards']]}; "
+                  f"TRL {[round(x, 3) for x in theirs['rewards']]}", flush=True)
+            bad = [n for n, r in (("ours", ours["rewards"]), ("TRL", theirs["rewards"])) if constant(r)]
+            row = {"run": run + 1, "ours_tokens_per_s": a["tokens_per_s"], "trl_tokens_per_s": b["tokens_per_s"],
+                   "ours_rewards": ours["rewards"], "trl_rewards": theirs["rewards"],
+                   "ours_mean_response_len": a["mean_response_len"], "trl_mean_response_len": b["mean_response_len"]}
+            if bad:
+                row["refused"] = f"{' and '.join(bad)} reward constant over the run: not the same work, no ratio"
+                print(f"run {run + 1}: {row['refused']}", flush=True)
+            else:
+                row["ratio_ours_vs_trl"] = a["tokens_per_s"] / b["tokens_per_s"]
+                ratios.append(row["ratio_ours_vs_trl"])
+                print(f"run {run + 1}: ours {a['tokens_per_s']:.0f} tokens/s, TRL {b['tokens_per_s']:.0f} tokens/s: "
+                      f"x{row['ratio_ours_vs_trl']:.2f}", flush=True)
+            per_run.append(row)
+    summary = {"runs": per_run, "steps": args.steps, "batch": args.prompts * args.group, "group": args.group,
+               "ratios": ratios}
+    if ratios:
+        summary.update(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios))
+        print(f"median ratio over {len(ratios)} runs: x{summary['median_ratio']:.2f} "
+              f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    else:
+        summary["median_ratio"] = None
+        print("no ratio: every run had a trainer with a constant reward")
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,19 @@ def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     assert res["less_full_scan"]["equal"] is True and res["less_full_scan"]["paper_ms"] > 0
 
 
+def test_vs_trl_refuses_a_ratio_when_a_trainers_reward_never_moves():
+    """benchmarks/vs_trl.py (TRL is not a test dependency: its rule alone): a run where either
+    trainer's per-step reward is constant -- all 0, as TRL's was when its answers never matched --
+    gives no ratio."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import vs_trl
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert vs_trl.constant([0.0] * 16) and vs_trl.constant([0.25, 0.25]) and vs_trl.constant([])
+    assert not vs_trl.constant([0.0, 0.0625, 0.0])
+
+
 def test_prime_cost_script_reports_each_update_order_as_a_ratio_to_grpo():
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prime_cost.py"), "--prompts", "2", "--repeat", "1",
                           "--warmup", "2"], capture_output=True, text=True, timeout=600, cwd=REPO)
