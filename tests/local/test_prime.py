@@ -148,6 +148,33 @@ def test_resume_applies_a_new_prm_lr_and_refuses_a_new_prm_start(tmp_path):
     assert "prm.path: None ->" in res.stderr
 
 
+def test_a_damaged_prm_in_the_newest_checkpoint_falls_back_to_an_older_one(tmp_path):
+    """The newest checkpoint's PRM state damaged (a NaN in its weights): the resume names it and
+    resumes from the older checkpoint, whose PRM loads."""
+    import torch as T
+
+    from hapo_openrlhf.rundir.checkpoint import save_checkpoint
+
+    out = tmp_path / "run"
+    base = ["--config", CONFIG, "--output-dir", str(out), *[x for s in TINY for x in ("--set", s)]]
+    res = cli_in_process(["train", *base, "--set", "trainer.steps=2", "--set", "trainer.save_every=1",
+                          "--set", "trainer.keep_last=3"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    newest = list_complete(out / "checkpoints")[-1]
+    shard, meta = load_checkpoint(newest)
+    name = next(iter(shard["prm"]["model"]))
+    shard["prm"]["model"][name] = shard["prm"]["model"][name].clone().fill_(float("nan"))
+    import shutil
+
+    shutil.rmtree(newest)
+    save_checkpoint(out / "checkpoints", 2, {0: shard}, meta, 3)
+    res = cli_in_process(["train", *base, "--resume", "--set", "trainer.steps=3"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "implicit PRM's model weights are not a mapping of finite tensors" in res.stderr
+    assert "resumed from" in res.stderr and "step_00000001" in res.stderr
+    assert T.isfinite(load_checkpoint(list_complete(out / "checkpoints")[-1])[0]["prm"]["model"][name]).all()
+
+
 def _fake_batch(correct_rows, lengths, G, T=12):
     """A Batch of len(correct_rows) // G groups with the given outcomes and response lengths."""
     from hapo_openrlhf.generation.rollout import Rollout
