@@ -58,6 +58,11 @@ def test_checks_by_hand(tmp_path):
     # a 7B model: (3 kept + 1 in flight) checkpoints x 7e9 params x 14 B = 365 GiB
     c = check_output_dir(cfg, str(tmp_path / "run"))[0]
     assert "~7.00B params need ~365" in c.message
+    # PRIME keeps its implicit PRM (weights, reference, AdamW moments: 16 B/param more) in every checkpoint
+    tiny = load_config(REPO / "configs/cpu_tiny_prime.yaml")
+    p = check_output_dir(tiny, str(tmp_path / "prime"))[0]
+    assert "(30 B/param, the implicit PRM included)" in p.message
+    assert "(14 B/param)" in check_output_dir(load_config(REPO / "configs/cpu_tiny.yaml"), str(tmp_path / "t"))[0].message
     names = [c.name for c in run_checks(cfg, static=True, output_dir=str(tmp_path), dry_run=False)]
     assert "cuda" not in names and "nccl" not in names and "package megatron-core" in names
     assert "dry run memory" not in names  # tests/megatron/test_dryrun.py runs it

@@ -50,6 +50,7 @@ TE_MIRRORED = "2.20.2"
 TESTED_PYTHONS = ((3, 11), (3, 12))
 # bytes per parameter a checkpoint holds: bf16 weights + fp32 masters + Adam m and v
 CKPT_BYTES_PER_PARAM = 2 + 4 + 4 + 4
+PRM_BYTES_PER_PARAM = 4 + 4 + 4 + 4  # PRIME's PRM: weights, its frozen reference, AdamW's two moments
 
 
 @dataclass
@@ -339,10 +340,15 @@ def check_output_dir(cfg: RunConfig, out: str | None = None) -> list[Check]:
     n = model_params(cfg)
     if n is None:
         return [Check("output_dir", OK, f"{d} writable, {free / 2**30:.0f} GiB free (checkpoint size unknown)")]
-    need = (cfg.trainer.keep_last + 1) * n * CKPT_BYTES_PER_PARAM  # +1: the one being written
+    from ..algos import ESTIMATORS
+
+    # PRIME's implicit PRM is checkpointed beside the policy: its fp32 weights, its reference's, AdamW's moments
+    per_param = CKPT_BYTES_PER_PARAM + (PRM_BYTES_PER_PARAM if ESTIMATORS.get(cfg.algorithm.estimator).trains_prm else 0)
+    need = (cfg.trainer.keep_last + 1) * n * per_param  # +1: the one being written
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
     msg = (f"{d}: {free / 2**30:.1f} GiB free; {cfg.trainer.keep_last} checkpoints + the one in flight of "
-           f"~{size} params need ~{need / 2**30:.2f} GiB ({CKPT_BYTES_PER_PARAM} B/param)")
+           f"~{size} params need ~{need / 2**30:.2f} GiB ({per_param} B/param"
+           f"{', the implicit PRM included' if per_param != CKPT_BYTES_PER_PARAM else ''})")
     if free < need:
         return [Check("output_dir", FAIL, msg, "free disk, lower trainer.keep_last, or use a larger filesystem")]
     return [Check("output_dir", WARN if free < 2 * need else OK, msg,
