@@ -78,6 +78,31 @@ def test_update_orders_as_the_recipe_names_them(tmp_path):
     torch.testing.assert_close(_params(before.ref), start, rtol=0, atol=0)
 
 
+def test_prm_path_and_ref_path_load_a_saved_model_and_refuse_another_vocabulary(tmp_path):
+    """prm.path / prm.ref_path: Hugging Face directories (here the warm policy saved, and a model with
+    a 300-token vocabulary): the first loads as phi and its reference, the second is refused by name."""
+    from dataclasses import replace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hapo_openrlhf.local.model import save_hf
+
+    t = _trainer(tmp_path)
+    save_hf(t.model, t.tok, tmp_path / "saved")
+    t.cfg = replace(t.cfg, prm=replace(t.cfg.prm, path=str(tmp_path / "saved")))
+    p = t._build_prm()
+    torch.testing.assert_close(_params(p.model), _params(t.model), rtol=0, atol=0)
+    torch.testing.assert_close(_params(p.ref), _params(t.model), rtol=0, atol=0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "other")
+    t.cfg = replace(t.cfg, prm=replace(t.cfg.prm, ref_path=str(tmp_path / "other")))
+    with pytest.raises(ValueError, match="prm.ref_path .* has a vocabulary of 300 tokens, the policy"):
+        t._build_prm()
+    t.cfg = replace(t.cfg, prm=replace(t.cfg.prm, path=str(tmp_path / "missing"), ref_path=None))
+    with pytest.raises(ValueError, match="prm.path .* does not exist"):
+        t._build_prm()
+
+
 def test_mini_and_micro_batches(tmp_path):
     """``prm.mini_batch_size`` responses per optimizer step (two steps for a batch of 8 at 4);
     ``prm.micro_batch_size`` only splits the forwards: 1 or 8 at a time accumulate the same gradient
