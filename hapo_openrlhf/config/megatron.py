@@ -85,9 +85,9 @@ class MegatronConfig:
                  f"megatron.optimizer_sharding must be dp_reshardable or fully_reshardable, "
                  f"got {self.optimizer_sharding!r}")
         require(self.context_parallel == 1,
-                 "megatron.context_parallel > 1 is not supported: hapo's Megatron schedule does not split sequences "
-                 "across context-parallel ranks (docs/megatron.md); use tensor/pipeline parallelism, packing and "
-                 "recompute for long contexts")
+                 "megatron.context_parallel > 1 is not supported yet: the batch split Transformer Engine expects is "
+                 "built (megatron/context_parallel.py), its context-parallel attention and the actor's wiring are not "
+                 "(issue 58; docs/megatron.md); use tensor/pipeline parallelism, packing and recompute for long contexts")
         require(not self.sequence_parallel or self.layer_spec == "te",
                  "megatron.sequence_parallel needs megatron.layer_spec: te (Transformer Engine's norms); "
                  "megatron-core's local spec builds torch norms, which refuse it (docs/megatron.md)")

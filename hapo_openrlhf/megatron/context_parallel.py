@@ -1,0 +1,137 @@
+"""Context parallelism's batch split (issue 58, its first piece): a packed (THD) micro-batch cut
+the way Transformer Engine's context-parallel attention expects it, and put back together.
+
+TE splits each packed sequence across the CP ranks load-balanced for causal attention: the
+sequence, padded to a multiple of 2 x CP, is cut into 2 CP equal chunks and rank r holds chunks
+r and 2 CP - 1 - r, in that order (TE ``thd_get_partitioned_indices``, the CUDA kernel
+``thd_partition_indices_kernel`` in ``transformer_engine/common/fused_attn/context_parallel.cu``;
+verl's ``preprocess_packed_seqs`` and NeMo-RL cut the same way). With sequence parallelism the
+rank's tokens are further split over TP, so the padding is to a multiple of 2 x CP x TP
+(``align``). Rank r's causal work -- sum over its tokens of the keys they attend to -- is then
+the same for every r.
+
+Everything here is host-side index arithmetic over Python ints (the lengths are on the host
+before a micro-batch is built), so it adds no device sync. What each rank keeps:
+
+* ``input_ids``, ``position_ids`` (the token's position in its sequence: RoPE for the chunks the
+  rank holds) and ``labels`` -- the *global* next token of each held token, so a chunk's last
+  token is labelled with the first token of the next chunk, which another rank holds (verl's
+  ``need_roll``); ``loss_mask`` is 0 on padding and on each sequence's last real token (no next
+  token), as the unsplit batch's;
+* ``cu_seqlens`` (the real lengths) and ``cu_seqlens_padded`` (the padded ones), both global, as
+  megatron-core's ``PackedSeqParams`` carries them for TE (``cu_seqlens_q`` / ``cu_seqlens_q_padded``);
+* ``indices``: where each held token sits in the padded packed sequence (:func:`gather_to_global`
+  puts per-token outputs of every rank back in that order).
+
+Not built yet (issue 58): the TE attention path with ``cp_group`` / ``cp_comm_type``, the actor's
+wiring, and everything downstream of the forward per CP shard; ``megatron.context_parallel``
+stays refused above 1 until they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def align_size(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """The multiple each sequence is padded to: 2 CP (x TP with sequence parallelism); without CP,
+    TP with sequence parallelism (megatron splits the tokens over TP), else 1."""
+    _check_sizes(cp, tp)
+    tp_part = tp if sequence_parallel else 1
+    return 2 * cp * tp_part if cp > 1 else tp_part
+
+
+def _check_sizes(cp: int, tp: int) -> None:
+    for name, v in (("context_parallel", cp), ("tensor_parallel", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+def padded_lengths(lengths: list[int], align: int) -> list[int]:
+    """Each length rounded up to a multiple of ``align``."""
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"every packed sequence needs at least one token, got lengths {lengths[:8]}")
+    return [-(-n // align) * align for n in lengths]
+
+
+def cumulative(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def rank_indices(cu_seqlens_padded: list[int], cp: int, rank: int) -> torch.Tensor:
+    """[total / CP] int64: the positions in the padded packed sequence that CP rank ``rank`` holds,
+    in its order -- per sequence, chunk ``rank`` then chunk 2 CP - 1 - ``rank`` of its 2 CP chunks."""
+    _check_sizes(cp, 1)
+    if not 0 <= rank < cp:
+        raise ValueError(f"context-parallel rank must be in [0, {cp}), got {rank}")
+    if cp == 1:  # no split: the whole packed sequence, in order
+        return torch.arange(cu_seqlens_padded[-1] if cu_seqlens_padded else 0)
+    out = []
+    for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:]):
+        n = end - start
+        if n % (2 * cp):
+            raise ValueError(f"a padded sequence of {n} tokens does not split into 2 x {cp} equal chunks")
+        c = n // (2 * cp)
+        for k in (rank, 2 * cp - 1 - rank):
+            out.append(torch.arange(start + k * c, start + (k + 1) * c))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+@dataclass
+class CPShard:
+    """One CP rank's share of a packed micro-batch (module docstring)."""
+
+    indices: torch.Tensor  # [Tr] positions in the padded packed sequence
+    input_ids: torch.Tensor  # [Tr]
+    position_ids: torch.Tensor  # [Tr] position within the token's own sequence
+    labels: torch.Tensor  # [Tr] the global next token (pad where there is none)
+    loss_mask: torch.Tensor  # [Tr] bool: a real token with a next token
+    cu_seqlens: list[int]  # global, real lengths
+    cu_seqlens_padded: list[int]  # global, padded lengths
+    max_seqlen: int  # the longest padded sequence
+
+
+def shard(sequences: list[torch.Tensor], cp: int, rank: int, *, tp: int = 1, sequence_parallel: bool = False,
+          pad_id: int = 0) -> CPShard:
+    """CP rank ``rank``'s share of the packed sequences ``sequences`` (each a 1-D token tensor)."""
+    lengths = [int(s.numel()) for s in sequences]
+    padded = padded_lengths(lengths, align_size(cp, tp, sequence_parallel))
+    cu, cu_p = cumulative(lengths), cumulative(padded)
+    total = cu_p[-1]
+    ids = torch.full((total,), pad_id, dtype=torch.long)
+    labels = torch.full((total,), pad_id, dtype=torch.long)
+    pos = torch.zeros(total, dtype=torch.long)
+    mask = torch.zeros(total, dtype=torch.bool)
+    for s, start, n, n_pad in zip(sequences, cu_p[:-1], lengths, padded):
+        ids[start:start + n] = s
+        labels[start:start + n - 1] = s[1:]  # the next token of the same sequence, whoever holds it
+        mask[start:start + n - 1] = True
+        pos[start:start + n_pad] = torch.arange(n_pad)
+    idx = rank_indices(cu_p, cp, rank)
+    return CPShard(idx, ids[idx], pos[idx], labels[idx], mask[idx], cu, cu_p, max(padded) if padded else 0)
+
+
+def gather_to_global(parts: list[torch.Tensor], cu_seqlens_padded: list[int], cp: int) -> torch.Tensor:
+    """Per-token outputs of every CP rank (``parts[r]`` in rank r's order, first dimension its tokens)
+    back in the padded packed order: what an all-gather over the CP group followed by this gives."""
+    if len(parts) != cp:
+        raise ValueError(f"need one part per context-parallel rank ({cp}), got {len(parts)}")
+    total = cu_seqlens_padded[-1]
+    out = parts[0].new_zeros((total, *parts[0].shape[1:]))
+    for r, part in enumerate(parts):
+        idx = rank_indices(cu_seqlens_padded, cp, r)
+        if part.shape[0] != idx.numel():
+            raise ValueError(f"rank {r}'s part holds {part.shape[0]} tokens, its share is {idx.numel()}")
+        out[idx] = part
+    return out
+
+
+def tokens_per_rank(lengths: list[int], cp: int, *, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """The tokens one CP rank holds for these sequences (the padded total / CP): what a token budget
+    (``max_tokens_per_gpu``) counts per rank under context parallelism."""
+    return sum(padded_lengths(lengths, align_size(cp, tp, sequence_parallel))) // cp
