@@ -283,6 +283,32 @@ def _list(args) -> int:
     return 0
 
 
+def _add_experiment_parsers(sub) -> None:
+    """``hapo experiment`` and ``hapo report`` (which also reads an experiment's directory or results file)."""
+    x = sub.add_parser("experiment", help="variants x seeds from shared warm starts, then one report")
+    x.add_argument("suites", nargs="+", metavar="SUITE", help="suites of the experiment file, or 'all'")
+    x.add_argument("--config", default="configs/experiments/toy_repro.yaml", help="the experiment file")
+    x.add_argument("--seeds", default=None, help="comma-separated; default: the experiment file's")
+    x.add_argument("--workers", type=int, default=None, help="parallel runs; default: the experiment file's")
+    x.add_argument("--warm-start-seed", type=int, default=None,
+                   help="one warm start, trained with this seed, shared by every seed's runs; default: the "
+                        "experiment file's warm_start_seed (absent: a warm start per seed)")
+    x.add_argument("--output-dir", default=None, help="default: the experiment file's output_dir")
+    x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a run-config key in every run (merged into 'common')")
+    x.add_argument("--code-change", default=None, metavar="REASON",
+                   help="go on with an experiment registered under other code (package sources, torch or "
+                        "transformers); the reason is recorded in experiment.json and printed in the report")
+    x.set_defaults(fn=_experiment)
+    r = sub.add_parser("report", help="plots from run directories, or an experiment directory's report")
+    r.add_argument("run_dirs", nargs="+", help="run directories, one experiment directory, or one experiment's "
+                                                "results file (results.json)")
+    r.add_argument("--output-dir", default=None, help="default: RUN_DIR/report (one run) or ./hapo_report")
+    r.add_argument("--results", default=None, metavar="FILE",
+                   help="with an experiment directory: also write its results file there (to commit)")
+    r.set_defaults(fn=_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hapo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -327,28 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--collect", default=None, metavar="BASE_DIR")
     _add_slurm_args(sc)
     sc.set_defaults(fn=_scale)
-    x = sub.add_parser("experiment", help="variants x seeds from shared warm starts, then one report")
-    x.add_argument("suites", nargs="+", metavar="SUITE", help="suites of the experiment file, or 'all'")
-    x.add_argument("--config", default="configs/experiments/toy_repro.yaml", help="the experiment file")
-    x.add_argument("--seeds", default=None, help="comma-separated; default: the experiment file's")
-    x.add_argument("--workers", type=int, default=None, help="parallel runs; default: the experiment file's")
-    x.add_argument("--warm-start-seed", type=int, default=None,
-                   help="one warm start, trained with this seed, shared by every seed's runs; default: the "
-                        "experiment file's warm_start_seed (absent: a warm start per seed)")
-    x.add_argument("--output-dir", default=None, help="default: the experiment file's output_dir")
-    x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a run-config key in every run (merged into 'common')")
-    x.add_argument("--code-change", default=None, metavar="REASON",
-                   help="go on with an experiment registered under other code (package sources, torch or "
-                        "transformers); the reason is recorded in experiment.json and printed in the report")
-    x.set_defaults(fn=_experiment)
-    r = sub.add_parser("report", help="plots from run directories, or an experiment directory's report")
-    r.add_argument("run_dirs", nargs="+", help="run directories, one experiment directory, or one experiment's "
-                                                "results file (results.json)")
-    r.add_argument("--output-dir", default=None, help="default: RUN_DIR/report (one run) or ./hapo_report")
-    r.add_argument("--results", default=None, metavar="FILE",
-                   help="with an experiment directory: also write its results file there (to commit)")
-    r.set_defaults(fn=_report)
+    _add_experiment_parsers(sub)
     d = sub.add_parser("doctor", help="preflight a run config here (packages, CUDA, paths, disk, Slurm lead), "
                                       "or --gpu-smoke: the one-GPU acceptance run")
     d.add_argument("--config", default=None)

@@ -327,22 +327,56 @@ def export_results(exp_dir: str | Path, path: str | Path | None = None) -> Path:
     return write(path or exp_dir / "results.json", export(manifest, runs, prints))
 
 
+def _results_runs(path: Path) -> tuple[dict, list[RunStats], list[str]]:
+    """(manifest, runs, missing runs) from a results file (experiment/results.py)."""
+    from .results import load
+
+    manifest, runs = load(path)
+    have = {f"{r.variant}/seed_{r.seed}" for r in runs}
+    missing = sorted({f"{v}/seed_{s}" for su in suites_run(manifest) for v in manifest["suites"][su]
+                      for s in manifest["seeds"]} - have)
+    return manifest, runs, missing
+
+
+def _warm_start_design(manifest: dict) -> str:
+    """The report's sentence on where the runs started: nested warm starts, one shared, or one per seed."""
+    ws, nested = manifest.get("warm_start_seed"), manifest.get("warm_start_of_seed")
+    if isinstance(nested, dict):
+        starts = sorted(set(nested.values()))
+        return (f"the seeds are nested in {len(starts)} warm starts (trained with seeds {starts}); comparisons "
+                f"average the paired differences within each warm start, then over warm starts")
+    return ("every run starts from one warm start (trained with seed {}): verdicts are conditional on that "
+            "model".format(ws) if ws is not None else "each seed's runs share one warm start")
+
+
+def _credit_section(manifest: dict, variants: list[str], out: Path, results_file: str | None) -> list[str]:
+    """The token-credit table from the runs' dumped samples; from a results file, the line saying why not."""
+    if results_file is not None:
+        return [f"(Built from the results file `{results_file}` alone: the token-credit table reads each run's "
+                f"dumped token samples, which the results file does not keep.)", ""]
+    credit = credit_table(manifest, variants)
+    if not credit:
+        return []
+    (out / "credit.json").write_text(json.dumps(credit, indent=1))
+    return ["## Token credit: where the advantage moved", "",
+            "From every run's dumped token samples (all seeds pooled): each response token is a *fork* "
+            "(the first token, and the character after a step's second operand: write the intermediate "
+            "result or skip it), a *result* character (after `=`, inside `\\boxed{}`) or *routine*; the "
+            "credit shift is `sum | |A^h| - |A| |`, the advantage a token-level method moved away from the "
+            "sequence's (`hapo_openrlhf/experiment/credit.py`). GRPO and DAPO move none.", "",
+            *credit_markdown(credit), ""]
+
+
 def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """The report of an experiment directory, or of a results file alone (``results.json``: every
     table and figure but the token-credit table, which reads the runs' token samples)."""
-    from .results import is_results_file, load
+    from .results import is_results_file
 
     exp_dir = Path(exp_dir)
     from_file = is_results_file(exp_dir)
     out = Path(out_dir or (exp_dir.parent / f"{exp_dir.stem}_report" if from_file else exp_dir / "report"))
     out.mkdir(parents=True, exist_ok=True)
-    if from_file:
-        manifest, runs = load(exp_dir)
-        have = {f"{r.variant}/seed_{r.seed}" for r in runs}
-        missing = sorted({f"{v}/seed_{s}" for su in suites_run(manifest) for v in manifest["suites"][su]
-                          for s in manifest["seeds"]} - have)
-    else:
-        manifest, runs, missing = load_experiment_runs(exp_dir)
+    manifest, runs, missing = _results_runs(exp_dir) if from_file else load_experiment_runs(exp_dir)
     if not runs:
         raise ValueError(f"{str(exp_dir)!r}: no finished run yet")
     suites = {s: manifest["suites"][s] for s in suites_run(manifest)}
@@ -365,15 +399,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     jobs = manifest.get("jobs", {})
     job_s = sum(j.get("wall_s", 0.0) for j in jobs.values())
     steps = sorted({r.steps for r in runs})
-    ws = manifest.get("warm_start_seed")
-    nested = manifest.get("warm_start_of_seed")
-    if isinstance(nested, dict):
-        starts = sorted(set(nested.values()))
-        warm = (f"the seeds are nested in {len(starts)} warm starts (trained with seeds {starts}); comparisons "
-                f"average the paired differences within each warm start, then over warm starts")
-    else:
-        warm = ("every run starts from one warm start (trained with seed {}): verdicts are conditional on that "
-                "model".format(ws) if ws is not None else "each seed's runs share one warm start")
+    warm = _warm_start_design(manifest)
     lines = [
         f"# Experiment report: {Path(manifest['experiment']).name}", "",
         f"Seeds {manifest['seeds']}; {len(runs)} finished runs; RL steps {steps}; "
@@ -389,19 +415,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
         lines += [f"**Failed runs**: {', '.join(manifest['failed'])} (see experiment.json)", ""]
     lines += _suite_tables(suites, table, k)
     lines += _comparison_sections(manifest, registered, added, registered_at, comparisons, late, k)
-    credit = {} if from_file else credit_table(manifest, variants)
-    if from_file:
-        lines += [f"(Built from the results file `{exp_dir.name}` alone: the token-credit table reads each run's "
-                  f"dumped token samples, which the results file does not keep.)", ""]
-    if credit:
-        (out / "credit.json").write_text(json.dumps(credit, indent=1))
-        lines += ["## Token credit: where the advantage moved", "",
-                  "From every run's dumped token samples (all seeds pooled): each response token is a *fork* "
-                  "(the first token, and the character after a step's second operand: write the intermediate "
-                  "result or skip it), a *result* character (after `=`, inside `\\boxed{}`) or *routine*; the "
-                  "credit shift is `sum | |A^h| - |A| |`, the advantage a token-level method moved away from the "
-                  "sequence's (`hapo_openrlhf/experiment/credit.py`). GRPO and DAPO move none.", ""]
-        lines += credit_markdown(credit) + [""]
+    lines += _credit_section(manifest, variants, out, exp_dir.name if from_file else None)
     lines += ["## Per-quadrant entropy at the end (mean of the last 10 steps)", "",
               "| variant | " + " | ".join(QUADRANTS) + " |", "|---|" + "---|" * len(QUADRANTS)]
     for v, t in table.items():

@@ -242,14 +242,38 @@ def _read_warm_starts(path: Path, raw: dict, seeds: tuple[int, ...] | None) -> d
     return nested
 
 
-def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_dir: str | None = None,
-                    workers: int | None = None, overrides: list[str] | None = None,
-                    warm_start_seed: int | None = None) -> Experiment:
-    """Read and resolve an experiment file. ``overrides`` (``section.key=value``) are merged
-    into ``common``, i.e. into every run and warm start; ``warm_start_seed`` replaces the
-    file's (one warm start, trained with that seed, for every seed's runs). Every key is
-    checked for shape and named with the file when it is wrong."""
-    path = Path(path)
+def _read_nesting(path: Path, raw: dict, seeds: list[int] | None,
+                  warm_start_seed: int | None) -> tuple[dict[int, int], tuple[int, ...]]:
+    """(RL seed -> its warm start's seed under ``warm_starts``, else {}; the RL seeds): the command
+    line's ``--seeds`` may pick some of the nested seeds; without ``seeds`` in the file, the nested ones."""
+    nested = _read_warm_starts(path, raw, tuple(raw["seeds"]) if isinstance(raw.get("seeds"), list) and seeds is None
+                               else None)
+    if nested and seeds is not None:
+        unknown = sorted(set(seeds) - set(nested))
+        if unknown:
+            raise _err(path, f"--seeds {unknown} are nested in none of warm_starts' warm starts")
+    if nested and "seeds" not in raw and seeds is None:
+        seeds = sorted(nested)
+    if nested and warm_start_seed is not None:
+        raise _err(path, "--warm-start-seed names one shared warm start, and this file nests its seeds in several "
+                         "(warm_starts)")
+    seeds = _read_seeds(path, raw, seeds)
+    clash = sorted(set(nested.values()) & set(seeds))
+    if clash:
+        raise _err(path, f"warm_starts: warm-start seed {clash[0]} is also an RL seed")
+    return nested, seeds
+
+
+def _read_alpha(path: Path, raw: dict) -> float:
+    alpha = raw.get("familywise_alpha", 0.05)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise _err(path, f"familywise_alpha must be a number in (0, 1) (the family-wise level of Holm's verdicts over "
+                         f"the comparisons), got {alpha!r}")
+    return float(alpha)
+
+
+def _read_file(path: Path) -> dict:
+    """The experiment file's top-level mapping, its keys and ``run_config`` checked by name."""
     if not path.exists():
         raise ValueError(f"experiment file {str(path)!r} not found")
     try:
@@ -266,18 +290,19 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
             raise _err(path, f"missing {k!r}")
     if not isinstance(raw["run_config"], str) or not raw["run_config"].strip():
         raise _err(path, f"run_config must be a file name, got {raw['run_config']!r}")
-    nested = _read_warm_starts(path, raw, tuple(raw["seeds"]) if isinstance(raw.get("seeds"), list) and seeds is None
-                               else None)
-    if nested and seeds is not None:  # --seeds picks some of the nested seeds
-        unknown = sorted(set(seeds) - set(nested))
-        if unknown:
-            raise _err(path, f"--seeds {unknown} are nested in none of warm_starts' warm starts")
-    if nested and "seeds" not in raw and seeds is None:
-        seeds = sorted(nested)
-    seeds = _read_seeds(path, raw, seeds)
-    if nested and warm_start_seed is not None:
-        raise _err(path, "--warm-start-seed names one shared warm start, and this file nests its seeds in several "
-                         "(warm_starts)")
+    return raw
+
+
+def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_dir: str | None = None,
+                    workers: int | None = None, overrides: list[str] | None = None,
+                    warm_start_seed: int | None = None) -> Experiment:
+    """Read and resolve an experiment file. ``overrides`` (``section.key=value``) are merged
+    into ``common``, i.e. into every run and warm start; ``warm_start_seed`` replaces the
+    file's (one warm start, trained with that seed, for every seed's runs). Every key is
+    checked for shape and named with the file when it is wrong."""
+    path = Path(path)
+    raw = _read_file(path)
+    nested, seeds = _read_nesting(path, raw, seeds, warm_start_seed)
     workers = _count(path, "--workers" if workers is not None else "workers",
                      workers if workers is not None else raw.get("workers", 1))
     threads = _count(path, "threads_per_worker", raw.get("threads_per_worker", 1))
@@ -296,16 +321,9 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
     _check_variants(path, variants)
     suites = _read_suites(path, raw["suites"], variants)
     comparisons = _read_comparisons(path, raw, variants)
-    alpha = raw.get("familywise_alpha", 0.05)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
-        raise _err(path, f"familywise_alpha must be a number in (0, 1) (the family-wise level of Holm's verdicts over "
-                         f"the comparisons), got {alpha!r}")
+    alpha = _read_alpha(path, raw)
 
     shared = _read_warm_start_seed(path, raw, warm_start_seed, seeds)
-    if nested:
-        clash = sorted(set(nested.values()) & set(seeds))
-        if clash:
-            raise _err(path, f"warm_starts: warm-start seed {clash[0]} is also an RL seed")
     # each config is resolved and validated once; the per-seed copies differ only in the seed
     # (range-checked above) and in the names and paths derived from it
     warm_cfg = _resolve(_merge(read_raw(base_file), common), {
