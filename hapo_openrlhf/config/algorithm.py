@@ -3,6 +3,7 @@ the registered functions), the aggregation, DAPO's pieces, the mismatch correcti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -31,8 +32,6 @@ class AccuracyFilterConfig:
     drop_truncated: bool = True
 
     def __post_init__(self):
-        import math
-
         for key in ("lower", "upper"):
             v = getattr(self, key)
             require(math.isfinite(v) and 0 <= v <= 1,

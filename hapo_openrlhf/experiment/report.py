@@ -19,7 +19,7 @@ from .registration import check_jobs
 from .credit import markdown as credit_markdown
 from .findings import evaluate_findings
 from .verdicts import compare
-from .verdicts import holm
+from .verdicts import check_alpha, holm
 from .verdicts import markdown as verdict_table
 from .stats import RunStats, load_run, spread
 
@@ -110,10 +110,7 @@ def familywise_alpha(manifest: dict) -> float:
     """The family-wise level Holm's verdicts use: the registration's (frozen with the comparisons),
     else the file's, else 0.05."""
     reg = manifest.get("registration") or {}
-    a = reg.get("familywise_alpha", manifest.get("familywise_alpha", 0.05))
-    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < 1:
-        raise ValueError(f"experiment.json: familywise_alpha must be a number in (0, 1), got {a!r}")
-    return float(a)
+    return check_alpha(reg.get("familywise_alpha", manifest.get("familywise_alpha", 0.05)), "experiment.json")
 
 
 def comparison_sets(manifest: dict) -> tuple[list[dict], list[dict], str | None]:

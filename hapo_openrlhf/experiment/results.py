@@ -65,6 +65,8 @@ def write(path: str | Path, doc: dict[str, Any]) -> Path:
     import os
 
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory: name the results file to write (e.g. results/NAME.json)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n")

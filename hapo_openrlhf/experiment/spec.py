@@ -265,11 +265,9 @@ def _read_nesting(path: Path, raw: dict, seeds: list[int] | None,
 
 
 def _read_alpha(path: Path, raw: dict) -> float:
-    alpha = raw.get("familywise_alpha", 0.05)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
-        raise _err(path, f"familywise_alpha must be a number in (0, 1) (the family-wise level of Holm's verdicts over "
-                         f"the comparisons), got {alpha!r}")
-    return float(alpha)
+    from .verdicts import check_alpha
+
+    return check_alpha(raw.get("familywise_alpha", 0.05), f"experiment {str(path)!r}")
 
 
 def _read_file(path: Path) -> dict:
@@ -277,7 +275,7 @@ def _read_file(path: Path) -> dict:
     if not path.exists():
         raise ValueError(f"experiment file {str(path)!r} not found")
     try:
-        raw = load_yaml(read_small_text(path, "experiment file"), f"experiment file {str(path)!r}") or {}
+        raw = load_yaml(read_small_text(path, "experiment file"), f"experiment {str(path)!r}") or {}
     except yaml.YAMLError as e:
         raise _err(path, f"not valid YAML: {e}") from None
     if not isinstance(raw, dict):

@@ -102,6 +102,14 @@ def t_two_sided_p(t: float, df: int) -> float:
     return _betainc(df / 2.0, 0.5, df / (df + t * t))
 
 
+def check_alpha(alpha: Any, where: str) -> float:
+    """``familywise_alpha``, a number in (0, 1), or a ValueError naming ``where`` it was read."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise ValueError(f"{where}: familywise_alpha must be a number in (0, 1) (the family-wise level of Holm's "
+                         f"verdicts over the comparisons), got {alpha!r}")
+    return float(alpha)
+
+
 def holm(rows: list[dict[str, Any]], alpha: float) -> list[dict[str, Any]]:
     """Holm's step-down verdicts over ``rows`` (one family; each with ``p`` and ``diff``): each row
     gets ``holm`` (a > b / a < b / unresolved) and ``holm_threshold`` (alpha / (m - rank)). Rows

@@ -24,10 +24,12 @@ import copy
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..algos import prime as prime_algo
+from ..algos.losses import CheckpointStateError as _StateError
 from ..config.prm import PRMConfig
 from ..generation.rollout import Rollout
 from .forward import policy_forward
@@ -149,3 +151,22 @@ class ImplicitPRM:
         metrics["prm/outcome_acc_heldout"] = float(((logit > 0) == outcome.bool()).float().mean())
         metrics["prm/acc"] = prime_algo.pairwise_accuracy(q, outcome, mask, group_index)  # the q the policy reads
         return q, metrics
+
+
+def check_prm_state(prm: Any) -> None:
+    """An implicit PRM's checkpointed state (``local/prm.py``), when there is one: the three state dicts
+    and the skip count, each of the right kind; a damaged one is a :class:`_StateError`."""
+    if prm == {}:
+        return
+    if not isinstance(prm, dict) or not {"model", "ref", "optimizer"} <= set(prm):
+        raise _StateError(f"its implicit PRM state must hold model, ref and optimizer, got "
+                                   f"{sorted(prm) if isinstance(prm, dict) else type(prm).__name__}")
+    for key in ("model", "ref"):
+        if not (isinstance(prm[key], dict) and prm[key]
+                and all(isinstance(v, torch.Tensor) and bool(torch.isfinite(v).all()) for v in prm[key].values())):
+            raise _StateError(f"its implicit PRM's {key} weights are not a mapping of finite tensors")
+    if not (isinstance(prm["optimizer"], dict) and {"state", "param_groups"} <= set(prm["optimizer"])):
+        raise _StateError("its implicit PRM's optimizer state is damaged (no state / param_groups)")
+    skipped = prm.get("skipped_steps", 0)
+    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+        raise _StateError(f"its implicit PRM's skipped_steps must be an integer >= 0, got {skipped!r}")

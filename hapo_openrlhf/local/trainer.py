@@ -39,7 +39,7 @@ from ..data.datasets import make_datasets
 from .evaluate import evaluate
 from ..rundir.logger import MetricsLogger
 from .model import load_or_build, save_hf
-from .prm import ImplicitPRM
+from .prm import ImplicitPRM, check_prm_state
 from ..generation.rollout import Rollout, concat_rollouts, generate
 from .forward import fused_policy_loss, policy_forward
 from .samples import dump_token_samples
@@ -162,7 +162,7 @@ class LocalTrainer:
             try:  # its trainer and method state, before anything is restored from it
                 state = checked_train_state(shard.get("trainer"), ckpt, meta.get("config", {}))
                 algos.check_loss_state(self._saved_loss(meta), state.loss_state)
-                _check_prm_state(shard.get("prm", {}))
+                check_prm_state(shard.get("prm", {}))
             except CheckpointStateError as e:
                 log.warning("skipping checkpoint %s: %s", ckpt, e)
                 tried.append(f"{ckpt}: {e}")
@@ -557,25 +557,6 @@ class LocalTrainer:
         self.logger.close()
         self.verifier.close()
         runlock.release(self.out)
-
-
-def _check_prm_state(prm: Any) -> None:
-    """An implicit PRM's checkpointed state (``local/prm.py``), when there is one: the three state dicts
-    and the skip count, each of the right kind; a damaged one is a :class:`CheckpointStateError`."""
-    if prm == {}:
-        return
-    if not isinstance(prm, dict) or not {"model", "ref", "optimizer"} <= set(prm):
-        raise CheckpointStateError(f"its implicit PRM state must hold model, ref and optimizer, got "
-                                   f"{sorted(prm) if isinstance(prm, dict) else type(prm).__name__}")
-    for key in ("model", "ref"):
-        if not (isinstance(prm[key], dict) and prm[key]
-                and all(isinstance(v, torch.Tensor) and bool(torch.isfinite(v).all()) for v in prm[key].values())):
-            raise CheckpointStateError(f"its implicit PRM's {key} weights are not a mapping of finite tensors")
-    if not (isinstance(prm["optimizer"], dict) and {"state", "param_groups"} <= set(prm["optimizer"])):
-        raise CheckpointStateError("its implicit PRM's optimizer state is damaged (no state / param_groups)")
-    skipped = prm.get("skipped_steps", 0)
-    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-        raise CheckpointStateError(f"its implicit PRM's skipped_steps must be an integer >= 0, got {skipped!r}")
 
 
 def _merge_groups(kept, pad_id: int) -> Batch:

@@ -323,6 +323,11 @@ def test_a_damaged_results_file_is_named(tmp_path):
         f.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=named):
             load(f)
+    from hapo_openrlhf.experiment.results import write
+
+    with pytest.raises(ValueError, match="is a directory: name the results file"):  # --results DIR: named, no traceback
+        write(tmp_path, good)
+    assert write(tmp_path / "new" / "r.json", good).exists()  # its parent made
 
 
 # ------------------------------------------------------------------ named errors
