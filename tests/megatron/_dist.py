@@ -6,8 +6,11 @@ once (``multiprocessing``'s ``forkserver`` with a preload list), not as fresh
 interpreters: a fresh rank spent 6-10 s of CPU importing them (megatron-core alone
 compiles ~40 ``torch.compile`` wrappers at import) against well under a second forked,
 and the suite starts ~150 ranks (docs/performance.md, "Test suite"). The fork server
-imports only; it starts no thread and no process group, so forking it is safe."""
+imports only; it starts no thread and no process group, so forking it is safe. The ranks that
+build on the Transformer Engine stand-in come from a second fork server of their own, which put
+the stand-in on its path before importing megatron-core (:func:`spawn_te`)."""
 
+import contextlib
 import multiprocessing
 import os
 import tempfile
@@ -76,9 +79,40 @@ def load_hf_into(model, hf, **layout) -> None:
     assert unexpected == [] and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
 
 
-# the Transformer Engine stand-in package (te_stub/transformer_engine): only fresh interpreters can
-# take it -- megatron-core decides at import whether TE is there, and the fork server has imported it
+# the Transformer Engine stand-in package (te_stub/transformer_engine): megatron-core decides at import
+# whether TE is there, so ranks that must build on it cannot come from the fork server above (which
+# imported megatron-core without it); they come from a second fork server that put the stand-in first
 TE_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "te_stub")
+# what the TE fork server imports: the stand-in first (tests/megatron/_te_preload.py), then PRELOAD
+TE_PRELOAD = ["tests.megatron._te_preload", *PRELOAD]
+_te_server = None
+
+
+def _te_fork_server():
+    """The fork server of the TE ranks (one per process, started on first use): multiprocessing's own
+    ``ForkServer`` class, a second instance beside the module's, with :data:`TE_PRELOAD`."""
+    global _te_server
+    if _te_server is None:
+        from multiprocessing import forkserver
+
+        _te_server = forkserver.ForkServer()
+        _te_server.set_forkserver_preload(TE_PRELOAD)
+    return _te_server
+
+
+@contextlib.contextmanager
+def _forked_from(server):
+    """Processes started in this block come from ``server``: the forkserver ``Popen`` asks the
+    module-level ``multiprocessing.forkserver.connect_to_new_process`` for each new process
+    (``popen_forkserver.Popen._launch``, Python 3.11-3.12), pointed here at ``server``'s."""
+    from multiprocessing import forkserver
+
+    saved = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = server.connect_to_new_process
+    try:
+        yield
+    finally:
+        forkserver.connect_to_new_process = saved
 
 
 def _te_entry(rank, target, world, store, args):
@@ -86,12 +120,13 @@ def _te_entry(rank, target, world, store, args):
     import sys
     from datetime import timedelta
 
-    # the arguments were unpickled before this runs: they must not have imported megatron-core
-    assert "megatron.core" not in sys.modules, "megatron-core was imported before the TE stand-in"
-    sys.path.insert(0, TE_STUB)
-    import transformer_engine  # noqa: F401  (the stand-in, before megatron-core looks for it)
+    # a preload that fails is skipped by the fork server without a word: check the stand-in is what
+    # megatron-core found (its TE extension imported with HAVE_TE)
+    te = sys.modules.get("transformer_engine")
+    assert te is not None and te.__file__.startswith(TE_STUB), getattr(te, "__file__", None)
+    from megatron.core.extensions import transformer_engine as mc_te
 
-    assert transformer_engine.__file__.startswith(TE_STUB), transformer_engine.__file__
+    assert mc_te.HAVE_TE, "megatron-core did not find the Transformer Engine stand-in"
     module, name = target.split(":")
     worker = getattr(importlib.import_module(module), name)
     if store is None:  # the worker brings up its own process group (the Megatron actor does)
@@ -107,15 +142,15 @@ def _te_entry(rank, target, world, store, args):
 
 
 def spawn_te(target: str, nprocs: int, *args, process_group: bool = True) -> None:
-    """Run ``module:function`` (``function(rank, *args)``) on ``nprocs`` gloo ranks started as
-    fresh interpreters (``spawn``) with the Transformer Engine stand-in importable, so that
-    megatron-core builds on it as it builds on an installed TE. The worker is named, not
-    passed: unpickling a function would import its module, and with it megatron-core, before
-    the stand-in is on the path. ``process_group=False``: the worker starts its own."""
-    with tempfile.TemporaryDirectory(prefix="hapo-gloo-te-") as d:
+    """Run ``module:function`` (``function(rank, *args)``) on ``nprocs`` gloo ranks forked from the
+    TE fork server, where megatron-core was imported with the Transformer Engine stand-in first on
+    the path, so it builds on it as it builds on an installed TE (fresh interpreters cost 6-10 s of
+    CPU each in imports; issue 57). The worker is named, not passed: the arguments are unpickled in
+    the rank, and naming keeps them plain data. ``process_group=False``: the worker starts its own."""
+    with tempfile.TemporaryDirectory(prefix="hapo-gloo-te-") as d, _forked_from(_te_fork_server()):
         store = os.path.join(d, "store") if process_group else None
         mp.start_processes(_te_entry, args=(target, nprocs, store, args), nprocs=nprocs, join=True,
-                           start_method="spawn")
+                           start_method="forkserver")
 
 
 def replace_model_parallel(tp: int = 1, pp: int = 1, seed: int = 7) -> None:
