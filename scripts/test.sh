@@ -132,6 +132,9 @@ else
             # (its files, and --deselect for the cases another case of the leg carries; read into an
             # array: the case ids hold [...], which an unquoted expansion would glob)
             read -r -a py312_leg < <(python tests/megatron/py312_leg.py)
+            # one intra-op thread, as tests/conftest.py gives the xdist workers beside it: with torch's
+            # default (a thread per core) its OpenMP threads spin against the four workers' processes
+            OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
             HAPO_REQUIRE_MEGATRON=1 HAPO_MC_OTHER_PYTHON= "$PY312" -m pytest -q -p no:cacheprovider \
                 "${py312_leg[@]}" >"$py312_log" 2>&1 &
             py312_pid=$!
