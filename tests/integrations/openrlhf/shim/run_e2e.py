@@ -4,7 +4,7 @@
 
 Starts a real local Ray cluster (4 logical GPUs only, so OpenRLHF's ``num_gpus=1``
 actors schedule), installs the CPU shim in the driver and -- through
-``worker_process_setup_hook`` -- in every worker, then calls the same
+``worker_process_setup_hook`` -- in every worker (each patch when its module is imported), then calls the same
 ``hapo_openrlhf.integrations.openrlhf.launch.train.launch`` that ``hapo train --backend
 openrlhf`` calls (``hapo_openrlhf.integrations.openrlhf.launch.train.main``).
 """
@@ -53,7 +53,7 @@ def main() -> int:
     env.update(PYTHONPATH=pythonpath, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false",
                RAY_ENABLE_ZERO_COPY_TORCH_TENSORS="1")
     ray.init(address="local", num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": env, "worker_process_setup_hook": "hapo_cpu_shim.install"})
+             runtime_env={"env_vars": env, "worker_process_setup_hook": "hapo_cpu_shim.install_worker"})
     try:  # the same entry point as `hapo train --backend openrlhf` (exit 85: preempted)
         return train_main(["--config", a.config, "--output-dir", a.out, *[x for kv in a.set for x in ("--set", kv)]])
     finally:
