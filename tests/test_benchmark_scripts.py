@@ -99,6 +99,7 @@ def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["grpo"]["embedded_ratio"] == 1.0 and res["paper_batch"] == [16, 64]
     assert res["loss_paec"]["paper_ratio"] > 0 and res["paec_head_signals"]["ratio_to_head"] > 0
+    assert res["paec_head_signals"]["sorted_ratio_to_head"] > 0
     for m in ("hapo", "eapo_entropic", "pepo", "less"):
         assert res[m]["embedded_ratio"] > 0 and res[m]["paper_ratio"] > 0
     assert res["loss_ppo"]["paper_ratio"] == 1.0 and res["loss_stare"]["paper_ratio"] > 0 and res["loss_rsi_s"]["paper_ratio"] > 0
@@ -169,3 +170,20 @@ def test_final_save_memory_script_reports_both_paths():
          "--vocab", "4000"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "from_config  peak host memory" in out.stdout and "meta         peak host memory" in out.stdout
+
+
+def test_head_signals_script_reports_both_paths_as_ratios_to_the_head():
+    """benchmarks/head_signals.py (issue 61), small: each row kind's signals and metric with the top-k
+    path and with every row sorted, as ratios to the fused head in the same run; the two paths agree;
+    the peaked rows' nuclei lie in the top 64, the flat rows' do not (every row sorted)."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "head_signals.py"), "--tokens", "128", "--hidden", "16",
+         "--vocab", "3000", "--chunk", "64", "--repeat", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = {r["rows"]: r for r in res["runs"]}
+    assert set(runs) == {"peaked", "flat"} and res["top_k"] == 64
+    for r in runs.values():
+        assert r["head_ms"] > 0 and r["signals_ratio"] > 0 and r["signals_sorted_ratio"] > 0 and r["metric_ratio"] > 0
+        assert r["max_abs_entropy"] < 1e-5 and r["max_abs_logmass"] < 1e-5
+    assert runs["peaked"]["nucleus_in_top_k_frac"] > 0.9 and runs["flat"]["nucleus_in_top_k_frac"] == 0.0

@@ -79,6 +79,10 @@ def nucleus_logmass(logits: torch.Tensor, top_p: float, chunk_size: int = 1024) 
 BISECT_STEPS = 40
 # rows sorted at once (the sort's index buffer is [SORT_ROWS, Vr] int64, beside the chunk)
 SORT_ROWS = 64
+# the largest probabilities taken per row (each rank's top TOP_K, merged over the ranks) before a
+# row is sorted whole: a nucleus of at most TOP_K tokens -- a trained model's usual token -- is
+# read from them alone (issue 61); a row whose nucleus is larger is sorted as before
+TOP_K = 64
 
 
 class NucleusStats(NamedTuple):
@@ -109,6 +113,7 @@ def sharded_nucleus_stats(
     chunk_size: int = 1024,
     entropy: bool = False,
     top2_gap: bool = False,
+    top_k: int = TOP_K,
 ) -> NucleusStats:
     """[...] log P(S) -- and the nucleus entropy and top-two gap when asked -- from a
     vocabulary shard, never the full [N, V] logits.
@@ -124,35 +129,41 @@ def sharded_nucleus_stats(
     The boundary is vLLM's: its sort rule (``apply_top_k_top_p_pytorch``) drops the longest
     ascending prefix whose cumulative mass is <= 1 - top_p, so a group of *tied*
     probabilities straddling the boundary is split by count, as its Triton pivot kernel
-    also does (``num_keep`` of the ``duplicate_logit`` group). No rank sees a whole row, so:
+    also does (``num_keep`` of the ``duplicate_logit`` group). Equivalently, from the top:
+    S is the fewest most probable tokens whose mass reaches P - (1 - top_p) (P the total,
+    1 up to rounding), tied tokens counted one by one. No rank sees a whole row, so:
 
-    1. each rank sorts its shard's probabilities ascending in place (``SORT_ROWS`` rows at
-       a time) and takes their cumulative sum -- the only [C, Vr] buffers besides the
-       chunk's probabilities;
-    2. ``BISECT_STEPS`` bisection steps find the largest threshold t whose dropped mass
-       (p <= t, summed over the ranks) is <= 1 - top_p; each step is a binary search per
-       row in the sorted shard and one [C] all-reduce -- no pass over [C, Vr];
-    3. the next probability above t (v, the smallest over the ranks) is the straddling
-       group: floor((1 - top_p - dropped) / v) of its tokens are dropped as well, never
-       the most probable token.
-
-    4. ``entropy``: the nucleus entropy H_S = log P(S) - sum_{i in S} p_i log p_i / P(S)
-       (PAEC's signal; the full entropy at ``top_p`` 1): p log p is written into the
-       cumulative-sum buffer and summed cumulatively in float64 (the kept part is a
-       difference of sums of up to V terms, divided by P(S)), and the dropped part is
-       subtracted as the mass is (the straddling group's share is ``extra * v log v``).
-    5. ``top2_gap``: log p(1st) - log p(2nd) = z(1st) - z(2nd) at the temperature, from
+    1. **the top of each row** (``top_k``, issue 61): each rank's ``top_k`` largest
+       probabilities, merged over the ranks (an all-reduce of [ranks, C, top_k]), hold the
+       global top ``top_k``, descending; where their cumulative mass reaches the target,
+       S is read from them alone: log P(S), and the entropy from their cumulative p and
+       p log p in float64 -- no sort of the vocabulary;
+    2. **the other rows** (a nucleus of more than ``top_k`` tokens: flat rows), named by
+       one host read per chunk, go through the sorted shard as before:
+       each rank sorts its shard's probabilities ascending in place (``SORT_ROWS`` rows
+       at a time) and takes their cumulative sum; ``BISECT_STEPS`` bisection steps find
+       the largest threshold t whose dropped mass (p <= t, summed over the ranks) is
+       <= 1 - top_p (a binary search per row in the sorted shard and one [C] all-reduce
+       each); the next probability above t (v, the smallest over the ranks) is the
+       straddling group: floor((1 - top_p - dropped) / v) of its tokens are dropped as
+       well, never the most probable token; ``entropy``: H_S = log P(S) - sum_{i in S}
+       p_i log p_i / P(S), from the cumulative sum of p log p in float64.
+    3. ``top2_gap``: log p(1st) - log p(2nd) = z(1st) - z(2nd) at the temperature, from
        each shard's top two and three [C] all-reduces (the largest; how many ranks'
        top two equal it; the largest below it) -- nothing gathered.
 
-    Cost per chunk: one segmented sort and one cumsum over [C, Vr] (with ``entropy`` a
-    second, into a float64 [C, Vr]), then O(C log Vr) per step. Nothing at ``top_p`` 1
-    unless ``entropy`` or ``top2_gap``.
+    ``top_p`` 1: S is the vocabulary; the entropy is one pass of p log p (float64 sums).
+
+    Cost per chunk: the softmax's passes and a top-``top_k`` over [C, Vr]; for the rows of
+    2., one segmented sort and one cumsum over [C', Vr] (with ``entropy`` a second, into
+    a float64 [C', Vr]), then O(C' log Vr) per step. ``top_k`` 0 sorts every row.
     """
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not temperature > 0 or chunk_size <= 0:
         raise ValueError(f"temperature and chunk_size must be > 0, got {temperature}, {chunk_size}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: sort every row), got {top_k}")
     if weight is not None and (weight.dim() != 2 or weight.shape[1] != x.shape[-1]):
         raise ValueError(f"weight must be [Vr, H={x.shape[-1]}], got {tuple(weight.shape)}")
     lead = x.shape[:-1]
@@ -192,57 +203,117 @@ def sharded_nucleus_stats(
         p = (z.sub_(m.unsqueeze(-1)) if own else z - m.unsqueeze(-1)).exp_()
         del z
         p.div_(reduce(p.sum(-1), dist.ReduceOp.SUM).unsqueeze(-1))
-        for r in range(0, C, SORT_ROWS):  # ascending, in place
-            p[r:r + SORT_ROWS] = p[r:r + SORT_ROWS].sort(-1).values
-        csum = p.cumsum(-1)
-
-        def n_at_most(t: torch.Tensor) -> torch.Tensor:  # [C] how many of this shard's p are <= t
-            return torch.searchsorted(p, t.unsqueeze(-1).contiguous(), right=True).squeeze(-1) if nv \
-                else torch.zeros(C, dtype=torch.long, device=t.device)
-
-        def dropped(t: torch.Tensor) -> torch.Tensor:  # the mass of the n smallest, summed over the ranks
-            n = n_at_most(t)
-            mass = csum.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1) if nv else torch.zeros_like(t)
-            return reduce(torch.where(n > 0, mass, torch.zeros_like(mass)), dist.ReduceOp.SUM)
-
-        def next_above(k: torch.Tensor) -> torch.Tensor:  # [C] this shard's (k+1)-th smallest p, inf past the end
-            if not nv:
-                return torch.full((C,), torch.inf, dtype=p.dtype, device=p.device)
-            got = p.gather(-1, k.clamp(max=nv - 1).unsqueeze(-1)).squeeze(-1)
-            return torch.where(k < nv, got, torch.full_like(got, torch.inf))
-
-        lo = torch.zeros_like(m)
-        hi = reduce(p[:, nv - 1].clone() if nv else torch.zeros_like(m), dist.ReduceOp.MAX)
-        for _ in range(BISECT_STEPS):
-            mid = (lo + hi) / 2
-            ok = dropped(mid) <= budget
-            lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
-        k = n_at_most(lo)
-        gone = dropped(lo)
-        # the straddling group: v, the smallest p above lo over the ranks, and how many hold it
-        v = reduce(next_above(k), dist.ReduceOp.MIN)
-        n_v = reduce((n_at_most(v) - k).to(torch.float32), dist.ReduceOp.SUM)
-        n_above = reduce((nv - k).to(torch.float32), dist.ReduceOp.SUM)
-        extra = torch.floor((budget - gone).clamp(min=0) / v)
-        extra = torch.minimum(torch.minimum(extra, n_v), n_above - 1).clamp(min=0)
-        total = reduce(csum[:, -1].clone() if nv else torch.zeros_like(m), dist.ReduceOp.SUM)
-        kept = total - gone - extra * v
-        out[s:s + C] = kept.log()
-        if ent is not None:  # the same split, of p log p, its cumulative sum in float64: the kept
-            # part is a difference of two sums of up to V terms, and the nucleus can hold a tiny mass
-            csum = torch.cumsum(torch.xlogy(p, p, out=csum), -1, dtype=torch.float64)
-            n = n_at_most(lo)
-            plogp = csum.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1) if nv else torch.zeros_like(m)
-            zero = torch.zeros(C, dtype=torch.float64, device=m.device)
-            gone_plogp = reduce(torch.where(n > 0, plogp, zero), dist.ReduceOp.SUM)
-            all_plogp = reduce(csum[:, -1].clone() if nv else zero, dist.ReduceOp.SUM)
-            vc = v.clamp(max=1).double()
-            kept_plogp = all_plogp - gone_plogp - extra.double() * torch.xlogy(vc, vc)
-            kept64 = total.double() - gone.double() - extra.double() * vc
-            ent[s:s + C] = (kept64.log() - kept_plogp / kept64).clamp(min=0).float()
-        p = csum = None  # freed before the next chunk
+        total = reduce(p.sum(-1), dist.ReduceOp.SUM)
+        if top_p == 1.0:  # S is the vocabulary: its entropy in one pass
+            out[s:s + C] = total.log()
+            plogp = reduce(torch.xlogy(p, p).sum(-1, dtype=torch.float64), dist.ReduceOp.SUM)
+            ent[s:s + C] = (total.double().log() - plogp / total.double()).clamp(min=0).float()
+            continue
+        rows = torch.arange(C, device=p.device)
+        if top_k > 0:
+            found, kept, kept_ent = _nucleus_from_top(p, nv, top_k, total - budget, group, reduce, ent is not None)
+            out[s:s + C] = kept.log()
+            if ent is not None:
+                ent[s:s + C] = kept_ent
+            rows = (~found).nonzero().flatten()  # the one host read: which rows the top did not settle
+        if rows.numel():
+            if rows.numel() < C:  # those rows moved to the front of p in place (p's other rows are done)
+                for r in range(0, rows.numel(), SORT_ROWS):
+                    block = rows[r:r + SORT_ROWS]
+                    p[r:r + block.numel()] = p[block]
+            kept, kept_ent = _nucleus_from_sorted(p[:rows.numel()], nv, budget, reduce, ent is not None)
+            out[s + rows] = kept.log()
+            if ent is not None:
+                ent[s + rows] = kept_ent
+        p = None  # freed before the next chunk
     view = (lambda t: None if t is None else t.view(lead))
     return NucleusStats(out.view(lead), view(ent), view(gap))
+
+
+def _nucleus_from_top(p: torch.Tensor, nv: int, k: int, target: torch.Tensor, group, reduce, entropy: bool):
+    """Step 1 of :func:`sharded_nucleus_stats` for every row of ``p`` [C, >= nv] (this rank's
+    probabilities): (found [C] bool -- the rows this settles, the same on every rank -- P(S) [C]
+    float32, H_S [C] float32 or None); the other rows' values are meaningless."""
+    C = p.shape[0]
+    kk = min(k, nv)
+    q = p.new_zeros(C, k)
+    if kk:
+        q[:, :kk] = p[:, :nv].topk(kk, -1, sorted=False).values
+    if group is not None:  # every rank's top k, in its slot: the global top k lies among them
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        every = q.new_zeros(world, C, k)
+        every[rank] = q
+        q = reduce(every, dist.ReduceOp.SUM).permute(1, 0, 2).reshape(C, world * k)
+    q = q.sort(-1, descending=True).values[:, :k]  # the global top k, descending (zeros pad)
+    csum = q.cumsum(-1)
+    # the fewest top tokens whose mass reaches the target (ties counted one by one: the sort rule's
+    # split of a straddling group); settled where that is inside the top k
+    at = (csum < target.unsqueeze(-1)).sum(-1)
+    found = at < k
+    i = at.clamp(max=k - 1).unsqueeze(-1)
+    kept = csum.gather(-1, i).squeeze(-1)
+    if not entropy:
+        return found, kept, None
+    q64 = q.double()
+    kept64 = q64.cumsum(-1).gather(-1, i).squeeze(-1)
+    plogp = torch.xlogy(q64, q64).cumsum(-1).gather(-1, i).squeeze(-1)
+    return found, kept, (kept64.log() - plogp / kept64).clamp(min=0).float()
+
+
+def _nucleus_from_sorted(p: torch.Tensor, nv: int, budget: float, reduce, entropy: bool):
+    """Step 2 of :func:`sharded_nucleus_stats` for every row of ``p`` [C, >= nv] (this rank's
+    probabilities, sorted here in place): (P(S) [C] float32, H_S [C] float32 or None)."""
+    C = p.shape[0]
+    for r in range(0, C, SORT_ROWS):  # ascending, in place
+        p[r:r + SORT_ROWS] = p[r:r + SORT_ROWS].sort(-1).values
+    csum = p.cumsum(-1)
+    zero32 = torch.zeros(C, dtype=p.dtype, device=p.device)
+
+    def n_at_most(t: torch.Tensor) -> torch.Tensor:  # [C] how many of this shard's p are <= t
+        return torch.searchsorted(p[:, :nv], t.unsqueeze(-1).contiguous(), right=True).squeeze(-1) if nv \
+            else torch.zeros(C, dtype=torch.long, device=t.device)
+
+    def dropped(t: torch.Tensor) -> torch.Tensor:  # the mass of the n smallest, summed over the ranks
+        n = n_at_most(t)
+        mass = csum.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1) if nv else torch.zeros_like(t)
+        return reduce(torch.where(n > 0, mass, torch.zeros_like(mass)), dist.ReduceOp.SUM)
+
+    def next_above(k: torch.Tensor) -> torch.Tensor:  # [C] this shard's (k+1)-th smallest p, inf past the end
+        if not nv:
+            return torch.full((C,), torch.inf, dtype=p.dtype, device=p.device)
+        got = p.gather(-1, k.clamp(max=nv - 1).unsqueeze(-1)).squeeze(-1)
+        return torch.where(k < nv, got, torch.full_like(got, torch.inf))
+
+    lo = zero32.clone()
+    hi = reduce(p[:, nv - 1].clone() if nv else zero32.clone(), dist.ReduceOp.MAX)
+    for _ in range(BISECT_STEPS):
+        mid = (lo + hi) / 2
+        ok = dropped(mid) <= budget
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+    k = n_at_most(lo)
+    gone = dropped(lo)
+    # the straddling group: v, the smallest p above lo over the ranks, and how many hold it
+    v = reduce(next_above(k), dist.ReduceOp.MIN)
+    n_v = reduce((n_at_most(v) - k).to(torch.float32), dist.ReduceOp.SUM)
+    n_above = reduce((nv - k).to(torch.float32), dist.ReduceOp.SUM)
+    extra = torch.floor((budget - gone).clamp(min=0) / v)
+    extra = torch.minimum(torch.minimum(extra, n_v), n_above - 1).clamp(min=0)
+    total = reduce(csum[:, nv - 1].clone() if nv else zero32.clone(), dist.ReduceOp.SUM)
+    kept = total - gone - extra * v
+    if not entropy:
+        return kept, None
+    # the same split, of p log p, its cumulative sum in float64: the kept part is a difference of
+    # two sums of up to V terms, and the nucleus can hold a tiny mass
+    csum = torch.cumsum(torch.xlogy(p, p, out=csum), -1, dtype=torch.float64)
+    n = n_at_most(lo)
+    zero = torch.zeros(C, dtype=torch.float64, device=p.device)
+    plogp = csum.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1) if nv else zero
+    gone_plogp = reduce(torch.where(n > 0, plogp, zero), dist.ReduceOp.SUM)
+    all_plogp = reduce(csum[:, nv - 1].clone() if nv else zero, dist.ReduceOp.SUM)
+    vc = v.clamp(max=1).double()
+    kept_plogp = all_plogp - gone_plogp - extra.double() * torch.xlogy(vc, vc)
+    kept64 = total.double() - gone.double() - extra.double() * vc
+    return kept, (kept64.log() - kept_plogp / kept64).clamp(min=0).float()
 
 
 def _top2_gap(z: torch.Tensor, nv: int, reduce) -> torch.Tensor:

@@ -94,18 +94,25 @@ def _sharded_case(seed=1, n=29, v=23, h=8):
     return hidden, weight
 
 
+# top_k: 0 sorts every row; 3 reads the rows whose nucleus has at most 3 tokens from the top and
+# sorts the others (both paths in one chunk); 64 holds this vocabulary whole (the top only)
+TOP_KS = [0, 3, 64]
+
+
+@pytest.mark.parametrize("top_k", TOP_KS)
 @pytest.mark.parametrize("top_p", [0.5, 0.95, 1e-6])
-def test_sharded_logmass_one_process_equals_the_sort_rule(top_p):
+def test_sharded_logmass_one_process_equals_the_sort_rule(top_p, top_k):
     from hapo_openrlhf.algos.nucleus import sharded_nucleus_logmass
 
     hidden, weight = _sharded_case()
     T = 0.7
     want = nucleus_logmass(hidden @ weight.t() / T, top_p)
     # from the logits, chunked, and from hidden states + head (the fused heads), padding rows ignored
-    got = sharded_nucleus_logmass(hidden @ weight.t(), top_p, temperature=T, chunk_size=4)
+    got = sharded_nucleus_logmass(hidden @ weight.t(), top_p, temperature=T, chunk_size=4, top_k=top_k)
     torch.testing.assert_close(got, want)
     padded = torch.cat([weight, torch.full((3, weight.shape[1]), 50.0)])  # huge logits, not vocabulary
-    got = sharded_nucleus_logmass(hidden[None], top_p, weight=padded, n_valid=weight.shape[0], temperature=T)
+    got = sharded_nucleus_logmass(hidden[None], top_p, weight=padded, n_valid=weight.shape[0], temperature=T,
+                                  top_k=top_k)
     assert got.shape == (1, hidden.shape[0])
     torch.testing.assert_close(got[0], want)
     assert float(want.max()) <= 0 and (top_p == 1 or float(want.min()) < 0)
@@ -120,6 +127,8 @@ def test_sharded_logmass_at_top_p_one_is_zero_and_bad_arguments_are_named():
         sharded_nucleus_logmass(hidden, 0.0, weight=weight)
     with pytest.raises(ValueError, match=r"weight must be \[Vr, H=8\]"):
         sharded_nucleus_logmass(hidden, 0.9, weight=weight.t())
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        sharded_nucleus_logmass(hidden, 0.9, weight=weight, top_k=-1)
 
 
 def _sharded_worker(rank):
@@ -130,23 +139,25 @@ def _sharded_worker(rank):
     logits = hidden @ weight.t()
     bounds = [0, 12, weight.shape[0]]
     lo, hi = bounds[rank], bounds[rank + 1]
-    for top_p in (0.5, 0.9, 0.95, 1e-6):
+    for top_p, top_k in ((p, k) for p in (0.5, 0.9, 0.95, 1e-6) for k in TOP_KS):
         want = nucleus_logmass(logits / T, top_p)
         got = sharded_nucleus_logmass(logits[:, lo:hi], top_p, temperature=T, chunk_size=7,
-                                      group=torch.distributed.group.WORLD)
+                                      group=torch.distributed.group.WORLD, top_k=top_k)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         # the fused form, the last rank's shard with 2 padding rows
         w = weight[lo:hi]
         if rank == 1:
             w = torch.cat([w, torch.full((2, w.shape[1]), 50.0)])
         got = sharded_nucleus_logmass(hidden, top_p, weight=w, n_valid=hi - lo, temperature=T,
-                                      group=torch.distributed.group.WORLD)
+                                      group=torch.distributed.group.WORLD, top_k=top_k)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     # a rank whose whole shard is padding: the other holds the vocabulary
     w = weight if rank == 0 else torch.full((4, weight.shape[1]), 50.0)
     group = torch.distributed.group.WORLD
-    got = sharded_nucleus_logmass(hidden, 0.9, weight=w, n_valid=weight.shape[0] if rank == 0 else 0, group=group)
-    torch.testing.assert_close(got, nucleus_logmass(logits, 0.9), rtol=0, atol=1e-5)
+    for top_k in TOP_KS:
+        got = sharded_nucleus_logmass(hidden, 0.9, weight=w, n_valid=weight.shape[0] if rank == 0 else 0,
+                                      group=group, top_k=top_k)
+        torch.testing.assert_close(got, nucleus_logmass(logits, 0.9), rtol=0, atol=1e-5)
     # no group: this process's whole vocabulary, even with torch.distributed up (a data-parallel
     # job's ranks hold different rows, and different numbers of them)
     rows = logits[rank:rank + 3 + 4 * rank]
@@ -186,15 +197,16 @@ def _threshold_rule(z, top_p):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("top_k", TOP_KS)
 @pytest.mark.parametrize("top_p", [0.5, 0.6, 0.9])
-def test_a_tied_group_at_the_boundary_is_split_by_count_like_the_sort_rule(top_p):
+def test_a_tied_group_at_the_boundary_is_split_by_count_like_the_sort_rule(top_p, top_k):
     """The straddling tie group is split as vLLM's sort rule splits it (how many, not which);
     the old threshold rule keeps the whole group and is off by the group's surplus mass."""
     from hapo_openrlhf.algos.nucleus import sharded_nucleus_logmass
 
     z = _tie_rows()
     want = nucleus_logmass(z, top_p)
-    got = sharded_nucleus_logmass(z, top_p, chunk_size=3)
+    got = sharded_nucleus_logmass(z, top_p, chunk_size=3, top_k=top_k)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     # row 0 by hand: p0 + k * p_tie >= top_p with the fewest k tied tokens
     p = torch.softmax(z[0].double(), -1)
@@ -209,8 +221,9 @@ def _tie_worker(rank):
 
     z = _tie_rows()
     lo, hi = [(0, 17), (17, z.shape[1])][rank]  # the tied group of row 0 spans both shards
-    for top_p in (0.4, 0.6, 0.9):
-        got = sharded_nucleus_logmass(z[:, lo:hi], top_p, chunk_size=2, group=torch.distributed.group.WORLD)
+    for top_p, top_k in ((p, k) for p in (0.4, 0.6, 0.9) for k in TOP_KS):
+        got = sharded_nucleus_logmass(z[:, lo:hi], top_p, chunk_size=2, group=torch.distributed.group.WORLD,
+                                      top_k=top_k)
         torch.testing.assert_close(got, nucleus_logmass(z, top_p), rtol=0, atol=1e-6)
 
 
@@ -236,10 +249,12 @@ for top_p in (0.6, 0.9, 0.95):
     kept = apply_top_k_top_p_pytorch(z.clone(), None, torch.full((rows,), top_p), allow_cpu_sync=True)
     want = (torch.softmax(z.double(), -1) * torch.isfinite(kept)).sum(-1).log()
     got = sharded_nucleus_logmass(z, top_p, chunk_size=3).double()
+    got_sorted = sharded_nucleus_logmass(z, top_p, chunk_size=3, top_k=0).double()
     # is the boundary's group tied in vLLM's result? (a kept and a dropped token of one value)
     p = torch.softmax(z, -1)
     tied = [bool(((p[r] == p[r][torch.isfinite(kept[r])].min()) & ~torch.isfinite(kept[r])).any()) for r in range(rows)]
-    out.append({"top_p": top_p, "max_abs": float((got - want).abs().max()), "tied_rows": sum(tied)})
+    out.append({"top_p": top_p, "max_abs": float((got - want).abs().max()), "tied_rows": sum(tied),
+                "max_abs_sorted": float((got_sorted - want).abs().max())})
 print(json.dumps(out))
 """
 
@@ -261,4 +276,63 @@ def test_the_boundary_rule_matches_vllms_own_sort_rule_on_bf16_ties():
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     assert any(r["tied_rows"] > 0 for r in rows)  # vLLM split a tied group: the case is exercised
     for r in rows:
-        assert r["max_abs"] <= 1e-5, r  # fp32 cumulative sums against a float64 reference: ~2e-6 here
+        # fp32 cumulative sums against a float64 reference: ~2e-6 here (the top path, row 0's tied
+        # group of 64 inside the top 64; the flat rows sorted) and the sorted path alone
+        assert r["max_abs"] <= 1e-5 and r["max_abs_sorted"] <= 1e-5, r
+
+
+def _mixed_rows(n=96, v=5000, h=16, seed=5):
+    """Rows as a trained model's are (issue 61): most peaked -- a nucleus of a few tokens -- and
+    some flat ones whose nucleus holds thousands (logit scales 0.3 to 12): hidden states and a
+    head, and their logits with every 7th row bf16-rounded (ties)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.empty(n, 1).uniform_(math.log(0.3), math.log(12.0), generator=g))
+    hidden, weight = torch.randn(n, h, generator=g) * scale, torch.randn(v, h, generator=g) / h ** 0.5
+    z = hidden @ weight.t()
+    z[::7] = z[::7].to(torch.bfloat16).float()
+    return z, hidden, weight
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
+def test_the_top_k_path_equals_the_sorted_path_and_reads_the_host_once_a_chunk(top_p):
+    """Issue 61: the rows whose nucleus lies in the top 64 are read from it, the others sorted --
+    log P(S) and the nucleus entropy equal the sort of every row (and the naive sort rule); the
+    one host read per chunk (the rows left to sort: a ``nonzero``) is the only sync, none with
+    top_k 0; no tensor larger than the chunk's block."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hapo_openrlhf.algos.nucleus import _nucleus_from_top, sharded_nucleus_stats
+
+    from ..conftest import largest_tensor_numel
+
+    (z, hidden, weight), chunk = _mixed_rows(), 32
+    both = sharded_nucleus_stats(z, top_p, chunk_size=chunk, entropy=True)
+    by_sort = sharded_nucleus_stats(z, top_p, chunk_size=chunk, entropy=True, top_k=0)
+    torch.testing.assert_close(both.logmass, by_sort.logmass, rtol=0, atol=2e-6)
+    torch.testing.assert_close(both.entropy, by_sort.entropy, rtol=0, atol=2e-6)
+    torch.testing.assert_close(both.logmass, nucleus_logmass(z, top_p), rtol=0, atol=2e-6)
+    # both paths ran: the peaked rows settled by the top 64, the flat rows not
+    p = torch.softmax(z, -1)
+    found = _nucleus_from_top(p, z.shape[1], 64, p.sum(-1) - (1 - top_p), None, None, False)[0]
+    size = nucleus_mask(z, top_p).sum(-1)
+    assert torch.equal(found, size <= 64) and 0 < int(found.sum()) < z.shape[0], size
+
+    class Syncs(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("nonzero", "_local_scalar_dense", "masked_select", "equal"):
+                Syncs.n += 1
+            return func(*args, **(kwargs or {}))
+
+    for top_k, reads in ((64, z.shape[0] // chunk), (0, 0)):
+        Syncs.n = 0
+        with Syncs():
+            sharded_nucleus_stats(z, top_p, chunk_size=chunk, entropy=True, top_k=top_k)
+        assert Syncs.n == reads, (top_k, Syncs.n)
+    # the fused form (hidden states and the head): equal too, and nothing past a chunk's block
+    fused = sharded_nucleus_stats(hidden, top_p, weight=weight, chunk_size=chunk, entropy=True)
+    want = sharded_nucleus_stats(hidden @ weight.t(), top_p, chunk_size=chunk, entropy=True, top_k=0)
+    torch.testing.assert_close(fused.entropy, want.entropy, rtol=0, atol=2e-6)
+    assert largest_tensor_numel(lambda: sharded_nucleus_stats(hidden, top_p, weight=weight, chunk_size=chunk,
+                                                              entropy=True)) <= chunk * z.shape[1]

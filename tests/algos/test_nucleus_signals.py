@@ -48,25 +48,32 @@ def _rows(seed=0, n=41, v=37):
     return z
 
 
+# top_k: 0 sorts every row; 3 reads a nucleus of at most 3 tokens from the top and sorts the other
+# rows (both in one chunk); 64 holds this vocabulary whole (issue 61)
+TOP_KS = [0, 3, 64]
+
+
+@pytest.mark.parametrize("top_k", TOP_KS)
 @pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.6, 0.95, 1.0])
-def test_one_process_equals_the_naive_computation(top_p):
+def test_one_process_equals_the_naive_computation(top_p, top_k):
     z, T = _rows(), 0.7
     want_ent, want_gap = naive(z / T, top_p)
-    st = sharded_nucleus_stats(z, top_p, temperature=T, chunk_size=6, entropy=True, top2_gap=True)
+    st = sharded_nucleus_stats(z, top_p, temperature=T, chunk_size=6, entropy=True, top2_gap=True, top_k=top_k)
     torch.testing.assert_close(st.entropy, want_ent, rtol=0, atol=2e-6)
     torch.testing.assert_close(st.top2_gap, want_gap, rtol=0, atol=2e-6)
     assert float(st.top2_gap[0]) == 0.0 and float(st.top2_gap[1]) == 0.0 and float(st.entropy[2]) < 1e-6
     assert bool((st.entropy >= 0).all()) and bool((st.entropy <= math.log(z.shape[1]) + 1e-6).all())
 
 
-def test_fused_form_equals_the_logits_form_and_stays_chunk_sized():
+@pytest.mark.parametrize("top_k", TOP_KS)
+def test_fused_form_equals_the_logits_form_and_stays_chunk_sized(top_k):
     g = torch.Generator().manual_seed(2)
     N, H, V = 96, 8, 211
     hidden, weight = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
     padded = torch.cat([weight, torch.full((5, H), 30.0)])  # vocabulary padding rows, never counted
     want_ent, want_gap = naive(hidden @ weight.t() / 0.8, 0.9)
     run = lambda: sharded_nucleus_stats(hidden, 0.9, weight=padded, n_valid=V, temperature=0.8,  # noqa: E731
-                                        chunk_size=16, entropy=True, top2_gap=True)
+                                        chunk_size=16, entropy=True, top2_gap=True, top_k=top_k)
     st = run()
     torch.testing.assert_close(st.entropy, want_ent, rtol=0, atol=2e-6)
     torch.testing.assert_close(st.top2_gap, want_gap, rtol=0, atol=2e-6)
@@ -84,10 +91,10 @@ def _tp_worker(rank):
     z, T = _rows(), 0.7
     bounds = [0, 15, z.shape[1]]
     lo, hi = bounds[rank], bounds[rank + 1]
-    for top_p in (1e-6, 0.5, 0.95, 1.0):
-        one = sharded_nucleus_stats(z, top_p, temperature=T, entropy=True, top2_gap=True)
+    for top_p, top_k in ((p, k) for p in (1e-6, 0.5, 0.95, 1.0) for k in TOP_KS):
+        one = sharded_nucleus_stats(z, top_p, temperature=T, entropy=True, top2_gap=True, top_k=0)
         got = sharded_nucleus_stats(z[:, lo:hi], top_p, temperature=T, chunk_size=7, group=group,
-                                    entropy=True, top2_gap=True)
+                                    entropy=True, top2_gap=True, top_k=top_k)
         torch.testing.assert_close(got.entropy, one.entropy, rtol=0, atol=2e-6)
         torch.testing.assert_close(got.top2_gap, one.top2_gap, rtol=0, atol=1e-6)
     # the top two on different ranks, and both on one rank
@@ -98,11 +105,12 @@ def _tp_worker(rank):
     assert got.tolist() == [1.0, 0.0]
     # a rank whose whole shard is padding
     w = z if rank == 0 else torch.zeros(z.shape[0], 4)
-    got = sharded_nucleus_stats(w, 0.9, n_valid=z.shape[1] if rank == 0 else 0, group=group,
-                                entropy=True, top2_gap=True)
-    one = sharded_nucleus_stats(z, 0.9, entropy=True, top2_gap=True)
-    torch.testing.assert_close(got.entropy, one.entropy, rtol=0, atol=2e-6)
-    torch.testing.assert_close(got.top2_gap, one.top2_gap, rtol=0, atol=0)
+    one = sharded_nucleus_stats(z, 0.9, entropy=True, top2_gap=True, top_k=0)
+    for top_k in TOP_KS:
+        got = sharded_nucleus_stats(w, 0.9, n_valid=z.shape[1] if rank == 0 else 0, group=group,
+                                    entropy=True, top2_gap=True, top_k=top_k)
+        torch.testing.assert_close(got.entropy, one.entropy, rtol=0, atol=2e-6)
+        torch.testing.assert_close(got.top2_gap, one.top2_gap, rtol=0, atol=0)
 
 
 def test_two_gloo_ranks_holding_vocabulary_shards_equal_one_process():
