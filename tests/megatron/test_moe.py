@@ -226,7 +226,7 @@ def _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out, spec="local"):
 
 
 def _te_worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out):
-    """:func:`_worker` on Transformer Engine's spec (the stand-in; fresh interpreters) with
+    """:func:`_worker` on Transformer Engine's spec (the stand-in; ranks from the TE fork server) with
     sequence parallelism at TP > 1."""
     _worker(rank, world, tp, ep, dispatcher, norm_topk_prob, out, spec="te")
 

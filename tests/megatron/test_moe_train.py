@@ -146,7 +146,7 @@ def _worker(rank, world, ep, layout, dispatcher, out, pp=1, tp=1, spec="local", 
 
 
 def _te_worker(rank, world, ep, layout, dispatcher, out, pp, tp, micro_batches):
-    """:func:`_worker` on Transformer Engine's spec (the stand-in; fresh interpreters) with sequence
+    """:func:`_worker` on Transformer Engine's spec (the stand-in; ranks from the TE fork server) with sequence
     parallelism."""
     _worker(rank, world, ep, layout, dispatcher, out, pp=pp, tp=tp, spec="te", micro_batches=micro_batches)
 

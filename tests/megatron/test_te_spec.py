@@ -4,7 +4,7 @@
 pre-MLP norms) through the converter, the streamed weight sync and the checkpoints, and
 sequence parallelism, which the spec makes reachable.
 
-One job of fresh interpreters (``spawn_te``: megatron-core must find the stand-in at import)
+One job of ranks forked from the TE fork server (``spawn_te``: megatron-core must find the stand-in at import)
 runs every check under three parallel layouts in turn, TP=2, PP=2 and TP=1 x DP=2, and
 writes what it found; the tests below read it. Shown:
 

@@ -1,6 +1,6 @@
 """A CPU stand-in for Transformer Engine 2.20.2 (``transformer-engine`` on PyPI), for the
 Megatron tests only -- never installed, put on ``sys.path`` by ``tests/megatron/_dist.py``
-(``spawn_te``) in fresh rank processes before megatron-core is imported.
+(``spawn_te``'s fork server, ``tests/megatron/_te_preload.py``) before megatron-core is imported.
 
 TE needs CUDA, so it cannot be imported on the machines the suite runs on. What our code
 depends on is the part of TE that megatron-core's TE layer spec
