@@ -187,3 +187,35 @@ def test_head_signals_script_reports_both_paths_as_ratios_to_the_head():
         assert r["head_ms"] > 0 and r["signals_ratio"] > 0 and r["signals_sorted_ratio"] > 0 and r["metric_ratio"] > 0
         assert r["max_abs_entropy"] < 1e-5 and r["max_abs_logmass"] < 1e-5
     assert runs["peaked"]["nucleus_in_top_k_frac"] > 0.9 and runs["flat"]["nucleus_in_top_k_frac"] == 0.0
+
+
+def test_suite_cpu_script_samples_processes_and_credits_each_sample_to_the_running_test(tmp_path):
+    """benchmarks/suite_cpu.py (issue 57): ``sample`` writes each process's CPU since the last sample under
+    a worker label; ``attribute`` credits each sample to the test that worker ran then, hand-checked."""
+    import time
+
+    samples = tmp_path / "samples.txt"
+    p = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "suite_cpu.py"), "sample", str(samples),
+                          "--interval", "0.2"])
+    try:
+        burn = subprocess.run([sys.executable, "-c", "import time; t = time.time()\nwhile time.time() - t < 1.5: pass"])
+        assert burn.returncode == 0
+        time.sleep(0.5)
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    rows = [ln.split() for ln in samples.read_text().splitlines()]
+    assert rows and all(len(r) == 3 and float(r[2]) > 0 for r in rows)
+    assert sum(float(r[2]) for r in rows) > 1.0  # the burner's 1.5 s of CPU, most of it seen
+    # attribute, by hand: gw0 ran a then b; a sample at t belongs to the test running at t, else to one
+    # that ended in the 3 s before it; gw0's sample at 200 and gw9's (no test) are outside any test
+    (tmp_path / "timeline.txt").write_text("gw0 100.0 110.0 cpu=1.0 tests/t.py::a\n"
+                                           "gw0 110.5 120.0 cpu=1.0 tests/u.py::b\n")
+    (tmp_path / "s.txt").write_text("105.0 gw0 1.0\n111.0 gw0 1.0\n112.0 gw0 3.0\n119.0 gw0 1.0\n122.0 gw0 1.0\n"
+                                    "200.0 gw0 4.0\n150.0 gw9 2.0\n")
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "suite_cpu.py"), "attribute",
+                          str(tmp_path / "timeline.txt"), str(tmp_path / "s.txt")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "13 CPU-s sampled; 7 in tests; outside any test: gw0 4, gw9 2" in out.stdout
+    lines = out.stdout.splitlines()
+    assert "     6.0  tests/u.py::b" in lines and "     1.0  tests/t.py::a" in lines
