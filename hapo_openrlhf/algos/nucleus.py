@@ -203,19 +203,21 @@ def sharded_nucleus_stats(
         p = (z.sub_(m.unsqueeze(-1)) if own else z - m.unsqueeze(-1)).exp_()
         del z
         p.div_(reduce(p.sum(-1), dist.ReduceOp.SUM).unsqueeze(-1))
-        total = reduce(p.sum(-1), dist.ReduceOp.SUM)
+        # P, for the paths that read it (the sorted one takes its own from its cumulative sums)
+        total = reduce(p.sum(-1), dist.ReduceOp.SUM) if top_p == 1.0 or top_k > 0 else None
         if top_p == 1.0:  # S is the vocabulary: its entropy in one pass
             out[s:s + C] = total.log()
             plogp = reduce(torch.xlogy(p, p).sum(-1, dtype=torch.float64), dist.ReduceOp.SUM)
             ent[s:s + C] = (total.double().log() - plogp / total.double()).clamp(min=0).float()
             continue
-        rows = torch.arange(C, device=p.device)
         if top_k > 0:
             found, kept, kept_ent = _nucleus_from_top(p, nv, top_k, total - budget, group, reduce, ent is not None)
             out[s:s + C] = kept.log()
             if ent is not None:
                 ent[s:s + C] = kept_ent
             rows = (~found).nonzero().flatten()  # the one host read: which rows the top did not settle
+        else:
+            rows = torch.arange(C, device=p.device)
         if rows.numel():
             if rows.numel() < C:  # those rows moved to the front of p in place (p's other rows are done)
                 for r in range(0, rows.numel(), SORT_ROWS):
