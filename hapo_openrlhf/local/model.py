@@ -67,6 +67,33 @@ def load_or_build(cfg, seed: int):
     return build_model(cfg, tok, seed), tok
 
 
+def save_pretrained(model, path: str | Path) -> None:
+    """``model.save_pretrained(path)``, without importing DeepSpeed for nothing. transformers
+    first unwraps the model through accelerate's ``extract_model_from_parallel``, which, whenever
+    DeepSpeed is installed (the ``openrlhf`` extra), imports DeepSpeed only to ask
+    ``isinstance(model, DeepSpeedEngine)``: 1.5 s of CPU at the end of every embedded run, Slurm
+    job and warm-up that never used DeepSpeed (issue 57). In a process that has not imported
+    DeepSpeed no object is a DeepSpeed engine, so accelerate is told DeepSpeed is absent for the
+    call and the answer is the same: the same files are written (tests/local/test_model_keys.py)."""
+    import sys
+
+    other = sys.modules.get("accelerate.utils.other")
+    if other is None:  # transformers imports accelerate's utils with the model when accelerate is installed
+        try:
+            import accelerate.utils.other as other
+        except ImportError:
+            other = None
+    if other is None or "deepspeed" in sys.modules or not hasattr(other, "is_deepspeed_available"):
+        model.save_pretrained(str(path))
+        return
+    real = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        model.save_pretrained(str(path))
+    finally:
+        other.is_deepspeed_available = real
+
+
 def save_hf(model, tokenizer, path: str | Path, extra_files: dict[str, str] | None = None,
             finalize=None) -> None:
     """A Hugging Face model directory, written like a checkpoint: into a temp directory,
@@ -82,7 +109,7 @@ def save_hf(model, tokenizer, path: str | Path, extra_files: dict[str, str] | No
     tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save_pretrained(str(tmp))
+    save_pretrained(model, tmp)
     tokenizer.save_pretrained(str(tmp))
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)

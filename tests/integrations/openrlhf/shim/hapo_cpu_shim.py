@@ -25,6 +25,9 @@ installed in the test driver and, through Ray's ``worker_process_setup_hook``
    pick their top-k by logits + bias -- the routing weights stay the router's own softmax
    at the picked experts -- in generation, log-probs and recorded routes alike: an engine
    that routes apart from the trainer, for the e2e test of routing replay.
+6. Speed only: py-cpuinfo's ``get_cpu_info`` (DeepSpeed's CPU Adam and op builder call it,
+   each call a fresh interpreter probing the CPU, ~0.4 s of CPU: a dozen per launch) answered
+   from a file per boot of this machine after the first call.
 Plus, outside this file: ``stubs/`` (import-only ``vllm`` and ``flash_attn``, put on
 the path when the real packages are absent), ``ray.init(num_gpus=N)`` so Ray's
 ``num_gpus=1`` actors can be scheduled, and, for real vLLM engines (item 5 not
@@ -123,9 +126,34 @@ def _patch_megatron(_core) -> None:
     install_megatron_shim()
 
 
+def _patch_cpuinfo(cpuinfo) -> None:
+    import json
+    import tempfile
+
+    if getattr(cpuinfo.get_cpu_info, "_hapo_cpu", False):
+        return
+    probe = cpuinfo.get_cpu_info
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    boot_id = boot.read_text().strip() if boot.exists() else "noboot"
+    cache = Path(tempfile.gettempdir()) / f"hapo-cpuinfo-{os.getuid()}-{boot_id}.json"
+
+    def get_cpu_info():
+        try:
+            return json.loads(cache.read_text())
+        except (OSError, ValueError):  # none yet, or torn: probe (and write it whole, by rename)
+            info = probe()
+            tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, cache)
+            return info
+
+    get_cpu_info._hapo_cpu = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def _patches() -> dict:
-    """Module -> what it needs, items 1-4 above (and megatron-core's CPU shim with HAPO_SHIM_MEGATRON=1)."""
-    patches = {"torch": lambda _torch: _cuda_shim(),
+    """Module -> what it needs, items 1-4 and 6 above (and megatron-core's CPU shim with HAPO_SHIM_MEGATRON=1)."""
+    patches = {"torch": lambda _torch: _cuda_shim(), "cpuinfo": _patch_cpuinfo,
                "openrlhf.utils.deepspeed.deepspeed": _patch_mesh,
                "openrlhf.trainer.ppo_utils.replay_buffer": _patch_replay_buffer,
                "openrlhf.trainer.ray.ppo_actor": _patch_ppo_actor}
@@ -135,7 +163,7 @@ def _patches() -> dict:
 
 
 def install() -> None:
-    """The driver's: items 1-4 above, every module they patch imported now."""
+    """The driver's: items 1-4 and 6 above, every module they patch imported now."""
     import importlib
 
     for name, patch in _patches().items():
@@ -170,7 +198,7 @@ class _AfterImport:
 
 
 def install_worker() -> None:
-    """Ray ``worker_process_setup_hook``: items 1-4 above, each applied when its module is first
+    """Ray ``worker_process_setup_hook``: items 1-4 and 6 above, each applied when its module is first
     imported -- now, if it already is. A worker that never imports them (OpenRLHF's queue, lock
     and state actors of the asynchronous trainer) never pays for torch, DeepSpeed and OpenRLHF:
     importing them in every worker cost ~6 s of CPU each, 11 such actors in the async test's three
