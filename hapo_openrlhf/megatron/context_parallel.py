@@ -23,9 +23,11 @@ before a micro-batch is built), so it adds no device sync. What each rank keeps:
 * ``indices``: where each held token sits in the padded packed sequence (:func:`gather_to_global`
   puts per-token outputs of every rank back in that order).
 
-Not built yet (issue 58): the TE attention path with ``cp_group`` / ``cp_comm_type``, the actor's
-wiring, and everything downstream of the forward per CP shard; ``megatron.context_parallel``
-stays refused above 1 until they are.
+What TE's CP attention does with this split is in the tests' TE stand-in (``cp_group`` /
+``cp_comm_type``: exact attention for each rank's tokens; tests/megatron/test_context_parallel.py
+checks it equals one rank on this split). Not built yet (issue 58): the model's CP group through
+megatron-core, the actor's wiring, and everything downstream of the forward per CP shard;
+``megatron.context_parallel`` stays refused above 1 until they are.
 """
 
 from __future__ import annotations

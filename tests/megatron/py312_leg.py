@@ -37,7 +37,8 @@ NOT_IN_LEG = {
     "test_tensor_parallel.py": "TP=2 == TP=1 == Hugging Face for megatron-core's GPTModel: the leg checks the same "
                                "model at TP=2 against Hugging Face through the schedule (test_schedule)",
     "test_convert.py": "Hugging Face <-> Megatron state-dict renaming and slicing: pure tensors, no megatron-core API",
-    "test_context_parallel.py": "context parallelism's batch split: host-side index arithmetic, no megatron-core API",
+    "test_context_parallel.py": "context parallelism's batch split (host-side index arithmetic) and the TE stand-in's "
+                                "CP attention on it (the stand-in's own collectives): no megatron-core API",
     "test_hf_save.py": "the final save's safetensors writing of converted tensors: no megatron-core API",
     "test_stream.py": "the weight stream's collectives are hapo's over torch.distributed; megatron-core's parallel "
                       "state it reads is in the leg (test_ddp, test_schedule)",

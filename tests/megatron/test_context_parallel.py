@@ -4,6 +4,7 @@ kernel behind ``tex.thd_get_partitioned_indices``) and verl's ``preprocess_packe
 ``postprocess_packed_seqs`` (with ``need_roll``), each restated loop for loop below."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +174,83 @@ def test_hostile_sizes_are_named():
         CP.shard([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)], 2, 0)
     with pytest.raises(ValueError, match="one part per context-parallel rank"):
         CP.gather_to_global([torch.zeros(4)], [0, 8], 2)
+
+
+# ------------------------------------------- the TE stand-in's context-parallel attention (issue 58)
+LENGTHS = [3, 13, 6, 1]  # uneven; 3 and 1 are shorter than 2 x CP chunks of padding (mostly padding)
+
+
+def _cp_attention_worker(rank, out_dir):
+    """On 2 CP ranks: the stand-in's DotProductAttention with ``cp_group`` on each rank's share (hapo's
+    split) equals the unsplit attention at that share's tokens -- output and the gradients of Q, K and V
+    -- for every comm type it takes, with GQA and with a non-causal padding mask; the refusals named."""
+    import json
+
+    import torch.distributed as dist
+    from transformer_engine.pytorch import DotProductAttention
+
+    torch.manual_seed(0)  # the same batch on both ranks
+    seqs = [torch.randint(0, 50, (n,)) for n in LENGTHS]
+    mine = CP.shard(seqs, 2, rank)
+    assert mine.cu_seqlens_padded == [0, 4, 20, 28, 32]  # padded to multiples of 2 x CP
+    cu, cu_p = torch.tensor(mine.cu_seqlens, dtype=torch.int32), torch.tensor(mine.cu_seqlens_padded,
+                                                                              dtype=torch.int32)
+    total, heads, kv_heads, d = cu_p[-1].item(), 4, 2, 8
+    checked = {}
+    for mask_type in ("padding_causal", "padding"):
+        q, k, v = (torch.randn(total, h, d, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+        w = torch.randn(total, heads * d, dtype=torch.float64)
+        ref = DotProductAttention(heads, d, num_gqa_groups=kv_heads, qkv_format="thd", attn_mask_type=mask_type)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        # the unsplit batch through the same stand-in without CP (real lengths, the CP padding kept)
+        out_ref = ref(qr, kr, vr, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
+                      cu_seqlens_kv_padded=cu_p)
+        (out_ref * w).sum().backward()
+        idx = mine.indices
+        for comm in ("p2p", "all_gather", "a2a"):
+            attn = DotProductAttention(heads, d, num_gqa_groups=kv_heads, qkv_format="thd", attn_mask_type=mask_type,
+                                       cp_group=dist.group.WORLD, cp_global_ranks=[0, 1], cp_comm_type=comm)
+            ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+            out = attn(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
+                       cu_seqlens_kv_padded=cu_p)
+            assert out.shape == (total // 2, heads * d)
+            torch.testing.assert_close(out, out_ref[idx].detach(), rtol=0, atol=1e-12)
+            (out * w[idx]).sum().backward()  # both ranks: the gathered K / V's gradient is summed over them
+            for got, want in ((ql, qr), (kl, kr), (vl, vr)):
+                torch.testing.assert_close(got.grad, want.grad[idx], rtol=0, atol=1e-12)
+            checked[f"{mask_type}/{comm}"] = {"tokens": int(idx.numel()),
+                                              "zero_rows": int((out.abs().sum(-1) == 0).sum())}
+    # refused by name, as the stand-in computes neither
+    for kw, says in (({"cp_comm_type": "a2a+p2p"}, "a2a+p2p"), ({"qkv_format": "sbhd"}, "sbhd")):
+        args = {"qkv_format": "thd", "attn_mask_type": "padding_causal", "cp_group": dist.group.WORLD,
+                "cp_global_ranks": [0, 1], **kw}
+        try:
+            a = DotProductAttention(heads, d, num_gqa_groups=kv_heads, **args)
+            a(q[idx].float(), k[idx].float(), v[idx].float(), cu_seqlens_q=cu, cu_seqlens_q_padded=cu_p)
+        except NotImplementedError as e:
+            assert says in str(e), e
+        else:
+            raise AssertionError(f"{kw} was not refused")
+    try:
+        DotProductAttention(heads, d, qkv_format="thd", attn_mask_type="causal", cp_group=dist.group.WORLD)(
+            q[idx].float(), q[idx].float(), q[idx].float(), cu_seqlens_q=cu, cu_seqlens_q_padded=cu_p)
+    except ValueError as e:
+        assert "THD format requires padding mask type" in str(e)
+    else:
+        raise AssertionError("THD with a causal (not padding_causal) mask under CP was not refused")
+    if rank == 0:
+        (Path(out_dir) / "checked.json").write_text(json.dumps(checked))
+
+
+def test_the_te_stand_ins_cp_attention_equals_one_rank_at_each_shards_tokens(tmp_path):
+    """Issue 58's CP attention on the Transformer Engine stand-in, fed hapo's split: equal to CP=1."""
+    import json
+
+    from tests.megatron._dist import spawn_te
+
+    spawn_te("tests.megatron.test_context_parallel:_cp_attention_worker", 2, str(tmp_path))
+    checked = json.loads((tmp_path / "checked.json").read_text())
+    assert sorted(checked) == sorted(f"{m}/{c}" for m in ("padding_causal", "padding") for c in ("p2p", "all_gather",
+                                                                                                  "a2a"))
+    # rank 0 holds 16 of the 32 padded tokens, of which the padding rows are zero (TE fills them so)
+    assert all(v["tokens"] == 16 and v["zero_rows"] > 0 for v in checked.values())

@@ -223,7 +223,7 @@ def _literal(node) -> bool:
     ("RMSNorm", "transformer_engine/pytorch/module/rmsnorm.py", ("__init__",)),
     ("LayerNorm", "transformer_engine/pytorch/module/layernorm.py", ("__init__",)),
     ("DotProductAttention", "transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py",
-     ("__init__", "forward")),
+     ("__init__", "forward", "set_context_parallel_group")),
     ("GroupedLinear", "transformer_engine/pytorch/module/grouped_linear.py", ("__init__", "forward")),
 ])
 def test_the_stand_in_layers_take_te_arguments_with_te_defaults(name, path, methods):

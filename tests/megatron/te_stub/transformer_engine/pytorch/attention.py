@@ -1,5 +1,17 @@
 """transformer_engine.pytorch.attention (stand-in): ``DotProductAttention`` of TE 2.20.2 in
-torch (SDPA), for the layouts and mask types megatron-core's TE spec uses."""
+torch (SDPA), for the layouts and mask types megatron-core's TE spec uses.
+
+Context parallelism (issue 58): given ``cp_group``, the THD layout's inputs are this CP rank's
+share of the packed batch as TE's ``attn_forward_func_with_cp`` takes it -- each sequence padded to
+a multiple of 2 CP (``cu_seqlens_q_padded``, global, like ``cu_seqlens_q``), cut into 2 CP chunks,
+rank r holding chunks r and 2 CP - 1 - r in that order (TE's DualChunkSwap,
+``thd_get_partitioned_indices``) -- and the output is exact attention over the whole sequence for
+the rank's own tokens, zero on padding. TE computes it with a ring of K/V exchanges overlapped with
+compute (``p2p``), an all-gather (``all_gather``) or head-scattering all-to-alls (``a2a``); all three
+give that result, which the stand-in computes one way: it all-gathers K and V inside the CP group
+(backward: the gathered gradient all-reduced, each rank keeping its share). What it cannot show is
+TE's: the overlap, the kernels' numerics, memory per rank. ``a2a+p2p`` (two groups) and CP on the
+``sbhd`` / ``bshd`` layouts are refused by name."""
 
 from __future__ import annotations
 
@@ -12,6 +24,39 @@ from .module import _ExtraState
 
 _CAUSAL = {"causal", "padding_causal"}
 _KNOWN = {"causal", "padding_causal", "no_mask", "padding"}
+# TE's cp_comm_type values the stand-in computes (exact attention; see the module docstring)
+_CP_COMM = ("p2p", "all_gather", "a2a")
+
+
+def _partitioned_indices(cu_seqlens_padded: list[int], cp: int, rank: int) -> torch.Tensor:
+    """Where CP rank ``rank``'s tokens sit in the padded packed batch: per sequence, chunk ``rank``
+    then chunk 2 CP - 1 - ``rank`` of its 2 CP equal chunks (TE ``thd_get_partitioned_indices``)."""
+    out = []
+    for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:]):
+        if (end - start) % (2 * cp):
+            raise ValueError(f"a THD sequence padded to {end - start} tokens does not split into 2 x {cp} chunks "
+                             f"(TE: every sequence length must be, or be padded to be, divisible by cp_size * 2)")
+        c = (end - start) // (2 * cp)
+        out += [torch.arange(start + k * c, start + (k + 1) * c) for k in (rank, 2 * cp - 1 - rank)]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+class _GatherCP(torch.autograd.Function):
+    """[T_rank, ...] -> [CP, T_rank, ...]: every CP rank's share (all-gather); backward: the
+    gradient of the gathered tensor summed over the group (all-reduce), this rank's share kept."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group, ctx.rank = group, torch.distributed.get_rank(group)
+        parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, t.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
 
 
 class DotProductAttention(_ExtraState):
@@ -25,7 +70,7 @@ class DotProductAttention(_ExtraState):
                  return_max_logit: Optional[bool] = False, name: Optional[str] = None) -> None:
         super().__init__()
         unsupported = {"attention_dropout": attention_dropout > 0, "window_size": window_size is not None,
-                       "softcap": bool(softcap), "context parallelism": cp_group is not None,
+                       "softcap": bool(softcap),
                        "softmax_type": softmax_type != "vanilla", "return_max_logit": bool(return_max_logit),
                        "cross attention": attention_type != "self"}
         if any(unsupported.values()):
@@ -39,6 +84,21 @@ class DotProductAttention(_ExtraState):
         self.qkv_format, self.attn_mask_type = qkv_format, attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.hidden_size_per_attention_head_k ** -0.5
         self.layer_number = layer_number
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p",
+                                   load_balancing_strategy=None) -> None:
+        """TE's (``load_balancing_strategy``: TE's default, DualChunkSwap, the only one the stand-in
+        computes; ``None`` here stands for it)."""
+        strategy = getattr(load_balancing_strategy, "name", load_balancing_strategy)
+        unsupported = {f"cp_comm_type {cp_comm_type!r}": cp_group is not None and cp_comm_type not in _CP_COMM,
+                       "a list of CP groups (a2a+p2p)": isinstance(cp_group, (list, tuple)),
+                       f"load_balancing_strategy {strategy!r}": strategy not in (None, "DUAL_CHUNK_SWAP")}
+        if any(unsupported.values()):
+            raise NotImplementedError(f"the Transformer Engine stand-in's attention does not implement "
+                                      f"{[k for k, v in unsupported.items() if v]}")
+        self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type = (cp_group, cp_global_ranks,
+                                                                                   cp_stream, cp_comm_type)
 
     def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                 qkv_format: Optional[str] = None, cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None,
@@ -62,6 +122,14 @@ class DotProductAttention(_ExtraState):
                                       f"{[k for k, v in unsupported.items() if v]}")
         q, k, v = query_layer, key_layer, value_layer
         causal = mask_type in _CAUSAL
+        cp = 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
+        if cp > 1:
+            if fmt != "thd":
+                raise NotImplementedError(f"the Transformer Engine stand-in's attention does not implement context "
+                                          f"parallelism on qkv_format {fmt!r} (THD only)")
+            if "padding" not in mask_type:  # TE asserts the same
+                raise ValueError(f"THD format requires padding mask type, got {mask_type}!")
+            return self._thd_cp(q, k, v, cu_seqlens_q, cu_seqlens_q_padded, causal, cp)
         if fmt == "thd":
             if cu_seqlens_q is None:
                 raise ValueError("thd attention needs cu_seqlens_q")
@@ -85,6 +153,35 @@ class DotProductAttention(_ExtraState):
         out = self._sdpa(q, k, v, mask, causal)  # [b, h, s, d]
         out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
         return out.reshape(*out.shape[:2], -1)
+
+    def _thd_cp(self, q, k, v, cu_seqlens_q, cu_seqlens_q_padded, causal: bool, cp: int) -> torch.Tensor:
+        """This CP rank's tokens [T / CP, h, d] -> their attention output [T / CP, h * d] (module docstring)."""
+        if cu_seqlens_q is None:
+            raise ValueError("thd attention needs cu_seqlens_q")
+        real = cu_seqlens_q.tolist()
+        padded = (cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q).tolist()
+        rank = torch.distributed.get_rank(self.cp_group)
+        mine = _partitioned_indices(padded, cp, rank)
+        if mine.numel() != q.shape[0]:
+            raise ValueError(f"CP rank {rank} holds {q.shape[0]} tokens; cu_seqlens_q_padded gives it {mine.numel()}")
+        # K and V of the whole padded batch, in its order, from every rank's share
+        where = torch.cat([_partitioned_indices(padded, cp, r) for r in range(cp)])
+        order = torch.empty_like(where)
+        order[where] = torch.arange(where.numel())
+        k_all, v_all = (_GatherCP.apply(t, self.cp_group).flatten(0, 1)[order] for t in (k, v))
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        groups = q.shape[1] // k.shape[1]
+        for a, n in zip(padded[:-1], (e - s for s, e in zip(real[:-1], real[1:]))):
+            rel = mine - a
+            held = ((rel >= 0) & (rel < n)).nonzero().flatten()  # this rank's real tokens of the sequence
+            if n == 0 or held.numel() == 0:
+                continue
+            ks, vs = (t[a:a + n].repeat_interleave(groups, dim=1) for t in (k_all, v_all))  # [n, h, d]
+            scores = torch.einsum("ihd,jhd->hij", q[held], ks) * self.softmax_scale
+            if causal:
+                scores = scores.masked_fill(torch.arange(n)[None, None, :] > rel[held][None, :, None], float("-inf"))
+            out[held] = torch.einsum("hij,jhd->ihd", torch.softmax(scores, dim=-1), vs)
+        return out.reshape(q.shape[0], -1)
 
     def _sdpa(self, q, k, v, keep, causal: bool) -> torch.Tensor:
         if keep is not None and causal:
