@@ -25,9 +25,10 @@ before a micro-batch is built), so it adds no device sync. What each rank keeps:
 
 What TE's CP attention does with this split is in the tests' TE stand-in (``cp_group`` /
 ``cp_comm_type``: exact attention for each rank's tokens; tests/megatron/test_context_parallel.py
-checks it equals one rank on this split). Not built yet (issue 58): the model's CP group through
-megatron-core, the actor's wiring, and everything downstream of the forward per CP shard;
-``megatron.context_parallel`` stays refused above 1 until they are.
+checks it equals one rank on this split, and that megatron-core's GPTModel at
+``context_parallel_size`` 2 fed this split equals the model at CP=1). Not built yet (issue 58): the
+actor's wiring -- its CP group, this split per micro-batch, everything downstream of the forward per
+CP shard, gradients over DP x CP; ``megatron.context_parallel`` stays refused above 1 until it is.
 """
 
 from __future__ import annotations

@@ -254,3 +254,83 @@ def test_the_te_stand_ins_cp_attention_equals_one_rank_at_each_shards_tokens(tmp
                                                                                                   "a2a"))
     # rank 0 holds 16 of the 32 padded tokens, of which the padding rows are zero (TE fills them so)
     assert all(v["tokens"] == 16 and v["zero_rows"] > 0 for v in checked.values())
+
+
+# ---------------------------------------- megatron-core's GPTModel at CP=2 on the stand-in (issue 58)
+def _cp_model_worker(rank, out_dir, cp):
+    """One forward + backward of a tiny Qwen3 GPTModel on the TE spec with megatron-core's
+    ``context_parallel_size`` = ``cp``, each rank fed its share of a packed batch (hapo's split, global
+    ``cu_seqlens`` / ``cu_seqlens_padded`` in ``PackedSeqParams``): per-token log-probs and entropy
+    keyed by (sequence, position), and rank 0's gradients after summing them over the CP group."""
+    import json
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from hapo_openrlhf.megatron.convert import hf_to_megatron
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from tests.megatron.cuda_shim import install
+    from tests.megatron.test_convert import tiny_model
+
+    install()
+    ps.initialize_model_parallel(context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    hf = tiny_model("qwen3", False, layers=2)
+    model = build_gpt_model(hf.config, spec="te", head="logits", perform_initialization=False,
+                            context_parallel_size=cp)
+    missing, unexpected = model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te"), strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=gen) for n in LENGTHS]
+    weights = [torch.randn(2, n, generator=gen) for n in LENGTHS]  # per (sequence, position): the loss's weights
+    sh = CP.shard(seqs, cp, ps.get_context_parallel_rank())
+    cu, cu_p = (torch.tensor(c, dtype=torch.int32) for c in (sh.cu_seqlens, sh.cu_seqlens_padded))
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
+                          cu_seqlens_kv_padded=cu_p, max_seqlen_q=sh.max_seqlen, max_seqlen_kv=sh.max_seqlen)
+    logits = model(input_ids=sh.input_ids[None], position_ids=sh.position_ids[None], attention_mask=None,
+                   packed_seq_params=psp)[0, :, :hf.config.vocab_size].float()
+    logp = torch.log_softmax(logits, -1)
+    lp, en = logp.gather(-1, sh.labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    where = {}  # local token -> (sequence, position) for the tokens the loss reads
+    for j, p in enumerate(sh.indices.tolist()):
+        s = max(i for i, a in enumerate(sh.cu_seqlens_padded[:-1]) if a <= p)
+        if sh.loss_mask[j]:
+            where[j] = (s, p - sh.cu_seqlens_padded[s])
+    w = torch.zeros(2, lp.shape[0])
+    for j, (s, i) in where.items():
+        w[:, j] = weights[s][:, i]
+    ((lp * w[0] + en * w[1]) * sh.loss_mask).sum().backward()  # this rank's share of the batch's loss
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if cp > 1:  # the batch's gradient: every share's summed over the CP group (megatron's DDP does it over DP x CP)
+        for g in grads.values():
+            dist.all_reduce(g, group=ps.get_context_parallel_group())
+    rows = {f"{s}/{i}": [float(lp[j]), float(en[j])] for j, (s, i) in where.items()}
+    (Path(out_dir) / f"cp{cp}_rank{rank}.json").write_text(json.dumps(rows))
+    if rank == 0:
+        torch.save(grads, Path(out_dir) / f"cp{cp}_grads.pt")
+
+
+def test_a_te_spec_gpt_model_at_cp2_equals_cp1_logprobs_entropy_and_gradients(tmp_path):
+    """megatron-core's own model with ``context_parallel_size`` 2 (its CP group, its THD RoPE per CP
+    rank, its TEDotProductAttention passing ``cp_group`` to the stand-in) on hapo's split equals the same
+    model at CP=1 on the whole batch, token for token and in every parameter's gradient."""
+    import json
+
+    from tests.megatron._dist import spawn_te
+
+    target = "tests.megatron.test_context_parallel:_cp_model_worker"
+    spawn_te(target, 1, str(tmp_path), 1)
+    spawn_te(target, 2, str(tmp_path), 2)
+    one = json.loads((tmp_path / "cp1_rank0.json").read_text())
+    two = [json.loads((tmp_path / f"cp2_rank{r}.json").read_text()) for r in range(2)]
+    assert not set(two[0]) & set(two[1]) and set(two[0]) | set(two[1]) == set(one)  # each token on one rank
+    assert len(one) == sum(n - 1 for n in LENGTHS) and min(map(len, two)) > 0
+    for rows in two:
+        for key, (lp, en) in rows.items():
+            assert lp == pytest.approx(one[key][0], abs=2e-5) and en == pytest.approx(one[key][1], abs=2e-5), key
+    g1, g2 = (torch.load(tmp_path / f"cp{c}_grads.pt") for c in (1, 2))
+    assert set(g1) == set(g2) and all(g.abs().sum() > 0 for g in g1.values())
+    for name, g in g1.items():
+        torch.testing.assert_close(g2[name], g, rtol=1e-4, atol=2e-5, msg=name)
