@@ -23,6 +23,9 @@ before a micro-batch is built), so it adds no device sync. What each rank keeps:
 * ``indices``: where each held token sits in the padded packed sequence (:func:`gather_to_global`
   puts per-token outputs of every rank back in that order).
 
+After the forward, :func:`all_gather_tokens` gathers a rank's per-token outputs over the CP group
+(differentiably) so that what follows runs on the whole micro-batch.
+
 What TE's CP attention does with this split is in the tests' TE stand-in (``cp_group`` /
 ``cp_comm_type``: exact attention for each rank's tokens; tests/megatron/test_context_parallel.py
 checks it equals one rank on this split, and that megatron-core's GPTModel at
@@ -138,3 +141,39 @@ def tokens_per_rank(lengths: list[int], cp: int, *, tp: int = 1, sequence_parall
     """The tokens one CP rank holds for these sequences (the padded total / CP): what a token budget
     (``max_tokens_per_gpu``) counts per rank under context parallelism."""
     return sum(padded_lengths(lengths, align_size(cp, tp, sequence_parallel))) // cp
+
+
+class _AllGatherTokens(torch.autograd.Function):
+    """Forward: every CP rank's per-token tensor, back in the padded packed order. Backward: this
+    rank's rows of the incoming gradient, as they are -- every CP rank computes the same loss on the
+    gathered tensor, so each rank's own tokens get that loss's gradient once, not CP times."""
+
+    @staticmethod
+    def forward(ctx, local, cu_seqlens_padded, group):
+        import torch.distributed as dist
+
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        ctx.rows = rank_indices(cu_seqlens_padded, cp, rank).to(local.device)
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return gather_to_global(parts, cu_seqlens_padded, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.rows), None, None
+
+
+def all_gather_tokens(local: torch.Tensor, cu_seqlens_padded: list[int], group) -> torch.Tensor:
+    """This CP rank's per-token outputs ``local`` ([tokens it holds, ...], in its order: log-probs,
+    entropy, any token-local signal) -> the whole micro-batch's, [padded total, ...] in the padded
+    packed order, on every rank of ``group`` (the CP group), differentiable. What comes after the
+    forward then runs on the whole micro-batch as without CP -- each CP rank the same loss, its
+    normaliser and batch statistics over every token -- while the backward sends each rank only its
+    own tokens' gradient, so the parameters' gradients summed over the CP group (megatron-core's DDP
+    reduces over DP x CP) are the whole batch's. verl gathers log-probs over CP the same way
+    (``postprocess_packed_seqs``). Costs a [padded total] vector per output, not activations."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    return _AllGatherTokens.apply(local, list(cu_seqlens_padded), group)

@@ -308,8 +308,28 @@ def _cp_model_worker(rank, out_dir, cp):
             dist.all_reduce(g, group=ps.get_context_parallel_group())
     rows = {f"{s}/{i}": [float(lp[j]), float(en[j])] for j, (s, i) in where.items()}
     (Path(out_dir) / f"cp{cp}_rank{rank}.json").write_text(json.dumps(rows))
+    # again through all_gather_tokens: every rank computes the whole batch's loss from the gathered
+    # log-probs and entropy; the gradients summed over CP are the same
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=sh.input_ids[None], position_ids=sh.position_ids[None], attention_mask=None,
+                   packed_seq_params=psp)[0, :, :hf.config.vocab_size].float()
+    logp = torch.log_softmax(logits, -1)
+    lp, en = logp.gather(-1, sh.labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    group = ps.get_context_parallel_group() if cp > 1 else None
+    lp_all, en_all = (CP.all_gather_tokens(t, sh.cu_seqlens_padded, group) for t in (lp, en))
+    assert lp_all.shape == en_all.shape == (sh.cu_seqlens_padded[-1],)
+    w_all = torch.zeros(2, lp_all.shape[0])  # 0 on padding and on each sequence's last token
+    for s, (a, n) in enumerate(zip(sh.cu_seqlens_padded[:-1], LENGTHS)):
+        w_all[:, a:a + n - 1] = weights[s][:, :n - 1]
+    (lp_all * w_all[0] + en_all * w_all[1]).sum().backward()
+    gathered = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if cp > 1:
+        for g in gathered.values():
+            dist.all_reduce(g, group=group)
     if rank == 0:
         torch.save(grads, Path(out_dir) / f"cp{cp}_grads.pt")
+        torch.save(gathered, Path(out_dir) / f"cp{cp}_gathered_grads.pt")
+        torch.save(lp_all.detach(), Path(out_dir) / f"cp{cp}_lp_all.pt")
 
 
 def test_a_te_spec_gpt_model_at_cp2_equals_cp1_logprobs_entropy_and_gradients(tmp_path):
@@ -334,3 +354,12 @@ def test_a_te_spec_gpt_model_at_cp2_equals_cp1_logprobs_entropy_and_gradients(tm
     assert set(g1) == set(g2) and all(g.abs().sum() > 0 for g in g1.values())
     for name, g in g1.items():
         torch.testing.assert_close(g2[name], g, rtol=1e-4, atol=2e-5, msg=name)
+    # all_gather_tokens: the whole batch's log-probs on every CP rank, in the padded packed order, equal
+    # CP=1's at the real tokens; the loss computed from them on every rank gives the same gradients
+    lp1, lp2 = (torch.load(tmp_path / f"cp{c}_lp_all.pt") for c in (1, 2))
+    at = [a + i for a, n in zip(CP.cumulative(CP.padded_lengths(LENGTHS, 4)), LENGTHS) for i in range(n - 1)]
+    at1 = [a + i for a, n in zip(CP.cumulative(LENGTHS), LENGTHS) for i in range(n - 1)]
+    torch.testing.assert_close(lp2[at], lp1[at1], rtol=0, atol=2e-5)
+    for c in (1, 2):
+        for name, g in torch.load(tmp_path / f"cp{c}_gathered_grads.pt").items():
+            torch.testing.assert_close(g, g1[name], rtol=1e-4, atol=2e-5, msg=(c, name))
