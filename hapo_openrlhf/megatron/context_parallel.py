@@ -29,9 +29,11 @@ After the forward, :func:`all_gather_tokens` gathers a rank's per-token outputs 
 What TE's CP attention does with this split is in the tests' TE stand-in (``cp_group`` /
 ``cp_comm_type``: exact attention for each rank's tokens; tests/megatron/test_context_parallel.py
 checks it equals one rank on this split, and that megatron-core's GPTModel at
-``context_parallel_size`` 2 fed this split equals the model at CP=1). Not built yet (issue 58): the
-actor's wiring -- its CP group, this split per micro-batch, everything downstream of the forward per
-CP shard, gradients over DP x CP; ``megatron.context_parallel`` stays refused above 1 until it is.
+``context_parallel_size`` 2 fed this split equals the model at CP=1). :func:`logprobs_entropy` is hapo's
+log-prob path under CP on top of this split (equal to ``schedule.logprobs_and_entropy`` at CP=1, both
+heads). Not built yet (issue 58): the actor's wiring -- its CP group, this path in its schedule, the
+other per-token signals (nucleus, PAEC, routes), gradients over DP x CP in its DDP, checkpoints across
+CP; ``megatron.context_parallel`` stays refused above 1 until it is.
 """
 
 from __future__ import annotations
@@ -177,3 +179,57 @@ def all_gather_tokens(local: torch.Tensor, cu_seqlens_padded: list[int], group) 
     if group is None or dist.get_world_size(group) == 1:
         return local
     return _AllGatherTokens.apply(local, list(cu_seqlens_padded), group)
+
+
+def logprobs_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, cp_group, vocab_size: int,
+                     temperature: float = 1.0, chunk_size: int = 1024, tp_group=None,
+                     tp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``schedule.logprobs_and_entropy`` under context parallelism: next-token log-probs and entropy
+    [B, S-1] of the rows of ``input_ids`` / ``attention_mask`` [B, S] (left or right padded), on every
+    rank of ``cp_group``. The rows are packed (THD), each padded to the split's multiple
+    (:func:`align_size`: 2 CP, x TP with sequence parallelism), and this rank forwards only its
+    share (:func:`shard`; ``PackedSeqParams`` with the global ``cu_seqlens`` and ``cu_seqlens_padded``,
+    as megatron-core's THD RoPE and TE's CP attention read them); the head scores each held token
+    against its global next token (``head.token_logprobs_entropy``, logits or fused head alike), and
+    :func:`all_gather_tokens` brings every rank's values back, so the result is the whole batch's on
+    each CP rank, differentiable, with each rank's backward reaching only its own tokens. The mask is
+    read on the host (the actor keeps it there)."""
+    import torch.distributed as dist
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from . import head as heads
+    from .schedule import RowLayout, _rows_and_offsets
+
+    cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+    rank = 0 if cp_group is None else dist.get_rank(cp_group)
+    lay = RowLayout.of(attention_mask.cpu(), "thd")  # its checks: no holes, no empty row
+    starts, lengths = lay.starts_host.tolist(), lay.lengths_host.tolist()
+    ids = input_ids.cpu()
+    seqs = [ids[b, s:s + n] for b, (s, n) in enumerate(zip(starts, lengths))]
+    cfg = model.config
+    sh = shard(seqs, cp, rank, tp=cfg.tensor_model_parallel_size, sequence_parallel=cfg.sequence_parallel)
+    dev = input_ids.device
+    cu, cu_p = (torch.tensor(c, dtype=torch.int32, device=dev) for c in (sh.cu_seqlens, sh.cu_seqlens_padded))
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
+                             cu_seqlens_kv_padded=cu_p, max_seqlen_q=sh.max_seqlen, max_seqlen_kv=sh.max_seqlen)
+    out = model(input_ids=sh.input_ids[None].to(dev), position_ids=sh.position_ids[None].to(dev),
+                attention_mask=None, packed_seq_params=packed)
+    weight = heads.output_weight(model) if heads.is_installed(model) else None
+    if tp_group is None:
+        from megatron.core import parallel_state as ps
+
+        tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    lp, en = heads.token_logprobs_entropy(out, sh.labels[None].to(dev), weight=weight, vocab_size=vocab_size,
+                                          temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
+                                          tp_rank=tp_rank)
+    B, S = attention_mask.shape
+    n = torch.tensor(lengths) - 1  # next-token positions per row
+    row, off = _rows_and_offsets(n, int(n.sum()))
+    src = (torch.tensor(sh.cu_seqlens_padded[:-1])[row] + off).to(dev)
+    dst = (row * (S - 1) + torch.tensor(starts)[row] + off).to(dev)
+
+    def place(v):
+        whole = all_gather_tokens(v[0], sh.cu_seqlens_padded, cp_group if cp > 1 else None)
+        return whole.new_zeros(B * (S - 1)).index_copy(0, dst, whole.index_select(0, src)).view(B, S - 1)
+
+    return place(lp), place(en)

@@ -251,14 +251,25 @@ def next_token_logprobs_entropy(out: torch.Tensor, input_ids: torch.Tensor, *, w
     """Next-token log-probs and entropy [B, S-1] from the last stage's output ``out
     [B, S, *]``: this rank's logits shard [B, S, V/TP] (``weight`` None: the ``logits``
     head), or the hidden states [B, S, H] with the head shard ``weight`` (the fused head).
-    The shift and the shard's vocabulary offset are here, in one place."""
+    The shift is here, the shard's vocabulary offset in :func:`token_logprobs_entropy`."""
+    return token_logprobs_entropy(out[:, :-1], input_ids[:, 1:], weight=weight, vocab_size=vocab_size,
+                                  temperature=temperature, chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank,
+                                  labels_checked=labels_checked)
+
+
+def token_logprobs_entropy(out: torch.Tensor, labels: torch.Tensor, *, weight: torch.Tensor | None, vocab_size: int,
+                           temperature: float, chunk_size: int, tp_group, tp_rank: int,
+                           labels_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``labels`` [B, T] and entropy [B, T] at each position of ``out [B, T, *]``
+    (as :func:`next_token_logprobs_entropy`, with the labels given: a context-parallel rank's
+    tokens are labelled with the next token of their sequence, which another rank may hold)."""
     if weight is None:
         return vocab_parallel_logprobs_entropy(
-            out[:, :-1], input_ids[:, 1:], vocab_start=tp_rank * out.shape[-1], vocab_size=vocab_size,
+            out, labels, vocab_start=tp_rank * out.shape[-1], vocab_size=vocab_size,
             group=tp_group, temperature=temperature, chunk_size=chunk_size)
     # the hidden states' gradient is summed over TP by install()'s mapping, not here
     return fused_vocab_parallel_logprobs_entropy(
-        out[:, :-1], weight, input_ids[:, 1:], vocab_start=tp_rank * weight.shape[0], vocab_size=vocab_size,
+        out, weight, labels, vocab_start=tp_rank * weight.shape[0], vocab_size=vocab_size,
         group=tp_group, temperature=temperature, chunk_size=chunk_size, reduce_hidden_grad=False,
         labels_checked=labels_checked)
 

@@ -363,3 +363,76 @@ def test_a_te_spec_gpt_model_at_cp2_equals_cp1_logprobs_entropy_and_gradients(tm
     for c in (1, 2):
         for name, g in torch.load(tmp_path / f"cp{c}_gathered_grads.pt").items():
             torch.testing.assert_close(g, g1[name], rtol=1e-4, atol=2e-5, msg=(c, name))
+
+
+# ------------------------ hapo's log-prob path at CP=2 (context_parallel.logprobs_entropy, issue 58)
+def _cp_logprobs_worker(rank, out_dir, cp):
+    """hapo's next-token log-probs and entropy of a left/right padded [B, S] batch through a tiny
+    Qwen3 on the TE spec, with the logits head and the fused head: at CP=1 hapo's THD path
+    (``schedule.logprobs_and_entropy``) and ``context_parallel.logprobs_entropy`` without a group; at CP=2
+    the latter on each rank. Each: [B, S-1] values and the gradients (summed over CP) of a weighted loss."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from hapo_openrlhf.megatron.convert import hf_to_megatron
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
+    from tests.megatron.cuda_shim import install
+    from tests.megatron.test_convert import tiny_model
+    from tests.megatron.test_tensor_parallel import _batch, _both_real
+
+    install()
+    ps.initialize_model_parallel(context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    hf = tiny_model("qwen3", False, layers=2)
+    ids, am, w_lp, w_en = _batch()
+    am[0, -3:] = 0  # right padding too
+    am[2, :11] = 0  # a one-token row: no next token
+    valid = _both_real(am).float()
+    group = ps.get_context_parallel_group() if cp > 1 else None
+    results = {}
+    for head in ("logits", "fused"):
+        model = build_gpt_model(hf.config, spec="te", head=head, perform_initialization=False,
+                                context_parallel_size=cp)
+        model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te"), strict=False)
+        paths = {"cp": lambda: CP.logprobs_entropy(model, ids, am, cp_group=group, vocab_size=259, chunk_size=5)}
+        if cp == 1:
+            paths["schedule"] = lambda: logprobs_and_entropy(model, ids, am, vocab_size=259, chunk_size=5)
+        for name, run in paths.items():
+            model.zero_grad(set_to_none=True)
+            lp, en = run()
+            ((lp * w_lp * valid).sum() + (en * w_en * valid).sum()).backward()
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            for g in grads.values() if group is not None else ():
+                dist.all_reduce(g, group=group)
+            results[f"{head}/{name}"] = {"lp": lp.detach(), "en": en.detach(), "grads": grads, "valid": valid}
+    if rank == 0:
+        torch.save(results, Path(out_dir) / f"cp{cp}.pt")
+    else:  # every CP rank holds the whole batch's values
+        torch.save({k: {"lp": v["lp"], "en": v["en"]} for k, v in results.items()}, Path(out_dir) / f"cp{cp}_r1.pt")
+
+
+def test_hapos_logprobs_and_entropy_at_cp2_equal_cp1_with_both_heads(tmp_path):
+    """``context_parallel.logprobs_entropy`` at CP=2 -- hapo's split, megatron-core's model on the TE
+    stand-in, the logits or the fused head on each rank's tokens with their global labels, the values
+    gathered over CP -- equals hapo's THD path at CP=1 ([B, S-1], left and right padding, a one-token
+    row), and so do the gradients of a loss on them summed over CP; at CP=1 the two paths are one."""
+    from tests.megatron._dist import spawn_te
+
+    target = "tests.megatron.test_context_parallel:_cp_logprobs_worker"
+    spawn_te(target, 1, str(tmp_path), 1)
+    spawn_te(target, 2, str(tmp_path), 2)
+    one, two, two_r1 = (torch.load(tmp_path / f) for f in ("cp1.pt", "cp2.pt", "cp2_r1.pt"))
+    for head in ("logits", "fused"):
+        ref = one[f"{head}/schedule"]
+        valid = ref["valid"].bool()
+        assert valid.sum() > 10 and not valid[2].any()
+        for got in (one[f"{head}/cp"], two[f"{head}/cp"], two_r1[f"{head}/cp"]):
+            torch.testing.assert_close(got["lp"][valid], ref["lp"][valid], rtol=0, atol=2e-5)
+            torch.testing.assert_close(got["en"][valid], ref["en"][valid], rtol=0, atol=2e-5)
+            assert (got["lp"][~valid] == 0).all()  # nothing where a row has no next real token
+        for got in (one[f"{head}/cp"], two[f"{head}/cp"]):
+            assert set(got["grads"]) == set(ref["grads"])
+            for n, g in ref["grads"].items():
+                torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=2e-5, msg=(head, n))
