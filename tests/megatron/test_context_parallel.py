@@ -436,3 +436,71 @@ def test_hapos_logprobs_and_entropy_at_cp2_equal_cp1_with_both_heads(tmp_path):
             assert set(got["grads"]) == set(ref["grads"])
             for n, g in ref["grads"].items():
                 torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=2e-5, msg=(head, n))
+
+
+def _tp2_cp2_worker(rank, out_dir):
+    """TP=2 x CP=2 with sequence parallelism on 4 ranks (TP groups (0, 1), (2, 3); CP groups (0, 2),
+    (1, 3)), both heads: ``context_parallel.logprobs_entropy`` and the gradients of a loss on it --
+    summed over CP, Qwen3's TP-replicated norms summed over TP -- with rank 0 holding both TP shards."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from hapo_openrlhf.megatron.convert import hf_to_megatron
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.schedule import allreduce_tp_replicated_grads
+    from tests.megatron.cuda_shim import install
+    from tests.megatron.test_convert import tiny_model
+    from tests.megatron.test_tensor_parallel import T, _batch, _both_real
+
+    install()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    tp_rank, cp_group = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_group()
+    hf = tiny_model("qwen3", False, layers=2)
+    ids, am, w_lp, w_en = _batch()
+    am[0, -3:] = 0
+    valid = _both_real(am).float()
+    results = {}
+    for head in ("logits", "fused"):
+        model = build_gpt_model(hf.config, tp=2, spec="te", sequence_parallel=True, head=head,
+                                perform_initialization=False, context_parallel_size=2)
+        model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te", tp=2, tp_rank=tp_rank),
+                              strict=False)
+        lp, en = CP.logprobs_entropy(model, ids, am, cp_group=cp_group, vocab_size=259, temperature=T,
+                                     chunk_size=5)
+        ((lp * w_lp * valid).sum() + (en * w_en * valid).sum()).backward()
+        allreduce_tp_replicated_grads(model)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        for g in grads.values():
+            dist.all_reduce(g, group=cp_group)
+        shards = [None, None]
+        dist.all_gather_object(shards, grads, group=ps.get_tensor_model_parallel_group())
+        results[head] = {"lp": lp.detach(), "en": en.detach(), "grads": shards}
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "tp2cp2.pt")
+
+
+def test_tp2_x_cp2_with_sequence_parallelism_equals_hugging_face_with_both_heads(tmp_path):
+    """4 ranks, TP=2 x CP=2 with sequence parallelism on the TE spec: hapo's log-probs and entropy
+    under CP and every parameter's gradient (the TP shards merged) equal Hugging Face's (the
+    tolerance of the TP=2 TE-spec test, test_te_spec.py)."""
+    from hapo_openrlhf.megatron.convert import megatron_to_hf
+    from tests.megatron._dist import spawn_te
+    from tests.megatron.test_convert import tiny_model
+    from tests.megatron.test_tensor_parallel import _batch, _both_real, _hf_reference
+
+    spawn_te("tests.megatron.test_context_parallel:_tp2_cp2_worker", 4, str(tmp_path))
+    got = torch.load(tmp_path / "tp2cp2.pt")
+    hf = tiny_model("qwen3", False, layers=2)
+    ids, am, w_lp, w_en = _batch()
+    am[0, -3:] = 0
+    ref_lp, ref_en, ref_grads = _hf_reference(hf, ids, am, w_lp.double(), w_en.double())
+    valid = _both_real(am)
+    for head, r in got.items():
+        torch.testing.assert_close(r["lp"].double()[valid], ref_lp[valid], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(r["en"].double()[valid], ref_en[valid], rtol=1e-4, atol=1e-4)
+        merged = megatron_to_hf({(0, t): r["grads"][t] for t in range(2)}, hf.config, tp=2, pp=1)
+        assert set(merged) == set(ref_grads)
+        for n, g in merged.items():
+            torch.testing.assert_close(g.double(), ref_grads[n], rtol=1e-3, atol=1e-5, msg=(head, n))
