@@ -29,9 +29,9 @@ After the forward, :func:`all_gather_tokens` gathers a rank's per-token outputs 
 What TE's CP attention does with this split is in the tests' TE stand-in (``cp_group`` /
 ``cp_comm_type``: exact attention for each rank's tokens; tests/megatron/test_context_parallel.py
 checks it equals one rank on this split, and that megatron-core's GPTModel at
-``context_parallel_size`` 2 fed this split equals the model at CP=1). :func:`logprobs_entropy` is hapo's
-log-prob path under CP on top of this split (equal to ``schedule.logprobs_and_entropy`` at CP=1, both
-heads). Not built yet (issue 58): the actor's wiring -- its CP group, this path in its schedule, the
+``context_parallel_size`` 2 fed this split equals the model at CP=1). :class:`CPRows` is hapo's
+log-prob path under CP on top of this split: ``schedule.logprobs_and_entropy`` and
+``schedule.forward_backward`` take it when the parallel state has CP > 1 (dense models, THD, PP 1). Not built yet (issue 58): the actor's wiring -- its CP group, this path in its schedule, the
 other per-token signals (nucleus, PAEC, routes), gradients over DP x CP in its DDP, checkpoints across
 CP; ``megatron.context_parallel`` stays refused above 1 until it is.
 """
@@ -181,55 +181,60 @@ def all_gather_tokens(local: torch.Tensor, cu_seqlens_padded: list[int], group) 
     return _AllGatherTokens.apply(local, list(cu_seqlens_padded), group)
 
 
-def logprobs_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, cp_group, vocab_size: int,
-                     temperature: float = 1.0, chunk_size: int = 1024, tp_group=None,
-                     tp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``schedule.logprobs_and_entropy`` under context parallelism: next-token log-probs and entropy
-    [B, S-1] of the rows of ``input_ids`` / ``attention_mask`` [B, S] (left or right padded), on every
-    rank of ``cp_group``. The rows are packed (THD), each padded to the split's multiple
-    (:func:`align_size`: 2 CP, x TP with sequence parallelism), and this rank forwards only its
-    share (:func:`shard`; ``PackedSeqParams`` with the global ``cu_seqlens`` and ``cu_seqlens_padded``,
-    as megatron-core's THD RoPE and TE's CP attention read them); the head scores each held token
-    against its global next token (``head.token_logprobs_entropy``, logits or fused head alike), and
-    :func:`all_gather_tokens` brings every rank's values back, so the result is the whole batch's on
-    each CP rank, differentiable, with each rank's backward reaching only its own tokens. The mask is
-    read on the host (the actor keeps it there)."""
-    import torch.distributed as dist
-    from megatron.core.packed_seq_params import PackedSeqParams
+class CPRows:
+    """A micro-batch's rows under context parallelism, with the interface the schedule uses of
+    ``schedule.RowLayout`` (``model_inputs``, ``logprobs_entropy``): the rows of a left/right padded
+    [B, S] batch packed (THD), each padded to the split's multiple (:func:`align_size`: 2 CP, x TP with
+    sequence parallelism), this CP rank's share forwarded with ``PackedSeqParams`` holding the global
+    ``cu_seqlens`` and ``cu_seqlens_padded`` (what megatron-core's THD RoPE and TE's CP attention read),
+    each held token scored against its global next token by either head
+    (``head.token_logprobs_entropy``), the values gathered back (:func:`all_gather_tokens`) into the
+    caller's [B, S-1] on every CP rank, differentiable. ``schedule.forward_backward`` and
+    ``schedule.logprobs_and_entropy`` use it when megatron-core's parallel state has CP > 1."""
 
-    from . import head as heads
-    from .schedule import RowLayout, _rows_and_offsets
+    def __init__(self, starts: list[int], lengths: list[int], input_ids: torch.Tensor, cp_group, *, tp: int = 1,
+                 sequence_parallel: bool = False):
+        """``starts`` / ``lengths``: each row's first real position and real tokens, host ints (what
+        ``schedule.RowLayout.of`` reads from the mask, with its checks)."""
+        import torch.distributed as dist
 
-    cp = 1 if cp_group is None else dist.get_world_size(cp_group)
-    rank = 0 if cp_group is None else dist.get_rank(cp_group)
-    lay = RowLayout.of(attention_mask.cpu(), "thd")  # its checks: no holes, no empty row
-    starts, lengths = lay.starts_host.tolist(), lay.lengths_host.tolist()
-    ids = input_ids.cpu()
-    seqs = [ids[b, s:s + n] for b, (s, n) in enumerate(zip(starts, lengths))]
-    cfg = model.config
-    sh = shard(seqs, cp, rank, tp=cfg.tensor_model_parallel_size, sequence_parallel=cfg.sequence_parallel)
-    dev = input_ids.device
-    cu, cu_p = (torch.tensor(c, dtype=torch.int32, device=dev) for c in (sh.cu_seqlens, sh.cu_seqlens_padded))
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
-                             cu_seqlens_kv_padded=cu_p, max_seqlen_q=sh.max_seqlen, max_seqlen_kv=sh.max_seqlen)
-    out = model(input_ids=sh.input_ids[None].to(dev), position_ids=sh.position_ids[None].to(dev),
-                attention_mask=None, packed_seq_params=packed)
-    weight = heads.output_weight(model) if heads.is_installed(model) else None
-    if tp_group is None:
-        from megatron.core import parallel_state as ps
+        self.group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
+        cp = 1 if self.group is None else dist.get_world_size(self.group)
+        ids = input_ids.cpu()
+        seqs = [ids[b, s:s + n] for b, (s, n) in enumerate(zip(starts, lengths))]
+        self.shard = shard(seqs, cp, 0 if self.group is None else dist.get_rank(self.group), tp=tp,
+                           sequence_parallel=sequence_parallel)
+        self.shape, self.device = tuple(input_ids.shape), input_ids.device
+        # each row's next-token positions: (padded packed index, index into the caller's [B, S-1])
+        src = [a + i for a, n in zip(self.shard.cu_seqlens_padded[:-1], lengths) for i in range(n - 1)]
+        dst = [b * (self.shape[1] - 1) + s + i for b, (s, n) in enumerate(zip(starts, lengths)) for i in range(n - 1)]
+        self.src, self.dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (src, dst))
 
-        tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
-    lp, en = heads.token_logprobs_entropy(out, sh.labels[None].to(dev), weight=weight, vocab_size=vocab_size,
-                                          temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
-                                          tp_rank=tp_rank)
-    B, S = attention_mask.shape
-    n = torch.tensor(lengths) - 1  # next-token positions per row
-    row, off = _rows_and_offsets(n, int(n.sum()))
-    src = (torch.tensor(sh.cu_seqlens_padded[:-1])[row] + off).to(dev)
-    dst = (row * (S - 1) + torch.tensor(starts)[row] + off).to(dev)
+    def model_inputs(self, input_ids: torch.Tensor | None = None) -> dict:
+        """kwargs for ``GPTModel.forward``: this CP rank's tokens, packed (``input_ids`` is read at
+        construction)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
 
-    def place(v):
-        whole = all_gather_tokens(v[0], sh.cu_seqlens_padded, cp_group if cp > 1 else None)
-        return whole.new_zeros(B * (S - 1)).index_copy(0, dst, whole.index_select(0, src)).view(B, S - 1)
+        sh, dev = self.shard, self.device
+        cu, cu_p = (torch.tensor(c, dtype=torch.int32, device=dev) for c in (sh.cu_seqlens, sh.cu_seqlens_padded))
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
+                                 cu_seqlens_kv_padded=cu_p, max_seqlen_q=sh.max_seqlen, max_seqlen_kv=sh.max_seqlen)
+        return {"input_ids": sh.input_ids[None].to(dev), "position_ids": sh.position_ids[None].to(dev),
+                "attention_mask": None, "packed_seq_params": packed}
 
-    return place(lp), place(en)
+    def logprobs_entropy(self, out: torch.Tensor, model_ids=None, *, vocab_size: int, temperature: float,
+                         chunk_size: int, tp_group, tp_rank: int, weight=None, labels_checked: bool = False):
+        """This rank's model output -> the whole micro-batch's next-token log-probs and entropy
+        [B, S-1] (zeros where a row has no next real token), as ``RowLayout.logprobs_entropy``."""
+        from . import head as heads
+
+        lp, en = heads.token_logprobs_entropy(out, self.shard.labels[None].to(out.device), weight=weight,
+                                              vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
+                                              tp_group=tp_group, tp_rank=tp_rank, labels_checked=labels_checked)
+        return self._place(lp), self._place(en)
+
+    def _place(self, v: torch.Tensor) -> torch.Tensor:
+        B, S = self.shape
+        whole = all_gather_tokens(v[0], self.shard.cu_seqlens_padded, self.group)
+        return whole.new_zeros(B * (S - 1)).index_copy(0, self.dst, whole.index_select(0, self.src)).view(B, S - 1)
+

@@ -303,20 +303,52 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
     either. ``layout``: :class:`RowLayout` (default: the model's,
     :func:`~.model.default_layout`); ``pad_to``: pad the model input's token count to a
     multiple of this (default: TP with sequence parallelism, which splits the tokens over
-    the TP ranks; else 1). ``tp_group`` / ``tp_rank``: default Megatron's tensor-parallel group."""
+    the TP ranks; else 1). ``tp_group`` / ``tp_rank``: default Megatron's tensor-parallel group. With
+    context parallelism in the parallel state each CP rank forwards its share and every rank gets
+    the whole batch's values (:class:`~.context_parallel.CPRows`)."""
     if pad_to is None:
         cfg = model.config
         pad_to = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
-    if tp_group is None:  # the model's own TP group (None would reduce the vocabulary over the whole job)
-        from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps
 
+    if tp_group is None:  # the model's own TP group (None would reduce the vocabulary over the whole job)
         tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    if ps.get_context_parallel_world_size() > 1:  # this rank's share, the values gathered (context_parallel.py)
+        lay = cp_layouts([{"input_ids": input_ids, "attention_mask": attention_mask}], layout or "thd", 1, (),
+                         model.config)[0]
+        out = model(**lay.model_inputs())
+        weight = heads.output_weight(model) if heads.is_installed(model) else None
+        return lay.logprobs_entropy(out, vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
+                                    tp_group=tp_group, tp_rank=tp_rank, weight=weight)
     lay = RowLayout.of(attention_mask, layout or default_layout(model), pad_to)
     inputs = lay.model_inputs(input_ids)
     out = model(**inputs)  # [B or 1, S or T, V / tp], or the hidden states [.., H] for the fused head
     weight = heads.output_weight(model) if heads.is_installed(model) else None
     return lay.logprobs_entropy(out, inputs["input_ids"], vocab_size=vocab_size, temperature=temperature,
                                 chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight)
+
+
+def cp_layouts(micro_batches: list[dict], layout: str, pp: int, taps, config) -> list:
+    """Under context parallelism: each micro-batch's :class:`~.context_parallel.CPRows` (THD, PP 1,
+    a dense model, no taps yet: what issue 58 has wired so far, each other case refused by name)."""
+    from megatron.core import parallel_state as ps
+
+    from .context_parallel import CPRows
+
+    refused = {f"layout {layout!r}": layout != "thd", "pipeline parallelism": pp > 1,
+               "a mixture of experts": bool(getattr(config, "num_moe_experts", None)),
+               "taps (routing replay, head signals, router statistics)": any(
+                   not (isinstance(t, AuxLossScale) and t.normaliser is None) for t in taps)}
+    if any(refused.values()):
+        raise ValueError(f"context parallelism is not wired with {[k for k, v in refused.items() if v]} yet "
+                         f"(issue 58): run those at context_parallel 1")
+    tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_group()
+    out = []
+    for mb in micro_batches:
+        lay = RowLayout.of(mb.get("attention_mask_cpu", mb["attention_mask"]).cpu(), "thd")  # its checks
+        out.append(CPRows(lay.starts_host.tolist(), lay.lengths_host.tolist(), mb["input_ids"], group, tp=tp,
+                          sequence_parallel=config.sequence_parallel))
+    return out
 
 
 def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn | None, *,
@@ -350,8 +382,11 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     # sequence parallelism splits the tokens over TP ranks: pad the token count to a multiple of TP
     pad_to = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
     # from the CPU copy of each mask when the caller keeps one (the actor does): no host sync
-    layouts = [RowLayout.of(mb.get("attention_mask_cpu", mb["attention_mask"]), layout, pad_to,
-                            device=mb["input_ids"].device) for mb in micro_batches]
+    if ps.get_context_parallel_world_size() > 1:  # each CP rank forwards its share (context_parallel.py)
+        layouts = cp_layouts(micro_batches, layout, pp, taps, config)
+    else:
+        layouts = [RowLayout.of(mb.get("attention_mask_cpu", mb["attention_mask"]), layout, pad_to,
+                                device=mb["input_ids"].device) for mb in micro_batches]
     if layout == "masked" or (pp > 1 and not config.variable_seq_lengths):
         shape = micro_batches[0]["input_ids"].shape
         bad = [i for i, mb in enumerate(micro_batches) if mb["input_ids"].shape != shape]
@@ -402,7 +437,8 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
 
     # the fixed-shape schedule's tensor shape (ignored with variable_seq_lengths)
     if layout == "thd":
-        seq_length, mbs = max(-(-l.total // pad_to) * pad_to for l in layouts), 1
+        seq_length, mbs = max(getattr(l, "total", 1) for l in layouts), 1  # no PP under CP: not read
+        seq_length = -(-seq_length // pad_to) * pad_to
     elif layout == "padded":
         seq_length, mbs = max(-(-l.max_len // pad_to) * pad_to for l in layouts), micro_batches[0]["input_ids"].shape[0]
     else:

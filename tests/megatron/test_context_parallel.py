@@ -365,12 +365,26 @@ def test_a_te_spec_gpt_model_at_cp2_equals_cp1_logprobs_entropy_and_gradients(tm
             torch.testing.assert_close(g, g1[name], rtol=1e-4, atol=2e-5, msg=(c, name))
 
 
-# ------------------------ hapo's log-prob path at CP=2 (context_parallel.logprobs_entropy, issue 58)
+# ------------------------------ hapo's log-prob path at CP=2 (context_parallel.CPRows, issue 58)
+def _cp_rows_by_hand(model, ids, am):
+    from megatron.core import parallel_state as ps
+
+    from hapo_openrlhf.megatron import head as heads
+    from hapo_openrlhf.megatron.schedule import RowLayout
+
+    lay = RowLayout.of(am, "thd")
+    rows = CP.CPRows(lay.starts_host.tolist(), lay.lengths_host.tolist(), ids, None)
+    out = model(**rows.model_inputs())
+    weight = heads.output_weight(model) if heads.is_installed(model) else None
+    return rows.logprobs_entropy(out, vocab_size=259, temperature=1.0, chunk_size=5,
+                                 tp_group=ps.get_tensor_model_parallel_group(), tp_rank=0, weight=weight)
+
+
 def _cp_logprobs_worker(rank, out_dir, cp):
     """hapo's next-token log-probs and entropy of a left/right padded [B, S] batch through a tiny
     Qwen3 on the TE spec, with the logits head and the fused head: at CP=1 hapo's THD path
-    (``schedule.logprobs_and_entropy``) and ``context_parallel.logprobs_entropy`` without a group; at CP=2
-    the latter on each rank. Each: [B, S-1] values and the gradients (summed over CP) of a weighted loss."""
+    (``schedule.logprobs_and_entropy``) and ``context_parallel.CPRows`` without a group; at CP=2
+    ``schedule.logprobs_and_entropy`` on each rank (CPRows under CP). Each: [B, S-1] values and the gradients (summed over CP) of a weighted loss."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -390,15 +404,17 @@ def _cp_logprobs_worker(rank, out_dir, cp):
     am[0, -3:] = 0  # right padding too
     am[2, :11] = 0  # a one-token row: no next token
     valid = _both_real(am).float()
-    group = ps.get_context_parallel_group() if cp > 1 else None
+    group = ps.get_context_parallel_group() if cp > 1 else None  # the gradients are summed over it
     results = {}
     for head in ("logits", "fused"):
         model = build_gpt_model(hf.config, spec="te", head=head, perform_initialization=False,
                                 context_parallel_size=cp)
         model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te"), strict=False)
-        paths = {"cp": lambda: CP.logprobs_entropy(model, ids, am, cp_group=group, vocab_size=259, chunk_size=5)}
-        if cp == 1:
-            paths["schedule"] = lambda: logprobs_and_entropy(model, ids, am, vocab_size=259, chunk_size=5)
+        if cp == 1:  # CPRows without a CP group, by hand, beside hapo's THD path
+            paths = {"cp": lambda: _cp_rows_by_hand(model, ids, am),
+                     "schedule": lambda: logprobs_and_entropy(model, ids, am, vocab_size=259, chunk_size=5)}
+        else:  # the parallel state has CP 2: the schedule's entry point takes CPRows
+            paths = {"cp": lambda: logprobs_and_entropy(model, ids, am, vocab_size=259, chunk_size=5)}
         for name, run in paths.items():
             model.zero_grad(set_to_none=True)
             lp, en = run()
@@ -414,7 +430,7 @@ def _cp_logprobs_worker(rank, out_dir, cp):
 
 
 def test_hapos_logprobs_and_entropy_at_cp2_equal_cp1_with_both_heads(tmp_path):
-    """``context_parallel.logprobs_entropy`` at CP=2 -- hapo's split, megatron-core's model on the TE
+    """``schedule.logprobs_and_entropy`` at CP=2 (``context_parallel.CPRows``) -- hapo's split, megatron-core's model on the TE
     stand-in, the logits or the fused head on each rank's tokens with their global labels, the values
     gathered over CP -- equals hapo's THD path at CP=1 ([B, S-1], left and right padding, a one-token
     row), and so do the gradients of a loss on them summed over CP; at CP=1 the two paths are one."""
@@ -440,7 +456,7 @@ def test_hapos_logprobs_and_entropy_at_cp2_equal_cp1_with_both_heads(tmp_path):
 
 def _tp2_cp2_worker(rank, out_dir):
     """TP=2 x CP=2 with sequence parallelism on 4 ranks (TP groups (0, 1), (2, 3); CP groups (0, 2),
-    (1, 3)), both heads: ``context_parallel.logprobs_entropy`` and the gradients of a loss on it --
+    (1, 3)), both heads: ``schedule.logprobs_and_entropy`` under CP and the gradients of a loss on it --
     summed over CP, Qwen3's TP-replicated norms summed over TP -- with rank 0 holding both TP shards."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -448,7 +464,7 @@ def _tp2_cp2_worker(rank, out_dir):
 
     from hapo_openrlhf.megatron.convert import hf_to_megatron
     from hapo_openrlhf.megatron.model import build_gpt_model
-    from hapo_openrlhf.megatron.schedule import allreduce_tp_replicated_grads
+    from hapo_openrlhf.megatron.schedule import allreduce_tp_replicated_grads, logprobs_and_entropy
     from tests.megatron.cuda_shim import install
     from tests.megatron.test_convert import tiny_model
     from tests.megatron.test_tensor_parallel import T, _batch, _both_real
@@ -467,8 +483,7 @@ def _tp2_cp2_worker(rank, out_dir):
                                 perform_initialization=False, context_parallel_size=2)
         model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te", tp=2, tp_rank=tp_rank),
                               strict=False)
-        lp, en = CP.logprobs_entropy(model, ids, am, cp_group=cp_group, vocab_size=259, temperature=T,
-                                     chunk_size=5)
+        lp, en = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5)
         ((lp * w_lp * valid).sum() + (en * w_en * valid).sum()).backward()
         allreduce_tp_replicated_grads(model)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -504,3 +519,38 @@ def test_tp2_x_cp2_with_sequence_parallelism_equals_hugging_face_with_both_heads
         assert set(merged) == set(ref_grads)
         for n, g in merged.items():
             torch.testing.assert_close(g.double(), ref_grads[n], rtol=1e-3, atol=1e-5, msg=(head, n))
+
+
+# ------------------------------ two optimizer steps at CP=2 through hapo's schedule (issue 58)
+def _cp_train_worker(rank, out):
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from tests.megatron.cuda_shim import install
+    from tests.megatron.test_ddp import train_two_steps
+
+    install()
+    ps.initialize_model_parallel(context_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    assert ps.get_data_parallel_world_size() == 1 and ps.get_data_parallel_world_size(with_context_parallel=True) == 2
+    train_two_steps(rank, 1, 1, True, "fp32", out, spec="te")
+
+
+def test_two_steps_at_cp2_through_the_schedule_equal_hf_adamw(tmp_path):
+    """test_ddp's two steps (packed micro-batches, hapo's global normaliser, Megatron's DDP and
+    distributed optimizer, clipping) at CP=2 on the TE spec: ``schedule.forward_backward`` forwards
+    each rank's share and gathers the log-probs (``context_parallel.CPRows``), megatron-core's DDP
+    sums the shares' gradients over DP x CP and its distributed optimizer shards the state over it:
+    the weights, grad norms and losses equal Hugging Face + AdamW's, as at CP=1; both CP ranks hold
+    the same weights after each step, and each holds half the optimizer state."""
+    from tests.megatron._dist import spawn_te
+    from tests.megatron.test_ddp import _assert_matches_reference, hf_reference, tiny_qwen2
+
+    out = tmp_path / "cp2_two_steps.pt"
+    spawn_te("tests.megatron.test_context_parallel:_cp_train_worker", 2, str(out))
+    got = torch.load(out)
+    _assert_matches_reference(got, hf_reference(True), True)
+    # fp32 model: Adam's two moments, 8 bytes per parameter unsharded (more with the padded vocabulary);
+    # sharded over DP x CP = 2 each rank holds about half
+    n_params = sum(v.numel() for k, v in tiny_qwen2(True, layers=2).state_dict().items() if k != "lm_head.weight")
+    assert got["state_bytes"] <= 0.55 * 8 * n_params, (got["state_bytes"], n_params)

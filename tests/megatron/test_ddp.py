@@ -69,10 +69,12 @@ def train_two_steps(rank, tp, pp, tied, dtype, out, spec="local", sp=False):
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    cp = ps.get_context_parallel_world_size()  # CP ranks of a replica share its rows (context_parallel.py)
     hf = tiny_qwen2(tied, layers=2)
     pdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = build_qwen2_gpt_model(hf.config, tp=tp, pp=pp, pp_rank=pp_rank, params_dtype=pdt,
-                                  perform_initialization=False, spec=spec, sequence_parallel=sp)
+                                  perform_initialization=False, spec=spec, sequence_parallel=sp,
+                                  **({"context_parallel_size": cp} if cp > 1 else {}))
     load_hf_into(model, hf, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, spec=spec)
     model = model.to(pdt)
     ddp = wrap(model, distributed_optimizer=True)
@@ -92,7 +94,7 @@ def train_two_steps(rank, tp, pp, tied, dtype, out, spec="local", sp=False):
         res = forward_backward(ddp, mbs, loss_fn, vocab_size=259)
         loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp if res else 0.0, dtype=torch.float64)
         dist.all_reduce(loss)  # the last stage of each replica holds its share
-        losses.append(float(loss) / tp)  # every TP rank of a replica's last stage reported it
+        losses.append(float(loss) / tp / cp)  # every TP and CP rank of a replica's last stage reported it
         norms.append(opt.step())
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     everyone = [None] * dist.get_world_size()
