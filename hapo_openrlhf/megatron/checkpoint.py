@@ -117,6 +117,7 @@ def _layout(optimizer) -> dict[str, Any]:
             "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
             "data_parallel": ps.get_data_parallel_world_size(),
             "expert_parallel": ps.get_expert_model_parallel_world_size(),
+            "context_parallel": ps.get_context_parallel_world_size(),
             "optimizer": optimizer.checkpoint_format if optimizer is not None else None,
             "megatron_core": installed()}
 
@@ -139,6 +140,7 @@ def check_resumable(path: Path, optimizer) -> None:
         fmt = saved["optimizer"]
         shape = {k: int(saved[k]) for k in ("tensor_parallel", "pipeline_parallel", "data_parallel")}
         shape["expert_parallel"] = int(saved.get("expert_parallel", 1))  # absent: written before MoE (EP 1)
+        shape["context_parallel"] = int(saved.get("context_parallel", 1))  # absent: written before CP (CP 1)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ValueError(f"checkpoint {str(path)!r}: {LAYOUT} is unreadable ({str(e)[:100]})") from None
     check_checkpoint_version(path, saved.get("megatron_core"))  # a dict: saved["optimizer"] was read
@@ -156,7 +158,8 @@ def check_resumable(path: Path, optimizer) -> None:
             f"distributed optimizer only at DP > 1; set it to true in both runs to move between DP 1 and DP > 1)")
     if fmt == "distributed/dp_reshardable":
         # each rank's flat buffer shards: which parameters (and which experts) a buffer holds is fixed by
-        # TP, PP and EP, so only the data-parallel size may change
+        # TP, PP and EP, so only the data-parallel size may change -- and the context-parallel size: the
+        # distributed optimizer shards over DP x CP, whose ranks hold the same parameters
         moved = [k for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel") if shape[k] != here[k]]
         if moved:
             raise ValueError(

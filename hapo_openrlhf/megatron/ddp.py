@@ -246,7 +246,12 @@ class MegatronOptimizer:
             torch_opt = inner.optimizer
             for per_param in torch_opt.state.values():
                 per_param.pop("step", None)
-            getattr(inner, loaders[kind])(param_state)  # masters and moments of this rank's shard
+            # masters and moments of this rank's shard, written in place: with an fp32 model a master is a
+            # view of the parameter itself (a leaf that requires grad), which autograd refuses to write outside
+            # no_grad -- megatron-core's loader does not disable it (an fp32 resume stopped with "a view of a
+            # leaf Variable that requires grad is being used in an in-place operation")
+            with torch.no_grad():
+                getattr(inner, loaders[kind])(param_state)
             if keeps_step_per_parameter(torch_opt):
                 for group in torch_opt.param_groups:
                     for p in group["params"]:

@@ -554,3 +554,58 @@ def test_two_steps_at_cp2_through_the_schedule_equal_hf_adamw(tmp_path):
     # sharded over DP x CP = 2 each rank holds about half
     n_params = sum(v.numel() for k, v in tiny_qwen2(True, layers=2).state_dict().items() if k != "lm_head.weight")
     assert got["state_bytes"] <= 0.55 * 8 * n_params, (got["state_bytes"], n_params)
+
+
+# ----------------------------------------------------------- checkpoints across CP (issue 58)
+def _cp_resume_worker(rank, cp, ckpt, phase, out):
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from tests.megatron.cuda_shim import install
+    from tests.megatron.test_ddp import _resume_worker
+
+    install()
+    ps.initialize_model_parallel(context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    _resume_worker(rank, 1, "dp_reshardable", ckpt, phase, out, spec="te", init=False, dtype=torch.float32)
+
+
+def test_a_cp2_checkpoint_resumes_bitwise_at_cp2_and_at_cp1(tmp_path):
+    """test_ddp's resume at CP=2 on the TE spec (an fp32 model, the distributed optimizer sharded over
+    DP x CP, ``dp_reshardable``): 2 steps, save, 2 more in fresh processes == 4 uninterrupted
+    steps bitwise; ``hapo_layout.json`` records CP 2; the same checkpoint resumes at CP=1 on one rank
+    (the state regathered from the two shards), equal up to reduction order, as DP=2 -> DP=1 does.
+    An fp32 model, whose distributed optimizer's masters are views of the parameters themselves: its
+    resume stopped in megatron-core's loader until ``ddp.MegatronOptimizer.load_state_dict`` ran it under
+    ``no_grad`` (found here; at CP=1 and DP=2 too)."""
+    import json
+
+    from hapo_openrlhf.megatron import checkpoint
+    from tests.megatron._dist import spawn_te
+
+    target, ckpt = "tests.megatron.test_context_parallel:_cp_resume_worker", tmp_path / "ckpt"
+    for phase in ("full", "first", "resume"):
+        spawn_te(target, 2, 2, str(ckpt), phase, str(tmp_path / phase))
+    layout = json.loads((ckpt / "step_2" / checkpoint.LAYOUT).read_text())
+    assert (layout["context_parallel"], layout["data_parallel"], layout["optimizer"]) == (
+        2, 1, "distributed/dp_reshardable")
+    for r in range(2):
+        full, resumed = torch.load(tmp_path / f"full.{r}"), torch.load(tmp_path / f"resume.{r}")
+        assert full["losses"] == resumed["losses"] and len(full["losses"]) == 4
+        for k, v in full["weights"].items():
+            assert v.dtype == torch.float32 and torch.equal(v, resumed["weights"][k]), k
+        assert all(torch.equal(a, b) for a, b in zip(full["masters"], resumed["masters"]))
+        assert all(torch.equal(a, b) for a, b in zip(full["moments"], resumed["moments"]))
+    a0, a1 = (torch.load(tmp_path / f"full.{r}") for r in range(2))  # both CP ranks: one model
+    assert all(torch.equal(v, a1["weights"][k]) for k, v in a0["weights"].items())
+
+    spawn_te(target, 1, 1, str(ckpt), "resume", str(tmp_path / "cp1"))
+    full, first, cp1 = (torch.load(tmp_path / f"{n}.0") for n in ("full", "first", "cp1"))
+    assert cp1["losses"][:2] == full["losses"][:2] and cp1["steps"] == {4.0}
+    # steps 3-4 (loss, grad norm) and the weights: CP=1 computes attention in one pass where CP=2 gathers
+    # K / V, so fp32 rounding differs (an fp32 model: a bf16 one would differ at bf16's 2^-8)
+    assert [x for st in cp1["losses"][2:] for x in st] == pytest.approx(
+        [x for st in full["losses"][2:] for x in st], rel=1e-5)
+    for k, v in full["weights"].items():
+        assert not torch.equal(v, first["weights"][k]) or k.endswith("bias"), k  # steps 3-4 moved it
+        torch.testing.assert_close(cp1["weights"][k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -203,6 +203,7 @@ def resume_step(ddp, opt, step: int, tp: int) -> tuple[float, float]:
     from hapo_openrlhf.megatron.schedule import forward_backward
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    cp = ps.get_context_parallel_world_size()  # CP ranks of a replica share its rows (context_parallel.py)
     ids, am, w = _data(step % 2)
     n_global = int(_valid(am).sum())
     rows = range(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
@@ -214,17 +215,18 @@ def resume_step(ddp, opt, step: int, tp: int) -> tuple[float, float]:
     res = forward_backward(ddp, mbs, loss_fn, vocab_size=259)  # losses on the last stage only
     loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp, dtype=torch.float64)
     dist.all_reduce(loss)  # the step's loss (the trainer state is common: written once)
-    return float(loss) / tp, opt.step()  # every TP rank of the last stage reported it
+    return float(loss) / tp / cp, opt.step()  # every TP and CP rank of the last stage reported it
 
 
 def _resume_worker(rank, tp, sharding, ckpt, phase, out, te=False, distributed=True, spec="local", sp=False,
-                   init=True):
+                   init=True, dtype=torch.bfloat16):
     """phase 'full': 4 steps; 'first': 2 steps, save; 'resume': load, steps 3-4. A bf16
     model (fp32 masters in the optimizer), the weights of the saved steps' HF start.
     ``te``: megatron-core builds on Transformer Engine's FusedAdam (the stand-in,
     te_standin.py); ``distributed``: the distributed optimizer, else Float16Optimizer;
     ``spec`` / ``sp``: the layer spec and sequence parallelism; ``init``: set up Megatron's
-    parallel state (else it is already up)."""
+    parallel state (else it is already up); ``dtype``: the model's (fp32: the optimizer's params are
+    the model's own)."""
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron import checkpoint
@@ -237,13 +239,13 @@ def _resume_worker(rank, tp, sharding, ckpt, phase, out, te=False, distributed=T
         use_te_fused_adam(Patch())
     if init:
         init_megatron(tp=tp)
-    dp = ps.get_data_parallel_world_size()
+    dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
     hf = tiny_qwen2(True, layers=2)
-    model = build_qwen2_gpt_model(hf.config, tp=tp, params_dtype=torch.bfloat16, perform_initialization=False,
-                                  spec=spec, sequence_parallel=sp)
+    model = build_qwen2_gpt_model(hf.config, tp=tp, params_dtype=dtype, perform_initialization=False,
+                                  spec=spec, sequence_parallel=sp, **({"context_parallel_size": cp} if cp > 1 else {}))
     if phase != "resume":  # a resumed run must get every weight and state from disk
         load_hf_into(model, hf, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), spec=spec)
-    model = model.to(torch.bfloat16)
+    model = model.to(dtype)
     ddp = wrap(model, distributed_optimizer=distributed)
     opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP, weight_decay=0.01, sharding=sharding)
     start, losses = 0, []
@@ -298,6 +300,7 @@ def test_distributed_optimizer_checkpoint_resumes_bitwise_and_at_another_dp(tmp_
     layout = __import__("json").loads((ckpt / "step_2" / checkpoint.LAYOUT).read_text())
     assert layout.pop("megatron_core") == __import__("importlib.metadata").metadata.version("megatron-core")
     assert layout == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "expert_parallel": 1,
+                      "context_parallel": 1,
                       "optimizer": "distributed/dp_reshardable"}
     spawn(_resume_worker, 2, 1, "dp_reshardable", str(ckpt), "resume", str(tmp_path / "resumed"))
     for r in range(2):

@@ -74,7 +74,7 @@ def test_openrlhf_loop_with_megatron_actor(tmp_path, warm_model_qwen3_moe):
     from hapo_openrlhf.megatron.compat import installed
 
     assert json.loads((out / "ckpt" / "_actor" / "step_2" / "hapo_layout.json").read_text()) == {
-        "tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "expert_parallel": 2,
+        "tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "expert_parallel": 2, "context_parallel": 1,
         "optimizer": "distributed/dp_reshardable", "megatron_core": installed()}
     m = jsonl(out / "metrics.jsonl")
     assert all("quadrant/threshold" in r and "policy_loss" in r and "actor_grad_norm" in r for r in m)
