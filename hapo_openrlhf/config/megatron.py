@@ -41,7 +41,7 @@ class MegatronConfig:
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    context_parallel: int = 1  # must be 1: the schedule does not split sequences across CP ranks
+    context_parallel: int = 1  # must be 1 until the actor is wired for CP (issue 58; megatron/context_parallel.py)
     sequence_parallel: bool = False  # needs layer_spec: te (megatron-core's torch norms refuse it)
     params_dtype: Literal["bf16", "fp32"] = "bf16"  # bf16 | fp32 (weights, activations and the AdamW moments' params)
     vocab_multiple: int = 128  # the vocabulary is padded to a multiple of this x tensor_parallel
@@ -86,8 +86,9 @@ class MegatronConfig:
                  f"got {self.optimizer_sharding!r}")
         require(self.context_parallel == 1,
                  "megatron.context_parallel > 1 is not supported yet: the batch split Transformer Engine expects is "
-                 "built (megatron/context_parallel.py), its context-parallel attention and the actor's wiring are not "
-                 "(issue 58; docs/megatron.md); use tensor/pipeline parallelism, packing and recompute for long contexts")
+                 "built, and hapo's schedule, optimizer and checkpoints run under CP (megatron/context_parallel.py), "
+                 "but the policy actor is not wired for it (issue 58; docs/megatron.md); use tensor/pipeline "
+                 "parallelism, packing and recompute for long contexts")
         require(not self.sequence_parallel or self.layer_spec == "te",
                  "megatron.sequence_parallel needs megatron.layer_spec: te (Transformer Engine's norms); "
                  "megatron-core's local spec builds torch norms, which refuse it (docs/megatron.md)")

@@ -233,6 +233,26 @@ class CPRows:
                                               tp_group=tp_group, tp_rank=tp_rank, labels_checked=labels_checked)
         return self._place(lp), self._place(en)
 
+    def nucleus_logmass(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
+                        chunk_size: int, tp_group, tp_rank: int, weight=None) -> torch.Tensor:
+        """log P(top-p nucleus) [B, S-1], as ``RowLayout.nucleus_logmass`` (``taps.NucleusLogMass``)."""
+        from . import head as heads
+
+        lm = heads.token_nucleus_logmass(out, top_p=top_p, weight=weight, vocab_size=vocab_size,
+                                         temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
+                                         tp_rank=tp_rank)
+        return self._place(lm)
+
+    def head_signals(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
+                     chunk_size: int, tp_group, tp_rank: int, weight=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nucleus entropy, top-two gap) [B, S-1], detached, as ``RowLayout.head_signals`` (PAEC's)."""
+        from . import head as heads
+
+        ne, gap = heads.token_head_signals(out, top_p=top_p, weight=weight, vocab_size=vocab_size,
+                                           temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
+                                           tp_rank=tp_rank)
+        return self._place(ne), self._place(gap)
+
     def _place(self, v: torch.Tensor) -> torch.Tensor:
         B, S = self.shape
         whole = all_gather_tokens(v[0], self.shard.cu_seqlens_padded, self.group)

@@ -279,8 +279,16 @@ def next_token_nucleus_logmass(out: torch.Tensor, *, top_p: float, weight: torch
     """log P(top-p nucleus) [B, S-1] of each next-token distribution, from the same output
     as :func:`next_token_logprobs_entropy` (logits shard, or hidden states + head shard),
     over the tensor-parallel group (``algos.nucleus.sharded_nucleus_logmass``; no grad)."""
+    return token_nucleus_logmass(out[:, :-1], top_p=top_p, weight=weight, vocab_size=vocab_size,
+                                 temperature=temperature, chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
+
+
+def token_nucleus_logmass(out: torch.Tensor, *, top_p: float, weight: torch.Tensor | None, vocab_size: int,
+                          temperature: float, chunk_size: int, tp_group, tp_rank: int) -> torch.Tensor:
+    """:func:`next_token_nucleus_logmass` at each position of ``out`` [B, T, *], no shift (a
+    context-parallel rank's held tokens)."""
     Vr = out.shape[-1] if weight is None else weight.shape[0]
-    return sharded_nucleus_logmass(out[:, :-1], top_p, weight=weight, temperature=temperature,
+    return sharded_nucleus_logmass(out, top_p, weight=weight, temperature=temperature,
                                    n_valid=vocab_size - tp_rank * Vr, group=tp_group, chunk_size=chunk_size)
 
 
@@ -289,8 +297,16 @@ def next_token_head_signals(out: torch.Tensor, *, top_p: float, weight: torch.Te
     """(nucleus entropy, top-two log-prob gap) [B, S-1] of each next-token distribution --
     PAEC's signals -- from the same output as :func:`next_token_logprobs_entropy`, over the
     tensor-parallel group, detached (``algos.nucleus.sharded_nucleus_stats``: no [T, V/TP])."""
+    return token_head_signals(out[:, :-1], top_p=top_p, weight=weight, vocab_size=vocab_size,
+                              temperature=temperature, chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
+
+
+def token_head_signals(out: torch.Tensor, *, top_p: float, weight: torch.Tensor | None, vocab_size: int,
+                       temperature: float, chunk_size: int, tp_group, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`next_token_head_signals` at each position of ``out`` [B, T, *], no shift (a
+    context-parallel rank's held tokens)."""
     Vr = out.shape[-1] if weight is None else weight.shape[0]
-    st = sharded_nucleus_stats(out[:, :-1].detach(), top_p, weight=None if weight is None else weight.detach(),
+    st = sharded_nucleus_stats(out.detach(), top_p, weight=None if weight is None else weight.detach(),
                                temperature=temperature, n_valid=vocab_size - tp_rank * Vr, group=tp_group,
                                chunk_size=chunk_size, entropy=True, top2_gap=True)
     return st.entropy, st.top2_gap

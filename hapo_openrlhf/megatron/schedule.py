@@ -36,7 +36,7 @@ import torch
 from ..algos.entropy import DEFAULT_CHUNK
 from . import head as heads
 from .model import attention_inputs, default_layout
-from .taps import AuxLossScale, Head, ReplayRoutes, Tap
+from .taps import AuxLossScale, Head, HeadSignals, NucleusLogMass, ReplayRoutes, Tap
 
 # loss_fn(logp [B, S-1], entropy [B, S-1], micro_batch) -> (scalar loss, {metric: float tensor})
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -330,15 +330,18 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
 
 def cp_layouts(micro_batches: list[dict], layout: str, pp: int, taps, config) -> list:
     """Under context parallelism: each micro-batch's :class:`~.context_parallel.CPRows` (THD, PP 1,
-    a dense model, no taps yet: what issue 58 has wired so far, each other case refused by name)."""
+    a dense model; of the taps, the head's token-local values -- the nucleus log-mass, PAEC's signals:
+    what issue 58 has wired so far, each other case refused by name)."""
     from megatron.core import parallel_state as ps
 
     from .context_parallel import CPRows
 
+    token_local = (NucleusLogMass, HeadSignals)
     refused = {f"layout {layout!r}": layout != "thd", "pipeline parallelism": pp > 1,
                "a mixture of experts": bool(getattr(config, "num_moe_experts", None)),
-               "taps (routing replay, head signals, router statistics)": any(
-                   not (isinstance(t, AuxLossScale) and t.normaliser is None) for t in taps)}
+               "taps other than the head's token-local values (routing replay, router statistics)": any(
+                   not (isinstance(t, token_local) or (isinstance(t, AuxLossScale) and t.normaliser is None))
+                   for t in taps)}
     if any(refused.values()):
         raise ValueError(f"context parallelism is not wired with {[k for k, v in refused.items() if v]} yet "
                          f"(issue 58): run those at context_parallel 1")

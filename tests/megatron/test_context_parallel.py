@@ -609,3 +609,69 @@ def test_a_cp2_checkpoint_resumes_bitwise_at_cp2_and_at_cp1(tmp_path):
     for k, v in full["weights"].items():
         assert not torch.equal(v, first["weights"][k]) or k.endswith("bias"), k  # steps 3-4 moved it
         torch.testing.assert_close(cp1["weights"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+# ---------------------- the head's token-local values under CP: the nucleus log-mass, PAEC's signals
+def _cp_taps_worker(rank, out_dir, cp):
+    """Through ``schedule.forward_backward`` on the TE spec with the fused head: the old-log-prob pass
+    with ``taps.NucleusLogMass`` (log-probs, entropy, log P(nucleus)) and a training pass with
+    ``taps.HeadSignals`` (PAEC's nucleus entropy and top-two gap handed to the loss), at CP = ``cp``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from hapo_openrlhf.megatron.convert import hf_to_megatron
+    from hapo_openrlhf.megatron.model import build_gpt_model
+    from hapo_openrlhf.megatron.schedule import forward_backward
+    from hapo_openrlhf.megatron.taps import HeadSignals, NucleusLogMass
+    from tests.megatron.cuda_shim import install
+    from tests.megatron.test_convert import tiny_model
+    from tests.megatron.test_tensor_parallel import _batch
+
+    install()
+    ps.initialize_model_parallel(context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    hf = tiny_model("qwen3", False, layers=2)
+    model = build_gpt_model(hf.config, spec="te", head="fused", perform_initialization=False,
+                            context_parallel_size=cp)
+    model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te"), strict=False)
+    ids, am, _, _ = _batch()
+    am[0, -3:] = 0
+    mbs = [{"input_ids": ids[:2], "attention_mask": am[:2]}, {"input_ids": ids[2:], "attention_mask": am[2:]}]
+    old = forward_backward(model, mbs, None, vocab_size=259, chunk_size=5, taps=[NucleusLogMass(0.9)])
+    seen = []
+
+    def loss_fn(lp, en, mb):
+        seen.append(tuple(t.detach().clone() for t in mb["head_signals"]))
+        return lp.sum() * 0, {}
+
+    forward_backward(model, mbs, loss_fn, vocab_size=259, chunk_size=5, taps=[HeadSignals(0.9)])
+    torch.save({"old": [tuple(t.detach() for t in r) for r in old], "signals": seen},
+               Path(out_dir) / f"taps_cp{cp}_rank{rank}.pt")
+
+
+def test_the_nucleus_logmass_and_paecs_signals_at_cp2_equal_cp1():
+    """The two taps that read the head's token-local values run under CP (the schedule refuses the
+    others by name): at CP=2 every rank returns the whole micro-batch's log-probs, entropy and log
+    P(nucleus), and hands the loss the whole micro-batch's PAEC signals, equal to CP=1's."""
+    import tempfile
+
+    from tests.megatron._dist import spawn_te
+
+    with tempfile.TemporaryDirectory() as d:
+        target = "tests.megatron.test_context_parallel:_cp_taps_worker"
+        spawn_te(target, 1, d, 1)
+        spawn_te(target, 2, d, 2)
+        one, *two = (torch.load(Path(d) / f) for f in ("taps_cp1_rank0.pt", "taps_cp2_rank0.pt", "taps_cp2_rank1.pt"))
+    from tests.megatron.test_tensor_parallel import _batch, _both_real
+
+    _, am, _, _ = _batch()
+    am[0, -3:] = 0
+    valid = [_both_real(am[:2]), _both_real(am[2:])]
+    for got in two:
+        for key in ("old", "signals"):
+            assert len(got[key]) == len(one[key]) == 2
+            for m, (a, b) in enumerate(zip(got[key], one[key])):
+                assert len(a) == len(b) == (3 if key == "old" else 2)
+                for x, y in zip(a, b):
+                    torch.testing.assert_close(x[valid[m]], y[valid[m]], rtol=0, atol=2e-5)
+    assert all(float(lm[valid[m]].max()) < 0 for m, (_, _, lm) in enumerate(one["old"]))  # top-p 0.9 < 1
