@@ -31,9 +31,12 @@ What TE's CP attention does with this split is in the tests' TE stand-in (``cp_g
 checks it equals one rank on this split, and that megatron-core's GPTModel at
 ``context_parallel_size`` 2 fed this split equals the model at CP=1). :class:`CPRows` is hapo's
 log-prob path under CP on top of this split: ``schedule.logprobs_and_entropy`` and
-``schedule.forward_backward`` take it when the parallel state has CP > 1 (dense models, THD, PP 1). Not built yet (issue 58): the actor's wiring -- its CP group, this path in its schedule, the
-other per-token signals (nucleus, PAEC, routes), gradients over DP x CP in its DDP, checkpoints across
-CP; ``megatron.context_parallel`` stays refused above 1 until it is.
+``schedule.forward_backward`` take it when the parallel state has CP > 1 (dense models, THD, PP 1;
+the head's nucleus log-mass and PAEC's signals too), and megatron-core's DDP and distributed
+optimizer reduce and shard over DP x CP. Not built yet (issue 58): the policy actor's wiring (its
+parallel state with CP, the data dispatch to CP peers), routes and MoE under CP, PP x CP;
+``megatron.context_parallel`` stays refused above 1 until it is (docs/megatron.md, "Context
+parallelism").
 """
 
 from __future__ import annotations
