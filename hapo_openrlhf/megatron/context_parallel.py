@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .head import PlacedHeadValues
+
 
 def align_size(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
     """The multiple each sequence is padded to: 2 CP (x TP with sequence parallelism); without CP,
@@ -184,16 +186,20 @@ def all_gather_tokens(local: torch.Tensor, cu_seqlens_padded: list[int], group) 
     return _AllGatherTokens.apply(local, list(cu_seqlens_padded), group)
 
 
-class CPRows:
+class CPRows(PlacedHeadValues):
     """A micro-batch's rows under context parallelism, with the interface the schedule uses of
-    ``schedule.RowLayout`` (``model_inputs``, ``logprobs_entropy``): the rows of a left/right padded
-    [B, S] batch packed (THD), each padded to the split's multiple (:func:`align_size`: 2 CP, x TP with
-    sequence parallelism), this CP rank's share forwarded with ``PackedSeqParams`` holding the global
-    ``cu_seqlens`` and ``cu_seqlens_padded`` (what megatron-core's THD RoPE and TE's CP attention read),
-    each held token scored against its global next token by either head
-    (``head.token_logprobs_entropy``), the values gathered back (:func:`all_gather_tokens`) into the
-    caller's [B, S-1] on every CP rank, differentiable. ``schedule.forward_backward`` and
-    ``schedule.logprobs_and_entropy`` use it when megatron-core's parallel state has CP > 1."""
+    ``schedule.RowLayout`` (``model_inputs`` and the head's values, ``head.PlacedHeadValues``): the rows
+    of a left/right padded [B, S] batch packed (THD), each padded to the split's multiple
+    (:func:`align_size`: 2 CP, x TP with sequence parallelism), this CP rank's share forwarded with
+    ``PackedSeqParams`` holding the global ``cu_seqlens`` and ``cu_seqlens_padded`` (what megatron-core's
+    THD RoPE and TE's CP attention read), each held token scored against its global next token, the
+    values gathered back (:func:`all_gather_tokens`) into the caller's [B, S-1] on every CP rank,
+    differentiable. ``schedule.forward_backward`` and ``schedule.logprobs_and_entropy`` use it when
+    megatron-core's parallel state has CP > 1.
+
+    Everything is planned on the host from the rows' sizes; the token ids never leave their device:
+    the split is made of *positions* in the flattened [B, S] batch (-1 for padding), which pick this
+    rank's ids and labels with one gather each."""
 
     def __init__(self, starts: list[int], lengths: list[int], input_ids: torch.Tensor, cp_group, *, tp: int = 1,
                  sequence_parallel: bool = False):
@@ -203,14 +209,21 @@ class CPRows:
 
         self.group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
         cp = 1 if self.group is None else dist.get_world_size(self.group)
-        ids = input_ids.cpu()
-        seqs = [ids[b, s:s + n] for b, (s, n) in enumerate(zip(starts, lengths))]
-        self.shard = shard(seqs, cp, 0 if self.group is None else dist.get_rank(self.group), tp=tp,
-                           sequence_parallel=sequence_parallel)
-        self.shape, self.device = tuple(input_ids.shape), input_ids.device
+        B, S = self.shape = tuple(input_ids.shape)
+        self.device = input_ids.device
+        where = [torch.arange(b * S + s, b * S + s + n) for b, (s, n) in enumerate(zip(starts, lengths))]
+        self.shard = shard(where, cp, 0 if self.group is None else dist.get_rank(self.group), tp=tp,
+                           sequence_parallel=sequence_parallel, pad_id=-1)
+        flat = input_ids.reshape(-1)
+
+        def pick(pos):  # the ids at these positions of the batch, 0 where the split padded
+            pos = pos.to(self.device)
+            return torch.where(pos >= 0, flat.index_select(0, pos.clamp(min=0)), 0)
+
+        self.input_ids, self.labels = pick(self.shard.input_ids), pick(self.shard.labels)
         # each row's next-token positions: (padded packed index, index into the caller's [B, S-1])
         src = [a + i for a, n in zip(self.shard.cu_seqlens_padded[:-1], lengths) for i in range(n - 1)]
-        dst = [b * (self.shape[1] - 1) + s + i for b, (s, n) in enumerate(zip(starts, lengths)) for i in range(n - 1)]
+        dst = [b * (S - 1) + s + i for b, (s, n) in enumerate(zip(starts, lengths)) for i in range(n - 1)]
         self.src, self.dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (src, dst))
 
     def model_inputs(self, input_ids: torch.Tensor | None = None) -> dict:
@@ -222,42 +235,18 @@ class CPRows:
         cu, cu_p = (torch.tensor(c, dtype=torch.int32, device=dev) for c in (sh.cu_seqlens, sh.cu_seqlens_padded))
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
                                  cu_seqlens_kv_padded=cu_p, max_seqlen_q=sh.max_seqlen, max_seqlen_kv=sh.max_seqlen)
-        return {"input_ids": sh.input_ids[None].to(dev), "position_ids": sh.position_ids[None].to(dev),
+        return {"input_ids": self.input_ids[None], "position_ids": sh.position_ids[None].to(dev),
                 "attention_mask": None, "packed_seq_params": packed}
 
-    def logprobs_entropy(self, out: torch.Tensor, model_ids=None, *, vocab_size: int, temperature: float,
-                         chunk_size: int, tp_group, tp_rank: int, weight=None, labels_checked: bool = False):
-        """This rank's model output -> the whole micro-batch's next-token log-probs and entropy
-        [B, S-1] (zeros where a row has no next real token), as ``RowLayout.logprobs_entropy``."""
-        from . import head as heads
+    # the head's values (head.PlacedHeadValues): every held position is scored, against the global next
+    # token of its sequence (which another CP rank may hold)
+    def _scored(self, out: torch.Tensor) -> torch.Tensor:
+        return out
 
-        lp, en = heads.token_logprobs_entropy(out, self.shard.labels[None].to(out.device), weight=weight,
-                                              vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
-                                              tp_group=tp_group, tp_rank=tp_rank, labels_checked=labels_checked)
-        return self._place(lp), self._place(en)
-
-    def nucleus_logmass(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
-                        chunk_size: int, tp_group, tp_rank: int, weight=None) -> torch.Tensor:
-        """log P(top-p nucleus) [B, S-1], as ``RowLayout.nucleus_logmass`` (``taps.NucleusLogMass``)."""
-        from . import head as heads
-
-        lm = heads.token_nucleus_logmass(out, top_p=top_p, weight=weight, vocab_size=vocab_size,
-                                         temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
-                                         tp_rank=tp_rank)
-        return self._place(lm)
-
-    def head_signals(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
-                     chunk_size: int, tp_group, tp_rank: int, weight=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(nucleus entropy, top-two gap) [B, S-1], detached, as ``RowLayout.head_signals`` (PAEC's)."""
-        from . import head as heads
-
-        ne, gap = heads.token_head_signals(out, top_p=top_p, weight=weight, vocab_size=vocab_size,
-                                           temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
-                                           tp_rank=tp_rank)
-        return self._place(ne), self._place(gap)
+    def _labels(self, model_ids=None) -> torch.Tensor:
+        return self.labels[None]
 
     def _place(self, v: torch.Tensor) -> torch.Tensor:
         B, S = self.shape
         whole = all_gather_tokens(v[0], self.shard.cu_seqlens_padded, self.group)
         return whole.new_zeros(B * (S - 1)).index_copy(0, self.dst, whole.index_select(0, self.src)).view(B, S - 1)
-

@@ -245,24 +245,14 @@ def output_weight(model) -> torch.Tensor:
     return m.output_layer.weight
 
 
-def next_token_logprobs_entropy(out: torch.Tensor, input_ids: torch.Tensor, *, weight: torch.Tensor | None,
-                                vocab_size: int, temperature: float, chunk_size: int, tp_group,
-                                tp_rank: int, labels_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token log-probs and entropy [B, S-1] from the last stage's output ``out
-    [B, S, *]``: this rank's logits shard [B, S, V/TP] (``weight`` None: the ``logits``
-    head), or the hidden states [B, S, H] with the head shard ``weight`` (the fused head).
-    The shift is here, the shard's vocabulary offset in :func:`token_logprobs_entropy`."""
-    return token_logprobs_entropy(out[:, :-1], input_ids[:, 1:], weight=weight, vocab_size=vocab_size,
-                                  temperature=temperature, chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank,
-                                  labels_checked=labels_checked)
-
-
 def token_logprobs_entropy(out: torch.Tensor, labels: torch.Tensor, *, weight: torch.Tensor | None, vocab_size: int,
                            temperature: float, chunk_size: int, tp_group, tp_rank: int,
                            labels_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of ``labels`` [B, T] and entropy [B, T] at each position of ``out [B, T, *]``
-    (as :func:`next_token_logprobs_entropy`, with the labels given: a context-parallel rank's
-    tokens are labelled with the next token of their sequence, which another rank may hold)."""
+    """Log-probs of ``labels`` [B, T] and entropy [B, T] at each position of the last stage's output
+    ``out`` [B, T, *]: this rank's logits shard [B, T, V/TP] (``weight`` None: the ``logits`` head), or
+    the hidden states [B, T, H] with the head shard ``weight`` (the fused head); the shard's vocabulary
+    offset is here. The caller pairs positions and labels (``PlacedHeadValues``: the next input token,
+    or under CP the next token of the sequence, which another rank may hold)."""
     if weight is None:
         return vocab_parallel_logprobs_entropy(
             out, labels, vocab_start=tp_rank * out.shape[-1], vocab_size=vocab_size,
@@ -274,37 +264,21 @@ def token_logprobs_entropy(out: torch.Tensor, labels: torch.Tensor, *, weight: t
         labels_checked=labels_checked)
 
 
-def next_token_nucleus_logmass(out: torch.Tensor, *, top_p: float, weight: torch.Tensor | None, vocab_size: int,
-                               temperature: float, chunk_size: int, tp_group, tp_rank: int) -> torch.Tensor:
-    """log P(top-p nucleus) [B, S-1] of each next-token distribution, from the same output
-    as :func:`next_token_logprobs_entropy` (logits shard, or hidden states + head shard),
-    over the tensor-parallel group (``algos.nucleus.sharded_nucleus_logmass``; no grad)."""
-    return token_nucleus_logmass(out[:, :-1], top_p=top_p, weight=weight, vocab_size=vocab_size,
-                                 temperature=temperature, chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
-
-
 def token_nucleus_logmass(out: torch.Tensor, *, top_p: float, weight: torch.Tensor | None, vocab_size: int,
                           temperature: float, chunk_size: int, tp_group, tp_rank: int) -> torch.Tensor:
-    """:func:`next_token_nucleus_logmass` at each position of ``out`` [B, T, *], no shift (a
-    context-parallel rank's held tokens)."""
+    """log P(top-p nucleus) [B, T] of the distribution at each position of ``out`` (as
+    :func:`token_logprobs_entropy` reads it), over the tensor-parallel group
+    (``algos.nucleus.sharded_nucleus_logmass``; no grad)."""
     Vr = out.shape[-1] if weight is None else weight.shape[0]
     return sharded_nucleus_logmass(out, top_p, weight=weight, temperature=temperature,
                                    n_valid=vocab_size - tp_rank * Vr, group=tp_group, chunk_size=chunk_size)
 
 
-def next_token_head_signals(out: torch.Tensor, *, top_p: float, weight: torch.Tensor | None, vocab_size: int,
-                            temperature: float, chunk_size: int, tp_group, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nucleus entropy, top-two log-prob gap) [B, S-1] of each next-token distribution --
-    PAEC's signals -- from the same output as :func:`next_token_logprobs_entropy`, over the
-    tensor-parallel group, detached (``algos.nucleus.sharded_nucleus_stats``: no [T, V/TP])."""
-    return token_head_signals(out[:, :-1], top_p=top_p, weight=weight, vocab_size=vocab_size,
-                              temperature=temperature, chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank)
-
-
 def token_head_signals(out: torch.Tensor, *, top_p: float, weight: torch.Tensor | None, vocab_size: int,
                        temperature: float, chunk_size: int, tp_group, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`next_token_head_signals` at each position of ``out`` [B, T, *], no shift (a
-    context-parallel rank's held tokens)."""
+    """(nucleus entropy, top-two log-prob gap) [B, T] -- PAEC's signals -- of the distribution at each
+    position of ``out`` (as :func:`token_logprobs_entropy` reads it), over the tensor-parallel group,
+    detached (``algos.nucleus.sharded_nucleus_stats``: no [T, V/TP])."""
     Vr = out.shape[-1] if weight is None else weight.shape[0]
     st = sharded_nucleus_stats(out.detach(), top_p, weight=None if weight is None else weight.detach(),
                                temperature=temperature, n_valid=vocab_size - tp_rank * Vr, group=tp_group,
@@ -319,3 +293,36 @@ def resolve(head: str, attention: str) -> str:
     if head == "auto":
         return "fused" if attention == "flash" else "logits"
     return head
+
+
+class PlacedHeadValues:
+    """The head's token-local values -- log-probs and entropy, log P(nucleus), PAEC's signals --
+    computed from a model output and placed in the caller's [B, S-1] layout. A layout gives
+    ``_scored(out)`` (the output at the positions that predict a token), ``_labels(model_ids)``
+    (the token each of those positions predicts) and ``_place(v)``: ``schedule.RowLayout`` (the
+    model's own input, shifted by one) and ``context_parallel.CPRows`` (a CP rank's tokens and their
+    global next tokens) share these three methods."""
+
+    def logprobs_entropy(self, out: torch.Tensor, model_ids: torch.Tensor | None = None, *, vocab_size: int,
+                         temperature: float, chunk_size: int, tp_group, tp_rank: int, weight=None,
+                         labels_checked: bool = False):
+        """Log-probs and entropy [B, S-1] (zeros where a row has no next real token)."""
+        lp, en = token_logprobs_entropy(self._scored(out), self._labels(model_ids), weight=weight,
+                                        vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
+                                        tp_group=tp_group, tp_rank=tp_rank, labels_checked=labels_checked)
+        return self._place(lp), self._place(en)
+
+    def nucleus_logmass(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
+                        chunk_size: int, tp_group, tp_rank: int, weight=None) -> torch.Tensor:
+        """log P(top-p nucleus) of each next-token distribution [B, S-1] (no grad)."""
+        return self._place(token_nucleus_logmass(self._scored(out), top_p=top_p, weight=weight, vocab_size=vocab_size,
+                                                 temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
+                                                 tp_rank=tp_rank))
+
+    def head_signals(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
+                     chunk_size: int, tp_group, tp_rank: int, weight=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nucleus entropy, top-two gap) [B, S-1] of each next-token distribution, detached."""
+        ne, gap = token_head_signals(self._scored(out), top_p=top_p, weight=weight, vocab_size=vocab_size,
+                                     temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
+                                     tp_rank=tp_rank)
+        return self._place(ne), self._place(gap)

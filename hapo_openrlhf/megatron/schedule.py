@@ -54,7 +54,7 @@ def _rows_and_offsets(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, t
 
 
 @dataclass
-class RowLayout:
+class RowLayout(heads.PlacedHeadValues):
     """Where each row's real tokens are in the caller's [B, S] batch and in the model's
     input, and the index maps between the two for the [*, S-1] next-token values."""
 
@@ -241,37 +241,15 @@ class RowLayout:
         flat = flat.chunk(tp, 0)[tp_rank] if tp > 1 else flat
         return flat[:, :-1].to(dev, non_blocking=True), flat[:, -1, 0].bool().to(dev, non_blocking=True)
 
-    def logprobs_entropy(self, out: torch.Tensor, model_ids: torch.Tensor, *, vocab_size: int,
-                         temperature: float, chunk_size: int, tp_group, tp_rank: int, weight=None,
-                         labels_checked: bool = False):
-        """The last stage's output (this rank's logits shard, or with ``weight`` the hidden
-        states for the fused head: ``head.next_token_logprobs_entropy``) -> next-token
-        log-probs and entropy [B, S-1] in the caller's layout (zeros where a row has no
-        next real token)."""
-        # thd: [1, T, *], value t predicts packed token t + 1 (unused across a sequence boundary);
-        # padded: [B, L, *]; masked: the caller's own rows
-        lp, en = heads.next_token_logprobs_entropy(out, model_ids, weight=weight, vocab_size=vocab_size,
-                                                   temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
-                                                   tp_rank=tp_rank, labels_checked=labels_checked)
-        return self._place(lp), self._place(en)
+    # the head's values (head.PlacedHeadValues): the last stage's output (this rank's logits shard, or
+    # the hidden states for the fused head) at every position but the last, each predicting the next
+    # input token -- thd: [1, T, *], value t predicts packed token t + 1 (unused across a sequence
+    # boundary); padded: [B, L, *]; masked: the caller's own rows
+    def _scored(self, out: torch.Tensor) -> torch.Tensor:
+        return out[:, :-1]
 
-    def nucleus_logmass(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
-                        chunk_size: int, tp_group, tp_rank: int, weight=None) -> torch.Tensor:
-        """log P(top-p nucleus) of each next-token distribution [B, S-1], from the same
-        output as :meth:`logprobs_entropy` (``head.next_token_nucleus_logmass``; no grad)."""
-        lm = heads.next_token_nucleus_logmass(out, top_p=top_p, weight=weight, vocab_size=vocab_size,
-                                              temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
-                                              tp_rank=tp_rank)
-        return self._place(lm)
-
-    def head_signals(self, out: torch.Tensor, *, top_p: float, vocab_size: int, temperature: float,
-                     chunk_size: int, tp_group, tp_rank: int, weight=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(nucleus entropy, top-two gap) [B, S-1] of each next-token distribution, detached,
-        from the same output as :meth:`logprobs_entropy` (``head.next_token_head_signals``)."""
-        ne, gap = heads.next_token_head_signals(out, top_p=top_p, weight=weight, vocab_size=vocab_size,
-                                                temperature=temperature, chunk_size=chunk_size, tp_group=tp_group,
-                                                tp_rank=tp_rank)
-        return self._place(ne), self._place(gap)
+    def _labels(self, model_ids: torch.Tensor) -> torch.Tensor:
+        return model_ids[:, 1:]
 
     def _place(self, v: torch.Tensor) -> torch.Tensor:
         """The model's next-token values -> the caller's [B, S-1] (zeros where a row has no

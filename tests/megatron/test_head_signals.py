@@ -61,12 +61,12 @@ def _worker(rank, world, head, out):
     forward_backward(model, [{"input_ids": ids, "attention_mask": am}], loss_fn, vocab_size=259, temperature=T,
                      chunk_size=4, taps=[HeadSignals(TOP_P)])
     # the signals' own allocations: no tensor of T x V/TP (the logits head's shard is handed in)
-    from hapo_openrlhf.megatron.head import next_token_head_signals, output_weight, is_installed
+    from hapo_openrlhf.megatron.head import is_installed, output_weight, token_head_signals
 
     H = hf.config.hidden_size
     x = torch.randn(1, 200, H if is_installed(model) else output_weight(model).shape[0])
-    n = largest_new_tensor_numel(lambda: next_token_head_signals(
-        x, top_p=TOP_P, weight=output_weight(model) if is_installed(model) else None, vocab_size=259, temperature=T,
+    n = largest_new_tensor_numel(lambda: token_head_signals(
+        x[:, :-1], top_p=TOP_P, weight=output_weight(model) if is_installed(model) else None, vocab_size=259, temperature=T,
         chunk_size=8, tp_group=ps.get_tensor_model_parallel_group(), tp_rank=rank))
     if rank == 0:
         torch.save({**{k: v.detach() for k, v in got.items()}, "largest": n,
