@@ -256,6 +256,34 @@ def test_the_te_stand_ins_cp_attention_equals_one_rank_at_each_shards_tokens(tmp
     assert all(v["tokens"] == 16 and v["zero_rows"] > 0 for v in checked.values())
 
 
+# -------------------------------------------- set-up shared by the workers below (issue 58)
+def _init_cp(cp, tp=1):
+    """Megatron's parallel state with ``cp`` context-parallel (and ``tp`` tensor-parallel) ranks over
+    this job, the CPU shim installed, the model-parallel RNG seeded."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from tests.megatron.cuda_shim import install
+
+    install()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+
+
+def _te_model(hf, cp, head, tp=1, tp_rank=0, sequence_parallel=False):
+    """``hf``'s weights in a GPTModel on the TE spec at megatron-core's ``context_parallel_size`` = ``cp``
+    (every weight loaded: only TE's ``_extra_state`` may be missing)."""
+    from hapo_openrlhf.megatron.convert import hf_to_megatron
+    from hapo_openrlhf.megatron.model import build_gpt_model
+
+    model = build_gpt_model(hf.config, tp=tp, spec="te", sequence_parallel=sequence_parallel, head=head,
+                            perform_initialization=False, context_parallel_size=cp)
+    missing, unexpected = model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te", tp=tp,
+                                                               tp_rank=tp_rank), strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    return model
+
+
 # ---------------------------------------- megatron-core's GPTModel at CP=2 on the stand-in (issue 58)
 def _cp_model_worker(rank, out_dir, cp):
     """One forward + backward of a tiny Qwen3 GPTModel on the TE spec with megatron-core's
@@ -266,22 +294,13 @@ def _cp_model_worker(rank, out_dir, cp):
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from hapo_openrlhf.megatron.convert import hf_to_megatron
-    from hapo_openrlhf.megatron.model import build_gpt_model
-    from tests.megatron.cuda_shim import install
     from tests.megatron.test_convert import tiny_model
 
-    install()
-    ps.initialize_model_parallel(context_parallel_size=cp)
-    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    _init_cp(cp)
     hf = tiny_model("qwen3", False, layers=2)
-    model = build_gpt_model(hf.config, spec="te", head="logits", perform_initialization=False,
-                            context_parallel_size=cp)
-    missing, unexpected = model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te"), strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    model = _te_model(hf, cp, "logits")
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=gen) for n in LENGTHS]
     weights = [torch.randn(2, n, generator=gen) for n in LENGTHS]  # per (sequence, position): the loss's weights
@@ -387,18 +406,12 @@ def _cp_logprobs_worker(rank, out_dir, cp):
     ``schedule.logprobs_and_entropy`` on each rank (CPRows under CP). Each: [B, S-1] values and the gradients (summed over CP) of a weighted loss."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
-    from hapo_openrlhf.megatron.convert import hf_to_megatron
-    from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
-    from tests.megatron.cuda_shim import install
     from tests.megatron.test_convert import tiny_model
     from tests.megatron.test_tensor_parallel import _batch, _both_real
 
-    install()
-    ps.initialize_model_parallel(context_parallel_size=cp)
-    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    _init_cp(cp)
     hf = tiny_model("qwen3", False, layers=2)
     ids, am, w_lp, w_en = _batch()
     am[0, -3:] = 0  # right padding too
@@ -407,9 +420,7 @@ def _cp_logprobs_worker(rank, out_dir, cp):
     group = ps.get_context_parallel_group() if cp > 1 else None  # the gradients are summed over it
     results = {}
     for head in ("logits", "fused"):
-        model = build_gpt_model(hf.config, spec="te", head=head, perform_initialization=False,
-                                context_parallel_size=cp)
-        model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te"), strict=False)
+        model = _te_model(hf, cp, head)
         if cp == 1:  # CPRows without a CP group, by hand, beside hapo's THD path
             paths = {"cp": lambda: _cp_rows_by_hand(model, ids, am),
                      "schedule": lambda: logprobs_and_entropy(model, ids, am, vocab_size=259, chunk_size=5)}
@@ -460,18 +471,12 @@ def _tp2_cp2_worker(rank, out_dir):
     summed over CP, Qwen3's TP-replicated norms summed over TP -- with rank 0 holding both TP shards."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
-    from hapo_openrlhf.megatron.convert import hf_to_megatron
-    from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.schedule import allreduce_tp_replicated_grads, logprobs_and_entropy
-    from tests.megatron.cuda_shim import install
     from tests.megatron.test_convert import tiny_model
     from tests.megatron.test_tensor_parallel import T, _batch, _both_real
 
-    install()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
-    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    _init_cp(2, tp=2)
     tp_rank, cp_group = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_group()
     hf = tiny_model("qwen3", False, layers=2)
     ids, am, w_lp, w_en = _batch()
@@ -479,10 +484,7 @@ def _tp2_cp2_worker(rank, out_dir):
     valid = _both_real(am).float()
     results = {}
     for head in ("logits", "fused"):
-        model = build_gpt_model(hf.config, tp=2, spec="te", sequence_parallel=True, head=head,
-                                perform_initialization=False, context_parallel_size=2)
-        model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te", tp=2, tp_rank=tp_rank),
-                              strict=False)
+        model = _te_model(hf, 2, head, tp=2, tp_rank=tp_rank, sequence_parallel=True)
         lp, en = logprobs_and_entropy(model, ids, am, vocab_size=259, temperature=T, chunk_size=5)
         ((lp * w_lp * valid).sum() + (en * w_en * valid).sum()).backward()
         allreduce_tp_replicated_grads(model)
@@ -524,14 +526,10 @@ def test_tp2_x_cp2_with_sequence_parallelism_equals_hugging_face_with_both_heads
 # ------------------------------ two optimizer steps at CP=2 through hapo's schedule (issue 58)
 def _cp_train_worker(rank, out):
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
-    from tests.megatron.cuda_shim import install
     from tests.megatron.test_ddp import train_two_steps
 
-    install()
-    ps.initialize_model_parallel(context_parallel_size=2)
-    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    _init_cp(2)
     assert ps.get_data_parallel_world_size() == 1 and ps.get_data_parallel_world_size(with_context_parallel=True) == 2
     train_two_steps(rank, 1, 1, True, "fp32", out, spec="te")
 
@@ -558,15 +556,10 @@ def test_two_steps_at_cp2_through_the_schedule_equal_hf_adamw(tmp_path):
 
 # ----------------------------------------------------------- checkpoints across CP (issue 58)
 def _cp_resume_worker(rank, cp, ckpt, phase, out):
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
-    from tests.megatron.cuda_shim import install
     from tests.megatron.test_ddp import _resume_worker
 
-    install()
-    ps.initialize_model_parallel(context_parallel_size=cp)
-    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    _init_cp(cp)
     _resume_worker(rank, 1, "dp_reshardable", ckpt, phase, out, spec="te", init=False, dtype=torch.float32)
 
 
@@ -616,24 +609,15 @@ def _cp_taps_worker(rank, out_dir, cp):
     """Through ``schedule.forward_backward`` on the TE spec with the fused head: the old-log-prob pass
     with ``taps.NucleusLogMass`` (log-probs, entropy, log P(nucleus)) and a training pass with
     ``taps.HeadSignals`` (PAEC's nucleus entropy and top-two gap handed to the loss), at CP = ``cp``."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
-    from hapo_openrlhf.megatron.convert import hf_to_megatron
-    from hapo_openrlhf.megatron.model import build_gpt_model
     from hapo_openrlhf.megatron.schedule import forward_backward
     from hapo_openrlhf.megatron.taps import HeadSignals, NucleusLogMass
-    from tests.megatron.cuda_shim import install
     from tests.megatron.test_convert import tiny_model
     from tests.megatron.test_tensor_parallel import _batch
 
-    install()
-    ps.initialize_model_parallel(context_parallel_size=cp)
-    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    _init_cp(cp)
     hf = tiny_model("qwen3", False, layers=2)
-    model = build_gpt_model(hf.config, spec="te", head="fused", perform_initialization=False,
-                            context_parallel_size=cp)
-    model.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config, spec="te"), strict=False)
+    model = _te_model(hf, cp, "fused")
     ids, am, _, _ = _batch()
     am[0, -3:] = 0
     mbs = [{"input_ids": ids[:2], "attention_mask": am[:2]}, {"input_ids": ids[2:], "attention_mask": am[2:]}]

@@ -139,13 +139,16 @@ def _patch_cpuinfo(cpuinfo) -> None:
 
     def get_cpu_info():
         try:
-            return json.loads(cache.read_text())
-        except (OSError, ValueError):  # none yet, or torn: probe (and write it whole, by rename)
-            info = probe()
-            tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(info))
-            os.replace(tmp, cache)
-            return info
+            info = json.loads(cache.read_text())
+            if isinstance(info, dict) and isinstance(info.get("arch"), str) and isinstance(info.get("flags"), list):
+                return info  # what DeepSpeed reads; anything else is not a probe's answer: probe again
+        except (OSError, ValueError):  # none yet, or torn
+            pass
+        info = probe()  # and write it whole, by rename
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, cache)
+        return info
 
     get_cpu_info._hapo_cpu = True
     cpuinfo.get_cpu_info = get_cpu_info
