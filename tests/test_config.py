@@ -247,4 +247,4 @@ def test_every_choice_is_typed_once_and_refused_by_name_outside_its_literal():
                 C.from_dict(cls, {f.name: "no-such-choice"}, prefix)
             with pytest.raises(ValueError, match="expected a string"):
                 C.from_dict(cls, {f.name: 3}, prefix)
-    assert seen == 13
+    assert seen == 14

@@ -41,7 +41,13 @@ class MegatronConfig:
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    context_parallel: int = 1  # must be 1 until the actor is wired for CP (issue 58; megatron/context_parallel.py)
+    # context parallelism: each packed sequence split over this many ranks (Transformer Engine's
+    # context-parallel attention; needs layer_spec: te, openrlhf.packing_samples, pipeline_parallel 1,
+    # a dense model; megatron/context_parallel.py, docs/megatron.md "Context parallelism")
+    context_parallel: int = 1
+    # how TE's attention exchanges K/V between the CP ranks: p2p (ring, TE >= 1.7 on THD), all_gather
+    # or a2a (TE >= 1.10; a2a: heads per TP rank divisible by CP). a2a+p2p (hierarchical) is refused
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
     sequence_parallel: bool = False  # needs layer_spec: te (megatron-core's torch norms refuse it)
     params_dtype: Literal["bf16", "fp32"] = "bf16"  # bf16 | fp32 (weights, activations and the AdamW moments' params)
     vocab_multiple: int = 128  # the vocabulary is padded to a multiple of this x tensor_parallel
@@ -84,11 +90,23 @@ class MegatronConfig:
         require(self.optimizer_sharding in choices(type(self), "optimizer_sharding"),
                  f"megatron.optimizer_sharding must be dp_reshardable or fully_reshardable, "
                  f"got {self.optimizer_sharding!r}")
-        require(self.context_parallel == 1,
-                 "megatron.context_parallel > 1 is not supported yet: the batch split Transformer Engine expects is "
-                 "built, and hapo's schedule, optimizer and checkpoints run under CP (megatron/context_parallel.py), "
-                 "but the policy actor is not wired for it (issue 58; docs/megatron.md); use tensor/pipeline "
-                 "parallelism, packing and recompute for long contexts")
+        require(isinstance(self.context_parallel, int) and not isinstance(self.context_parallel, bool)
+                 and self.context_parallel >= 1,
+                 f"megatron.context_parallel must be an integer >= 1, got {self.context_parallel!r}")
+        require(self.cp_comm_type != "a2a+p2p",
+                 "megatron.cp_comm_type a2a+p2p (hierarchical: a2a inside a node, p2p across) needs megatron-core's "
+                 "hierarchical context-parallel groups, which the actor does not build: use p2p, all_gather or a2a")
+        require(self.cp_comm_type in choices(type(self), "cp_comm_type"),
+                 f"megatron.cp_comm_type must be p2p, all_gather or a2a, got {self.cp_comm_type!r}")
+        require(self.context_parallel == 1 or self.layer_spec == "te",
+                 "megatron.context_parallel > 1 needs megatron.layer_spec: te: megatron-core's local attention "
+                 "asserts context_parallel_size 1, context parallelism runs through Transformer Engine's attention")
+        require(self.context_parallel == 1 or self.pipeline_parallel == 1,
+                 "megatron.context_parallel > 1 with pipeline_parallel > 1 is not wired (each CP rank's share of a "
+                 "micro-batch would cross the pipeline): use tensor and context parallelism with pipeline_parallel 1")
+        require(self.context_parallel == 1 or self.moe.routing_replay == "off",
+                 "megatron.context_parallel > 1 with megatron.moe.routing_replay: r3 is not wired (the routes would "
+                 "need the same split as the tokens): turn one off")
         require(not self.sequence_parallel or self.layer_spec == "te",
                  "megatron.sequence_parallel needs megatron.layer_spec: te (Transformer Engine's norms); "
                  "megatron-core's local spec builds torch norms, which refuse it (docs/megatron.md)")
@@ -99,4 +117,5 @@ class MegatronConfig:
 
     @property
     def model_parallel_size(self) -> int:
+        """The ranks of one data-parallel replica (OpenRLHF's duplicate actors: they receive the same data)."""
         return self.tensor_parallel * self.pipeline_parallel * self.context_parallel

@@ -79,12 +79,14 @@ class RunConfig:
         o, m = self.openrlhf, self.megatron
         world = o.actor_num_nodes * o.actor_gpus_per_node
         require(world % m.model_parallel_size == 0,
-                 f"backend megatron: tensor_parallel x pipeline_parallel ({m.model_parallel_size}) must divide the "
+                 f"backend megatron: tensor_parallel x context_parallel x pipeline_parallel ({m.tensor_parallel} x "
+                 f"{m.context_parallel} x {m.pipeline_parallel} = {m.model_parallel_size}) must divide the "
                  f"actor world size (openrlhf.actor_num_nodes x actor_gpus_per_node = {world})")
         dp = world // m.model_parallel_size
         require(dp % m.expert_parallel == 0,
                  f"backend megatron: expert_parallel {m.expert_parallel} must divide the data-parallel size {dp} "
-                 f"(world {world} / tensor_parallel {m.tensor_parallel} / pipeline_parallel {m.pipeline_parallel}): "
+                 f"(world {world} / tensor_parallel {m.tensor_parallel} / context_parallel {m.context_parallel} / "
+                 f"pipeline_parallel {m.pipeline_parallel}): "
                  f"expert parallelism is carved out of data parallelism")
         require(m.expert_parallel == 1 or m.pipeline_parallel == 1,
                  f"backend megatron: expert_parallel {m.expert_parallel} with pipeline_parallel "
@@ -102,7 +104,11 @@ class RunConfig:
         require(not o.packing_samples or m.attention == "flash" or m.layer_spec == "te",
                  "backend megatron: openrlhf.packing_samples (packed THD micro-batches) needs megatron.attention: "
                  "flash; Megatron's local DotProductAttention refuses packed sequences")
-        require(o.ring_attn_size == 1, "backend megatron: openrlhf.ring_attn_size must be 1 (no context parallelism)")
+        require(o.ring_attn_size == 1, "backend megatron: openrlhf.ring_attn_size must be 1 (DeepSpeed's ring attention; "
+                                       "the Megatron actor's context parallelism is megatron.context_parallel)")
+        require(m.context_parallel == 1 or o.packing_samples,
+                 "backend megatron: megatron.context_parallel > 1 needs openrlhf.packing_samples: true (Transformer "
+                 "Engine splits packed THD sequences over the CP ranks; padded rows are not split)")
         require(not o.dynamic_batch or m.attention == "flash" or m.layer_spec == "te",
                  "backend megatron: openrlhf.dynamic_batch (token-budget micro-batches) needs megatron.attention: "
                  "flash; Megatron's local attention runs fixed-shape, masked micro-batches")

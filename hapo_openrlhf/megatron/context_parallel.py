@@ -33,10 +33,11 @@ checks it equals one rank on this split, and that megatron-core's GPTModel at
 log-prob path under CP on top of this split: ``schedule.logprobs_and_entropy`` and
 ``schedule.forward_backward`` take it when the parallel state has CP > 1 (dense models, THD, PP 1;
 the head's nucleus log-mass and PAEC's signals too), and megatron-core's DDP and distributed
-optimizer reduce and shard over DP x CP. Not built yet (issue 58): the policy actor's wiring (its
-parallel state with CP, the data dispatch to CP peers), routes and MoE under CP, PP x CP;
-``megatron.context_parallel`` stays refused above 1 until it is (docs/megatron.md, "Context
-parallelism").
+optimizer reduce and shard over DP x CP. The policy actor runs it with ``megatron.context_parallel``
+> 1 (its parallel state in ``setup.RANK_ORDER``: OpenRLHF's controller sends a replica's micro-batches
+to all its CP ranks; the token budget counts each rank's share, :func:`tokens_per_rank`). Not built
+(refused by name where configured): routes and MoE under CP, PP x CP, the hierarchical ``a2a+p2p``
+(docs/megatron.md, "Context parallelism").
 """
 
 from __future__ import annotations
@@ -46,6 +47,47 @@ from dataclasses import dataclass
 import torch
 
 from .head import PlacedHeadValues
+
+
+# the oldest Transformer Engine that runs each ``megatron.cp_comm_type`` on packed (THD) sequences:
+# CP on THD arrived in TE 1.7; megatron-core hands TE a comm type only from TE 1.10 and silently runs
+# p2p below it (``TEDotProductAttention.__init__``), so all_gather and a2a need 1.10
+TE_MIN_VERSION = {"p2p": "1.7.0", "all_gather": "1.10.0", "a2a": "1.10.0"}
+
+
+def te_problem(comm_type: str, te_version: str | None) -> str | None:
+    """Why a Transformer Engine of ``te_version`` (None: not installed) cannot run context parallelism
+    with ``comm_type``; None when it can. One line, naming the setting."""
+    from packaging.version import InvalidVersion, Version
+
+    if comm_type not in TE_MIN_VERSION:
+        return f"megatron.cp_comm_type {comm_type!r} is not one of {sorted(TE_MIN_VERSION)}"
+    need = TE_MIN_VERSION[comm_type]
+    if te_version is None:
+        return (f"megatron.context_parallel > 1 runs through Transformer Engine's attention, and transformer-engine "
+                f"is not installed (cp_comm_type {comm_type} needs >= {need})")
+    try:
+        have = Version(str(te_version).split("+")[0])
+    except InvalidVersion:
+        return f"transformer-engine reports version {te_version!r}, which is not a version: cannot check it"
+    if have < Version(need):
+        return (f"megatron.cp_comm_type {comm_type} needs transformer-engine >= {need}, installed {te_version}"
+                + (" (megatron-core would run p2p instead without a word)" if comm_type != "p2p" else ""))
+    return None
+
+
+def check_installed_te(comm_type: str) -> None:
+    """:func:`te_problem` for the Transformer Engine megatron-core sees (its ``get_te_version``);
+    raises ValueError. The policy actor calls it before its process groups exist."""
+    from megatron.core.utils import get_te_version
+
+    try:
+        have = get_te_version()
+    except Exception:  # noqa: BLE001 - no TE, or no packaging: megatron-core cannot report one
+        have = None
+    problem = te_problem(comm_type, None if have is None else str(have))
+    if problem:
+        raise ValueError(problem)
 
 
 def align_size(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:

@@ -182,6 +182,17 @@ def check_actor_family(hf_config, megatron: MegatronConfig | None = None) -> Fam
     if not fam.moe and m.moe.routing_replay != "off":
         problems.append("megatron.moe.routing_replay replays a mixture of experts' routes, and this model is dense "
                         "(set routing_replay: off)")
+    cp = m.context_parallel
+    if fam.moe and cp > 1:
+        problems.append(f"context_parallel {cp} with a mixture of experts is not wired (the MoE layers' token "
+                        f"dispatch and load-balancing mask under CP): run it at context_parallel 1")
+    if cp > 1 and m.cp_comm_type == "a2a":  # TE's a2a swaps the sequence split for a head split inside the CP group
+        heads = {"attention heads": hf_config.num_attention_heads, "key/value heads": hf_config.num_key_value_heads}
+        for what, n in heads.items():
+            if n % tp or (n // tp) % cp:
+                problems.append(f"cp_comm_type a2a splits each tensor-parallel rank's {what} over the CP ranks: "
+                                f"{n} / tensor_parallel {tp} is not a multiple of context_parallel {cp} "
+                                f"(use p2p or all_gather)")
     if fam.moe and tp > 1 and not m.sequence_parallel:
         problems.append(f"a mixture of experts at tensor_parallel {tp} needs sequence parallelism "
                         f"(megatron.sequence_parallel: true, with layer_spec: te), or expert_parallel with "

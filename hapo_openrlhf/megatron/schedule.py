@@ -314,12 +314,13 @@ def cp_layouts(micro_batches: list[dict], layout: str, pp: int, taps, config) ->
 
     from .context_parallel import CPRows
 
-    token_local = (NucleusLogMass, HeadSignals)
+    # the head's token-local values; AuxLossScale only weighs a mixture of experts' load-balancing
+    # loss, and a mixture of experts is refused here (on a dense model the tap does nothing)
+    token_local = (NucleusLogMass, HeadSignals, AuxLossScale)
     refused = {f"layout {layout!r}": layout != "thd", "pipeline parallelism": pp > 1,
                "a mixture of experts": bool(getattr(config, "num_moe_experts", None)),
                "taps other than the head's token-local values (routing replay, router statistics)": any(
-                   not (isinstance(t, token_local) or (isinstance(t, AuxLossScale) and t.normaliser is None))
-                   for t in taps)}
+                   not isinstance(t, token_local) for t in taps)}
     if any(refused.values()):
         raise ValueError(f"context parallelism is not wired with {[k for k, v in refused.items() if v]} yet "
                          f"(issue 58): run those at context_parallel 1")

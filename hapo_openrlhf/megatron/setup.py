@@ -17,8 +17,9 @@ import torch
 if TYPE_CHECKING:
     from ..config import MegatronConfig
 
-# tp-cp-ep-pp-dp: a data-parallel replica is TP x PP consecutive ranks, which is how OpenRLHF's
-# controller deals out data (its "duplicate actors"); expert parallelism is carved out of data
+# tp-cp-ep-pp-dp: a data-parallel replica is TP x CP x PP consecutive ranks, which is how OpenRLHF's
+# controller deals out data (its "duplicate actors": every CP rank gets the whole micro-batch and
+# keeps its share, context_parallel.CPRows); expert parallelism is carved out of data
 # parallelism. In this order megatron-core asserts that attention and expert layers have the same
 # data-parallel size when PP > 1, which EP > 1 breaks: the config loader refuses PP > 1 with EP > 1.
 RANK_ORDER = "tp-cp-ep-pp-dp"
@@ -35,22 +36,30 @@ class Ranks:
     tp_rank: int
     pp_rank: int
     ep_rank: int
-    dp_size: int
+    dp_size: int  # data-parallel replicas (CP peers are one replica: they hold the same data)
     dp_rank: int
     expert_dp_size: int
+    cp: int = 1
+    cp_rank: int = 0
+
+    @property
+    def dp_cp_size(self) -> int:
+        """What megatron-core's DDP reduces gradients over and its distributed optimizer shards over."""
+        return self.dp_size * self.cp
 
 
-def init_parallel_state(tp: int, pp: int, ep: int = 1) -> Ranks:
-    """megatron-core's parallel state for TP x PP x EP over the initialised world, in
+def init_parallel_state(tp: int, pp: int, ep: int = 1, cp: int = 1) -> Ranks:
+    """megatron-core's parallel state for TP x CP x PP x EP over the initialised world, in
     :data:`RANK_ORDER` (collective)."""
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, order=RANK_ORDER)
+                                 context_parallel_size=cp, expert_model_parallel_size=ep, order=RANK_ORDER)
     return Ranks(tp=tp, pp=pp, ep=ep, tp_rank=ps.get_tensor_model_parallel_rank(),
                  pp_rank=ps.get_pipeline_model_parallel_rank(), ep_rank=ps.get_expert_model_parallel_rank(),
                  dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
-                 expert_dp_size=ps.get_expert_data_parallel_world_size())
+                 expert_dp_size=ps.get_expert_data_parallel_world_size(), cp=cp,
+                 cp_rank=ps.get_context_parallel_rank())
 
 
 def moe_settings(hf_config, m: MegatronConfig) -> dict[str, Any] | None:
@@ -73,6 +82,8 @@ def build_stage(hf_config, m: MegatronConfig, ranks: Ranks, *, routing_replay: b
                  "recompute_num_layers": 1} if m.recompute else {}
     overrides.update(perform_initialization=False, use_cpu_initialization=not cuda,
                      sequence_parallel=m.sequence_parallel)
+    if ranks.cp > 1:  # TE's attention takes the CP group from the parallel state, the comm type from here
+        overrides.update(context_parallel_size=ranks.cp, cp_comm_type=m.cp_comm_type)
     return build_gpt_model(hf_config, tp=ranks.tp, pp=ranks.pp, pp_rank=ranks.pp_rank,
                            params_dtype=DTYPES[m.params_dtype], vocab_multiple=m.vocab_multiple,
                            attention=m.attention, spec=m.layer_spec, head=m.head, ep=ranks.ep,

@@ -113,7 +113,7 @@ def test_megatron_configs_are_shipped_and_checked():
     assert {"qwen25_math_7b_hapo_megatron", "deepscaler_1p5b_24k_hapo_megatron"} <= names
     base = REPO / "configs/qwen25_math_7b_hapo_megatron.yaml"
     for override, msg in [("megatron.tensor_parallel=3", "must divide the actor world size"),
-                          ("megatron.context_parallel=2", "context_parallel > 1 is not supported yet: the batch split"),
+                          ("megatron.context_parallel=2", "context_parallel > 1 needs megatron.layer_spec: te"),
                           ("megatron.sequence_parallel=true", "layer_spec: te"),
                           ("megatron.attention=local,openrlhf.packing_samples=true", "needs megatron.attention: flash"),
                           ("megatron.attention=sdpa", "flash or local"),

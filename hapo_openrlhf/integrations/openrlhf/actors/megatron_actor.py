@@ -122,7 +122,8 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
 
         # Megatron's DDP (fp32 grad buffers) and optimizer: fp32 masters for a bf16 model, and with
         # the distributed optimizer masters + moments sharded over DP (megatron/ddp.py)
-        self.distributed_optimizer = use_distributed_optimizer(m.distributed_optimizer, self.dp_size)
+        # (megatron-core shards it over DP x CP: CP ranks hold the same parameters)
+        self.distributed_optimizer = use_distributed_optimizer(m.distributed_optimizer, self.dp_size * self.cp)
         self.ddp = wrap(self.model, distributed_optimizer=self.distributed_optimizer)
         adam = args.actor.adam
         self.optimizer = MegatronOptimizer(self.ddp, lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps,
@@ -131,7 +132,8 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
         if dist.get_rank() == 0:
             from ....megatron.head import is_installed
 
-            print(f"Megatron actor: TP {self.tp} x PP {self.pp} x DP {self.dp_size}, {self.params_dtype}, "
+            cp = f" x CP {self.cp} ({m.cp_comm_type})" if self.cp > 1 else ""
+            print(f"Megatron actor: TP {self.tp}{cp} x PP {self.pp} x DP {self.dp_size}, {self.params_dtype}, "
                   f"head {'fused' if is_installed(self.model) else 'logits'}, "
                   f"optimizer {self.optimizer.checkpoint_format}", flush=True)
         name = args.actor.lr_scheduler
@@ -184,12 +186,17 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
         self.args = args = strategy.args
         cfg = transported(args.hapo)
         m = cfg.megatron
-        self.tp, self.pp, self.ep = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel
+        self.tp, self.pp, self.ep, self.cp = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.context_parallel
         dup = args.ds.ring_attn_size * args.ds.tensor_parallel_size
-        if dup != self.tp * self.pp:
+        if dup != m.model_parallel_size:
             raise ValueError(f"OpenRLHF's controller groups {dup} actors per data-parallel replica "
                              f"(ring_attn_size x ds.tensor_parallel_size) but the Megatron layout is "
-                             f"TP {self.tp} x PP {self.pp}: launch through hapo_openrlhf's flags (flags.build_argv)")
+                             f"TP {self.tp} x CP {self.cp} x PP {self.pp}: launch through hapo_openrlhf's flags "
+                             f"(flags.build_argv)")
+        if self.cp > 1:  # the comm type the installed TE lacks: one line, before any process group
+            from ....megatron.context_parallel import check_installed_te
+
+            check_installed_te(m.cp_comm_type)
 
         from ....cluster.netif import check_process_env
 
@@ -199,7 +206,7 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=timedelta(minutes=m.timeout_minutes))
         # the same start-up the full-size dry run checks (megatron/setup.py, megatron/dryrun.py)
-        ranks = init_parallel_state(self.tp, self.pp, self.ep)
+        ranks = init_parallel_state(self.tp, self.pp, self.ep, self.cp)
         seed = int(args.train.seed)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -237,6 +244,11 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
         from ....megatron.schedule import even_out, token_budget_batches
 
         if self.token_budget is not None and self.layout != "masked":
+            if self.cp > 1:  # the budget counts what one CP rank holds: each row padded for the split, / CP
+                from ....megatron.context_parallel import tokens_per_rank
+
+                sp = self.model.config.sequence_parallel
+                lengths = [tokens_per_rank([int(n)], self.cp, tp=self.tp, sequence_parallel=sp) for n in lengths]
             groups = token_budget_batches(lengths, self.token_budget)
         else:
             groups = [list(range(i, min(i + rows_per_mb, len(lengths)))) for i in range(0, len(lengths), rows_per_mb)]
