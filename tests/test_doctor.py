@@ -199,3 +199,23 @@ def test_the_version_matrix_prints_every_package_and_refuses_known_bad_combinati
     assert m["matrix flash-attn"].status == FAIL and m["matrix vllm"].status == OK
     m = plant({**base, "transformer-engine": "2.12.0"})
     assert m["matrix transformer-engine"].status == WARN and "2.20.2" in m["matrix transformer-engine"].fix
+
+
+def test_doctor_checks_the_installed_te_against_the_cp_comm_type(monkeypatch):
+    """Issue 58: a context-parallel config's comm type against the Transformer Engine installed (a2a
+    and all_gather need TE >= 1.10: below it megatron-core would run p2p without a word); no
+    line for a config without CP."""
+    from hapo_openrlhf.cluster import doctor
+
+    sets = ["megatron.layer_spec=te", "megatron.context_parallel=2", "megatron.pipeline_parallel=1"]
+    cfg = load_config(REPO / "configs/qwen25_math_7b_hapo_megatron.yaml", [*sets, "megatron.cp_comm_type=a2a"])
+
+    def checks(te, c=cfg):
+        monkeypatch.setattr(doctor, "_version", lambda d: {"transformer-engine": te}.get(d, "1.0"))
+        return {k.name: k for k in doctor.check_packages(c)}
+
+    bad = checks("1.9.0")["context parallelism"]
+    assert bad.status == FAIL and "cp_comm_type a2a needs transformer-engine >= 1.10.0, installed 1.9.0" in bad.message
+    assert "cp_comm_type: p2p" in bad.fix
+    assert checks("2.20.2")["context parallelism"].status == OK
+    assert "context parallelism" not in checks("2.20.2", load_config(REPO / "configs/qwen25_math_7b_hapo_megatron.yaml"))

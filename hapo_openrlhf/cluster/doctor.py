@@ -124,6 +124,16 @@ def check_packages(cfg: RunConfig) -> list[Check]:
                              f"pip install {dist}=={pin}"))
         else:
             out.append(Check(f"package {dist}", OK, have))
+    m = cfg.megatron
+    te = _version("transformer-engine") or _version("transformer_engine")
+    if cfg.backend == "megatron" and m.context_parallel > 1 and te is not None:
+        from ..megatron.context_parallel import TE_MIN_VERSION, te_problem
+
+        problem = te_problem(m.cp_comm_type, te)
+        out.append(Check("context parallelism", FAIL if problem else OK,
+                         problem or f"cp_comm_type {m.cp_comm_type} on transformer-engine {te} "
+                                    f"(needs >= {TE_MIN_VERSION[m.cp_comm_type]})",
+                         "install a newer transformer-engine, or megatron.cp_comm_type: p2p" if problem else ""))
     return out
 
 

@@ -27,7 +27,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ class DryRun:
     gpu_gb: float
     ranks: list[RankReport] = field(default_factory=list)
     error: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def peak_gb(self) -> float:
@@ -116,6 +117,19 @@ def tokens_per_micro_batch(cfg) -> int:
     if o.dynamic_batch:
         return int(o.max_tokens_per_gpu)
     return int(o.micro_train_batch_size) * int(o.max_len)
+
+
+def build_spec(m):
+    """The ``megatron`` section the dry run builds each stage with: ``layer_spec: te`` on megatron-core's
+    local spec (flash attention), without context parallelism in the model (megatron-core's local
+    attention asserts CP 1; the parallel state keeps CP, so DDP and the distributed optimizer shard
+    over DP x CP as on the GPUs). The parameters are the same tensors -- TE fuses each norm into the
+    linear after it, the local spec keeps it apart, same shapes -- so the weights, gradient buffers
+    and optimizer shards counted are the TE model's; what only TE's modules do (its CUDA kernels,
+    workspace, the CP ring) is not started on this CPU."""
+    if m.layer_spec != "te":
+        return m
+    return replace(m, layer_spec="local", attention="flash", sequence_parallel=False, context_parallel=1)
 
 
 def _role(ranks) -> tuple[str, int, int]:
@@ -185,7 +199,8 @@ def _rank_memory(cfg, hf_config, ranks, model, ddp, optimizer, tokens: int) -> d
     acts = activation_bytes(hf_config, layers=stage_layers, tokens=tokens, tp=ranks.tp,
                             sequence_parallel=m.sequence_parallel, inflight=inflight, recompute=m.recompute,
                             padded_vocab=padded_vocab_size(hf_config.vocab_size, ranks.tp, m.vocab_multiple),
-                            head_chunk=int(cfg.algorithm.entropy_chunk_size or 1024))
+                            head_chunk=int(cfg.algorithm.entropy_chunk_size or 1024), cp=ranks.cp,
+                            cp_comm_type=m.cp_comm_type)
     out = {"weights_gb": weights / GB, "grads_gb": grads / GB, "optimizer_gb": (masters + moments) / GB,
            "activations_gb": acts / GB}
     out["total_gb"] = sum(out.values())
@@ -207,18 +222,20 @@ def _start_rank(cfg, hf_config, rank: int, world: int, build: bool, tokens: int)
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        ranks = init_parallel_state(m.tensor_parallel, m.pipeline_parallel, m.expert_parallel)
+        ranks = init_parallel_state(m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.context_parallel)
         if not build or not _wanted(ranks):
             return ranks, None
+        built, on = build_spec(m), replace(ranks, cp=1)  # TE's spec on the local one (build_spec)
         with torch.device("meta"):
-            model = build_stage(hf_config, m, ranks, routing_replay=cfg.routing_replay, cuda=False)
+            model = build_stage(hf_config, built, on, routing_replay=cfg.routing_replay, cuda=False)
         source = MetaCheckpoint(hf_config, torch.bfloat16)
-        load_hf_weights(model, source, hf_config, m, ranks, what=cfg.model.path)
-        ddp = wrap(model, distributed_optimizer=use_distributed_optimizer(m.distributed_optimizer, ranks.dp_size))
+        load_hf_weights(model, source, hf_config, built, on, what=cfg.model.path)
+        ddp = wrap(model, distributed_optimizer=use_distributed_optimizer(m.distributed_optimizer, ranks.dp_cp_size))
         opt = MegatronOptimizer(ddp, lr=cfg.optim.lr, sharding=m.optimizer_sharding)
         mem = _rank_memory(cfg, hf_config, ranks, model, ddp, opt, tokens)
         pp, tp, ep = _role(ranks)
-        role = f"{pp} {ranks.pp_rank}/{ranks.pp}, TP rank {tp}/{ranks.tp}, EP rank {ep}/{ranks.ep}"
+        role = f"{pp} {ranks.pp_rank}/{ranks.pp}, TP rank {tp}/{ranks.tp}, EP rank {ep}/{ranks.ep}" + (
+            f", CP rank {ranks.cp_rank}/{ranks.cp}" if ranks.cp > 1 else "")
         report = RankReport(rank=rank, role=role, tp_rank=ranks.tp_rank, pp_rank=ranks.pp_rank, ep_rank=ranks.ep_rank,
                             dp_rank=ranks.dp_rank, params=sum(p.numel() for p in model.parameters()),
                             tensors_checked=len(source.read), seconds=round(time.perf_counter() - t0, 2), **mem)
@@ -237,12 +254,15 @@ def dry_run(cfg, *, gpu_gb: float = 80.0, config_name: str = "") -> DryRun:
     world = o.actor_num_nodes * o.actor_gpus_per_node
     tokens = tokens_per_micro_batch(cfg)
     layout = {"tp": m.tensor_parallel, "pp": m.pipeline_parallel, "ep": m.expert_parallel,
-              "dp": world // max(1, m.model_parallel_size)}
+              "cp": m.context_parallel, "dp": world // max(1, m.model_parallel_size)}
     try:
         hf_config, source = model_config(cfg.model.path)
     except ValueError as e:
         return DryRun(config_name, cfg.model.path, "", world, layout, tokens, gpu_gb, error=str(e))
     run = DryRun(config_name, cfg.model.path, source, world, layout, tokens, gpu_gb)
+    if m.layer_spec == "te":
+        run.notes.append("layer_spec te: each stage is built on megatron-core's local spec (the same parameters, "
+                         "by the local names); Transformer Engine's own modules are not started here")
     seen: set[tuple] = set()
     rank = 0
     with meta_platform():
@@ -263,9 +283,11 @@ def dry_run(cfg, *, gpu_gb: float = 80.0, config_name: str = "") -> DryRun:
 
 def table(run: DryRun) -> str:
     """The dry run as a markdown table, one row per rank role."""
+    cp = f"CP {run.layout['cp']} x " if run.layout.get("cp", 1) > 1 else ""
     head = (f"{run.config}: {run.model} ({run.model_source}); world {run.world} = TP {run.layout['tp']} x "
-            f"PP {run.layout['pp']} x DP {run.layout['dp']} (EP {run.layout['ep']}); "
-            f"{run.tokens_per_micro_batch} tokens per micro-batch\n\n")
+            f"{cp}PP {run.layout['pp']} x DP {run.layout['dp']} (EP {run.layout['ep']}); "
+            f"{run.tokens_per_micro_batch} tokens per micro-batch{' per CP rank' if cp else ''}\n\n"
+            + "".join(f"note: {n}\n\n" for n in run.notes))
     rows = ["| rank | role | params | weights | grads | optimizer | activations | total GB |",
             "|---|---|---|---|---|---|---|---|"]
     for r in run.ranks:

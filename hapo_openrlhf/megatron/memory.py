@@ -98,11 +98,17 @@ def estimate(hf_config, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1, t
 
 
 def activation_bytes(hf_config, *, layers: int, tokens: int, tp: int = 1, sequence_parallel: bool = False,
-                     inflight: int = 1, padded_vocab: int, head_chunk: int = 1024, recompute: bool = True) -> int:
+                     inflight: int = 1, padded_vocab: int, head_chunk: int = 1024, recompute: bool = True,
+                     cp: int = 1, cp_comm_type: str = "p2p") -> int:
     """Bytes of activations on a rank holding ``layers`` layers with full recomputation, for
     ``tokens`` packed tokens per micro-batch and ``inflight`` micro-batches in flight (1F1B: up
     to PP on the first stage); see the module docstring for what is counted. Without
-    ``recompute`` every layer keeps its working set (a lower bound: autograd keeps more)."""
+    ``recompute`` every layer keeps its working set (a lower bound: autograd keeps more).
+
+    Under context parallelism (``cp`` > 1) ``tokens`` is this CP rank's share (what the actor's
+    token budget counts), and the attention's exchange adds to the layer's working set: TE's ring
+    (``p2p``) two buffers of the rank's K/V in flight, ``all_gather`` the other ranks' K/V, ``a2a``
+    one more copy of q/k/v (its output, every token for 1 / CP of the heads)."""
     H, nq, nkv, d = _dims(hf_config)
     moe = moe_of(hf_config)
     t_local = tokens // tp if sequence_parallel else tokens
@@ -114,6 +120,12 @@ def activation_bytes(hf_config, *, layers: int, tokens: int, tp: int = 1, sequen
     else:
         mlp_work = 2 * tokens * 3 * hf_config.intermediate_size // tp
     working = qkv + attn_out + mlp_work + 2 * 2 * tokens * H  # + the layer's input and output
+    if cp > 1:
+        kv_own = 2 * tokens * 2 * nkv * d // tp  # this rank's K and V, bf16
+        exchange = {"p2p": 2 * kv_own, "all_gather": (cp - 1) * kv_own, "a2a": qkv}
+        if cp_comm_type not in exchange:
+            raise ValueError(f"cp_comm_type must be one of {sorted(exchange)}, got {cp_comm_type!r}")
+        working += exchange[cp_comm_type]
     head_work = 4 * head_chunk * padded_vocab // tp * 2  # a logits chunk and its softmax, fp32
     if not recompute:
         return working * layers * inflight + head_work

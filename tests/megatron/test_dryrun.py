@@ -19,6 +19,7 @@ MEGATRON_CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").g
                           if load_config(p).backend == "megatron")
 MODEL_CONFIGS = sorted((REPO / "hapo_openrlhf/megatron/model_configs").glob("*.json"))
 GB = 1024 ** 3
+CP64K = "configs/deepscaler_1p5b_64k_hapo_megatron_cp.yaml"
 
 
 def _dry_run(config, *args):
@@ -49,7 +50,7 @@ def shipped_runs(tmp_path_factory, request):
     (a deselected case's config is not run), built once per test run, shared by the xdist workers."""
     from tests.conftest import shared_once
 
-    wanted = sorted({"configs/qwen3_30b_a3b_hapo_megatron.yaml"} | {
+    wanted = sorted({"configs/qwen3_30b_a3b_hapo_megatron.yaml", CP64K} | {
         item.callspec.params["config"] for item in request.session.items
         if item.originalname == "test_every_shipped_megatron_config_starts_every_rank_role_at_full_size"})
     with shared_once(tmp_path_factory, "megatron_dry_runs") as (d, done):
@@ -100,6 +101,39 @@ def test_the_30b_moe_layout_by_hand(shipped_runs):
     # rank 0 reads its 8 experts' 3 tensors in each of 48 layers, each layer's q, k, v, o, two norms,
     # QK-norm's two and the router, the embedding, final norm and head: every one by name and shape
     assert run["ranks"][0]["tensors_checked"] == 48 * 8 * 3 + 48 * 9 + 3
+
+
+def test_the_64k_context_parallel_layout_by_hand(shipped_runs):
+    """DeepScaleR-1.5B at 64k responses, TP 2 x CP 2 x DP 2 (issue 58): each rank's parameters from the
+    config by hand -- the vocabulary 151,936 padded to 152,064 (a multiple of 128 x TP), embedding and
+    untied head split over TP, per layer q/k/v (with biases; 2 KV heads of 128) and o, the SwiGLU MLP
+    (8,960) split over TP, the two norms whole, the final norm -- the distributed optimizer sharded
+    over DP x CP = 4 (CP ranks hold the same parameters), and the activations at the budget's 36,864
+    tokens per CP rank: TE's ring adds two buffers of the rank's K/V, and the whole 73,728 tokens on
+    one rank (CP 1) would need about twice the memory."""
+    from hapo_openrlhf.megatron.dryrun import model_config
+    from hapo_openrlhf.megatron.memory import activation_bytes
+
+    _, run = shipped_runs[CP64K]
+    assert run["error"] is None, run["error"]
+    assert run["layout"] == {"tp": 2, "pp": 1, "ep": 1, "cp": 2, "dp": 2}
+    assert run["tokens_per_micro_batch"] == 36864
+    V, H, L, F = 152064, 1536, 28, 8960
+    per_layer = (H * H + H) + 2 * (256 * H + 256) + H * H
+    params = V * H // 2 * 2 + L * (per_layer // 2 + 3 * H * F // 2 + 2 * H) + H
+    assert params == 888_784_384
+    assert {r["tp_rank"] for r in run["ranks"]} == {0, 1} and all("CP rank 0/2" in r["role"] for r in run["ranks"])
+    for r in run["ranks"]:
+        assert r["params"] == params and r["tensors_checked"] == L * 12 + 3
+        assert r["weights_gb"] == pytest.approx(2 * params / GB, rel=1e-3)
+        assert r["optimizer_gb"] == pytest.approx(12 * params / 4 / GB, rel=1e-3)
+    hf, _ = model_config("agentica-org/DeepScaleR-1.5B-Preview")
+    kw = dict(layers=L, tp=2, sequence_parallel=True, padded_vocab=V, head_chunk=1024)
+    cp2 = activation_bytes(hf, tokens=36864, cp=2, cp_comm_type="p2p", **kw)
+    assert run["ranks"][0]["activations_gb"] == pytest.approx(cp2 / GB, rel=1e-6)
+    assert cp2 - activation_bytes(hf, tokens=36864, **kw) == 2 * (2 * 36864 * 2 * 2 * 128 // 2)  # the ring's K/V
+    whole = activation_bytes(hf, tokens=2 * 36864, **kw)  # the same sequences on one rank
+    assert 0.5 < cp2 / whole < 0.56, cp2 / whole  # 0.554: the head's logits chunk and the ring's buffers stay
 
 
 def test_a_layout_that_cannot_start_or_fit_fails_with_the_rank_and_reason():
