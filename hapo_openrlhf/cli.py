@@ -10,6 +10,7 @@
     hapo report RUN_DIR [RUN_DIR ...] | hapo report EXPERIMENT_DIR
     hapo doctor --config CONFIG [--json] [--static] | hapo doctor --gpu-smoke [--json]
     hapo list
+    hapo extend-context SOURCE DEST --factor F [--original N]   # YaRN in config.json (Qwen's long context)
 """
 
 from __future__ import annotations
@@ -373,7 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=_doctor)
     sub.add_parser("list", help="registered estimators and losses").set_defaults(fn=_list)
+    x = sub.add_parser("extend-context", help="a model directory with YaRN added to its config.json (weights linked)")
+    x.add_argument("source", help="a local model directory, or a hub id in the local Hugging Face cache")
+    x.add_argument("dest", help="a new (or empty) directory")
+    x.add_argument("--factor", type=float, required=True, help="the context's stretch (Qwen3: 4 = 131,072 positions)")
+    x.add_argument("--original", type=int, default=None,
+                   help="the pretraining context in positions (default: the model's max_position_embeddings)")
+    x.set_defaults(fn=_extend_context)
     return ap
+
+
+def _extend_context(args) -> int:
+    from .cluster.context_extension import extend_context
+
+    out = extend_context(args.source, args.dest, factor=args.factor, original=args.original)
+    print(f"{out}: YaRN x{args.factor:g} (config.json rewritten, weights linked to {args.source})")
+    return 0
 
 
 def describe_error(e: BaseException) -> str:

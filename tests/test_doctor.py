@@ -131,8 +131,12 @@ def test_megatron_refuses_an_unsupported_model_family_by_name(tmp_path):
     failed = doctor({"model_type": "mistral"})
     assert "supports Hugging Face model_type qwen2 (Qwen2 / Qwen2.5), qwen3" in failed["model"]
     assert "llama (Llama 2 / 3.x), qwen3_moe (Qwen3-MoE); got 'mistral'" in failed["model"]
+    failed = doctor({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    assert "RoPE scaling 'dynamic' (supported: none, yarn, or llama3 on llama)" in failed["model"]
+    # YaRN is built (megatron-core's YarnRotaryEmbedding, tests/megatron/test_rope_scaling.py), but not without
+    # the pretraining context it stretches
     failed = doctor({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    assert "RoPE scaling 'yarn'" in failed["model"]
+    assert "YaRN RoPE scaling without original_max_position_embeddings" in failed["model"]
     assert "model" not in doctor({"model_type": "qwen3"})
     assert check_model_type("qwen3").qk_norm
     # Qwen3-MoE: the layout the actor cannot serve, each by name from config.json

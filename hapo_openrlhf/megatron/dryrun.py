@@ -43,6 +43,9 @@ SHIPPED = {
     "cmu-deepscaler-colab/DeepScaleR-8K": "deepseek-r1-distill-qwen-1.5b.json",
     "Qwen/Qwen3-8B-Base": "qwen3-8b-base.json",
     "Qwen/Qwen3-30B-A3B-Base": "qwen3-30b-a3b-base.json",
+    # not a hub id: the directory `hapo extend-context Qwen/Qwen3-8B-Base models/Qwen3-8B-Base-yarn4 --factor 4`
+    # writes (the 128k config's model): Qwen3-8B-Base's config.json with the model card's YaRN
+    "models/Qwen3-8B-Base-yarn4": "qwen3-8b-base-yarn4.json",
 }
 
 

@@ -116,6 +116,43 @@ def llama3_rope_factor(hf_config) -> float | None:
     return float(rp["factor"]) if rp["rope_type"] == "llama3" else None
 
 
+def yarn_settings(hf_config) -> dict | None:
+    """megatron-core's YaRN settings (its ``YarnRotaryEmbedding``, read from the config's ``yarn_*``
+    attributes) for a YaRN-scaled config, None without YaRN. transformers' ``_compute_yarn_parameters``
+    and megatron-core compute the same frequencies -- interpolated by ``factor`` below the correction
+    range of ``beta_fast`` / ``beta_slow`` rotations in the ``original_max_position_embeddings``,
+    extrapolated above, a linear ramp between (``truncate``: its ends rounded outwards, megatron-core's
+    ``correction_range_round_to_int``) -- and scale cos and sin by the same attention factor,
+    0.1 mscale ln(factor) + 1 over the same with ``mscale_all_dim`` (absent: mscale 1, mscale_all_dim 0).
+    ``factor`` absent: max_position_embeddings / original, as transformers takes it."""
+    rp = rope_parameters(hf_config)
+    if rp["rope_type"] != "yarn":
+        return None
+    original = int(rp["original_max_position_embeddings"])
+    factor = rp.get("factor")
+    factor = float(factor) if factor is not None else hf_config.max_position_embeddings / original
+    mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):  # transformers then uses 0.1 ln(factor) + 1 alone
+        mscale, mscale_all_dim = 1.0, 0.0
+    return {"yarn_rotary_scaling_factor": factor, "yarn_original_max_position_embeddings": original,
+            "yarn_beta_fast": float(rp.get("beta_fast") or 32), "yarn_beta_slow": float(rp.get("beta_slow") or 1),
+            "yarn_mscale": float(mscale), "yarn_mscale_all_dim": float(mscale_all_dim),
+            "yarn_correction_range_round_to_int": bool(rp.get("truncate", True))}
+
+
+def _yarn_problems(rp: dict) -> list[str]:
+    """What in a YaRN config megatron-core's YarnRotaryEmbedding cannot reproduce."""
+    problems = []
+    if rp.get("original_max_position_embeddings") is None:
+        problems.append("YaRN RoPE scaling without original_max_position_embeddings")
+    if rp.get("attention_factor") is not None:
+        problems.append(f"YaRN with an explicit attention_factor {rp['attention_factor']} (megatron-core derives "
+                        f"it from factor, mscale and mscale_all_dim)")
+    if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append("YaRN on a partial rotary dimension")
+    return problems
+
+
 def family_of(hf_config) -> Family:
     """The config's family after every check of the module docstring (named refusals)."""
     fam = check_model_type(getattr(hf_config, "model_type", None))
@@ -146,8 +183,10 @@ def family_of(hf_config) -> Family:
         if diff:
             problems.append(f"llama3 RoPE scaling with {diff} (megatron-core 0.16.1 fixes "
                             f"{MEGATRON_LLAMA3_ROPE}; only the factor is free)")
+    elif kind == "yarn":
+        problems += _yarn_problems(rp)
     elif kind != "default":
-        problems.append(f"RoPE scaling {kind!r} (supported: none, or llama3 on llama)")
+        problems.append(f"RoPE scaling {kind!r} (supported: none, yarn, or llama3 on llama)")
     if problems:
         raise ValueError(f"backend: megatron cannot build this {fam.label} config exactly: " + "; ".join(problems)
                          + ". Use backend: openrlhf (DeepSpeed) for it")

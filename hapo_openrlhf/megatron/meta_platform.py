@@ -110,7 +110,22 @@ def meta_platform() -> Iterator[None]:
         patch(dist, "new_group", new_group)
         for mod in (optimizer, clip_grads, distrib_optimizer, utils):
             patch(mod, "torch", torch_on(META))
+        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+        # YaRN's cos/sin cache, built at construction, is cut per CP rank with an index made in pinned
+        # host memory, which needs CUDA: the same cut with the index on the embedding's device
+        patch(yarn, "get_pos_emb_on_this_cp_rank", _cp_rank_slice)
         yield
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
+
+
+def _cp_rank_slice(pos_emb, seq_dim, cp_group):
+    """megatron-core's ``rope_utils.get_pos_emb_on_this_cp_rank`` (chunks r and 2 CP - 1 - r of the
+    sequence dimension), its index on ``pos_emb``'s device instead of pinned host memory."""
+    cp, r = cp_group.size(), cp_group.rank()
+    idx = torch.tensor([r, 2 * cp - r - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])

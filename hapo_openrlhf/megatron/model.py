@@ -12,7 +12,7 @@ import torch
 
 from . import head as heads
 from .convert import check_parallel_layout, padded_vocab_size
-from .families import family_of, llama3_rope_factor, rope_parameters
+from .families import family_of, llama3_rope_factor, rope_parameters, yarn_settings
 
 
 def transformer_config(hf_config, *, tp: int = 1, pp: int = 1, params_dtype=torch.float32, ep: int = 1,
@@ -144,11 +144,14 @@ def build_gpt_model(hf_config, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, pa
         overrides.setdefault("moe_token_dispatcher_type", "alltoall")  # for it even in a dense model
     cfg = transformer_config(hf_config, tp=tp, pp=pp, params_dtype=params_dtype, ep=ep, moe=moe, **overrides)
     factor = llama3_rope_factor(hf_config)
+    yarn = yarn_settings(hf_config)
+    for k, v in (yarn or {}).items():  # what YarnRotaryEmbedding and the attention's mscale read off the config
+        setattr(cfg, k, v)
     model = GPTModel(
         config=cfg, transformer_layer_spec=layer_spec(attention, spec, qk_norm=cfg.qk_layernorm,
                                                       num_experts=cfg.num_moe_experts, grouped_gemm=grouped_gemm),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_multiple),
-        max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
+        max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="yarn" if yarn else "rope",
         rotary_base=rope_theta(hf_config), share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
         pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,

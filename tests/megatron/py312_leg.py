@@ -25,6 +25,10 @@ LEG = (
     "test_schedule.py",
     "test_te_spec.py",
     "test_dryrun.py",
+    # context parallelism through megatron-core (its CP group, THD RoPE per CP rank, DDP and the
+    # distributed optimizer over DP x CP, dist_checkpointing across CP) and YaRN (its YarnRotaryEmbedding)
+    "test_context_parallel.py",
+    "test_rope_scaling.py",
 )
 NOT_IN_LEG = {
     "test_cross_version.py": "runs in the main leg: it writes a checkpoint under 0.16.1 and resumes it under 0.19.2 "
@@ -37,8 +41,8 @@ NOT_IN_LEG = {
     "test_tensor_parallel.py": "TP=2 == TP=1 == Hugging Face for megatron-core's GPTModel: the leg checks the same "
                                "model at TP=2 against Hugging Face through the schedule (test_schedule)",
     "test_convert.py": "Hugging Face <-> Megatron state-dict renaming and slicing: pure tensors, no megatron-core API",
-    "test_context_parallel.py": "context parallelism's batch split (host-side index arithmetic) and the TE stand-in's "
-                                "CP attention on it (the stand-in's own collectives): no megatron-core API",
+    "test_cp_split.py": "context parallelism's batch split (host-side index arithmetic) and the TE stand-in's "
+                        "CP attention on it (the stand-in's own collectives): no megatron-core API",
     "test_hf_save.py": "the final save's safetensors writing of converted tensors: no megatron-core API",
     "test_stream.py": "the weight stream's collectives are hapo's over torch.distributed; megatron-core's parallel "
                       "state it reads is in the leg (test_ddp, test_schedule)",
@@ -80,6 +84,14 @@ DESELECTED = {
         "the dp_reshardable format: test_ddp.py's resume at another DP (kept) writes it; fully_reshardable stays",
     "test_te_fused_adam.py::test_the_gpu_smokes_resume_check_runs_on_cpu[torch_adamw]":
         "the smoke check with torch's AdamW: the TE case (kept) runs the same check through megatron-core",
+    "test_context_parallel.py::test_hapos_logprobs_and_entropy_at_cp2_equal_cp1_with_both_heads":
+        "hapo's CPRows over the same CP=2 model the kept GPTModel case builds: the split and the gather are hapo's "
+        "collectives, not megatron-core's; the kept two-step case runs CPRows through megatron-core's schedule",
+    "test_context_parallel.py::test_tp2_x_cp2_with_sequence_parallelism_equals_hugging_face_with_both_heads":
+        "four ranks of TP x CP: the kept CP=2 cases and test_te_spec.py's TP=2 sequence-parallel case carry each "
+        "half through 0.19's parallel state and TE spec",
+    "test_context_parallel.py::test_the_nucleus_logmass_and_paecs_signals_at_cp2_equal_cp1":
+        "the head's nucleus log-mass and PAEC's signals: hapo's head over the gathered values (as test_head.py)",
     "test_moe.py::test_grouped_gemm_experts_equal_sequential_ones_on_the_te_spec[ep1]":
         "grouped GEMM at EP=1: the kept EP=2 case builds the same TEGroupedMLP with expert parallelism",
     "test_moe.py::test_te_spec_moe_with_sequence_parallelism_equals_hf[tp2_ep1_allgather]":
