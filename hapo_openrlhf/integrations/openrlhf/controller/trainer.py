@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import ray
+import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer
 
 from ....algos.losses import CheckpointStateError, check_loss_state, loss_resume
@@ -23,6 +24,19 @@ from ....rundir.logger import read_jsonl_records, record_line
 from ....rundir.preemption import Preempted, request_flag
 from ..actors import routes
 from .experience import HapoExperienceMaker, optimizer_steps_per_step
+
+
+def seed_prompt_order(loader, seed: int) -> None:
+    """The prompts' shuffle from the run's seed. OpenRLHF's controller builds its prompt loader with
+    torchdata's ``RandomSampler``, which seeds its own generator from the controller process's global
+    torch RNG -- which nothing seeds there, so two launches of one config drew different prompts
+    (found comparing a launch at context parallelism 2 with one at 1, issue 58). Seeded here, before
+    the first batch; a resume then loads the sampler's state over it (``data_loader_state_dict``)."""
+    generator = getattr(getattr(loader, "sampler", None), "generator", None)
+    if not isinstance(generator, torch.Generator):
+        raise RuntimeError(f"OpenRLHF's prompt loader samples with {type(getattr(loader, 'sampler', None)).__name__}, "
+                           f"which has no generator to seed: the prompt order would not follow train.seed")
+    generator.manual_seed(int(seed))
 
 
 class StepLimit:
@@ -187,6 +201,7 @@ class HapoPPOTrainerImpl(HapoControllerMixin, PPOTrainer.__ray_actor_class__):
                  reference_model_group, vllm_engines, **generate_kwargs) -> None:
         super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                          reference_model_group, vllm_engines, **generate_kwargs)
+        seed_prompt_order(self.prompts_dataloader, self.args.train.seed)
         self._hapo_setup()
         if routes.enabled(self.cfg):
             routes.carry_routes(self.samples_generator)

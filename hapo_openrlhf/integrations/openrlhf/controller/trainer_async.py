@@ -43,7 +43,7 @@ from ray.util.queue import Empty, Queue
 
 from ....config import transported
 from ..actors import routes
-from .trainer import HapoControllerMixin
+from .trainer import HapoControllerMixin, seed_prompt_order
 
 
 @ray.remote(num_cpus=0)
@@ -86,6 +86,7 @@ class HapoGenerateSamplesActorImpl(pta.GenerateSamplesActor.__ray_actor_class__)
                  **generate_kwargs):
         super().__init__(pretrain, strategy, vllm_engines, vllm_lock=vllm_lock, rollout_queue=rollout_queue,
                          rollout_slots=rollout_slots, **generate_kwargs)
+        seed_prompt_order(self.prompts_dataloader, self.args.train.seed)
         self.hapo_state = hapo_state
         if routes.enabled(transported(self.args.hapo)):
             routes.carry_routes(self.samples_generator)

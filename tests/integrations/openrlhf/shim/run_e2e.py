@@ -43,7 +43,10 @@ def main() -> int:
     from hapo_openrlhf.integrations.openrlhf.launch.train import main as train_main
 
     # the repository root: the Megatron CPU shim lives in tests/megatron/cuda_shim.py
-    pythonpath = os.pathsep.join([str(HERE), str(HERE.parents[3]), *hapo_cpu_shim.stub_path(),
+    # HAPO_SHIM_TE=1: the Transformer Engine stand-in (tests/megatron/te_stub) first on the workers' path,
+    # so megatron-core in the actors builds on it as on an installed TE (megatron.layer_spec: te, CP)
+    te = [str(HERE.parents[2] / "megatron" / "te_stub")] if os.environ.get("HAPO_SHIM_TE") == "1" else []
+    pythonpath = os.pathsep.join([*te, str(HERE), str(HERE.parents[3]), *hapo_cpu_shim.stub_path(),
                                   os.environ.get("PYTHONPATH", "")])
     env = {k: os.environ[k] for k in ("HAPO_OPENRLHF_DUMP_DIR", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
                                       "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "HAPO_SHIM_MEGATRON",
