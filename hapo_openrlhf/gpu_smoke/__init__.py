@@ -21,7 +21,7 @@ from typing import Any
 from .kernels import (smoke_algos, smoke_flash_varlen, smoke_fused_head, smoke_megatron_attention, smoke_megatron_head,
                       smoke_weight_gemm)
 from .loop import smoke_openrlhf_loop, smoke_run_config, smoke_vllm_routes, vllm_routes_check  # noqa: F401
-from .models import moe_check, smoke_moe, smoke_te_spec, te_spec_check  # noqa: F401
+from .models import moe_check, smoke_context_parallel, smoke_moe, smoke_te_spec, te_spec_check  # noqa: F401
 # the checks a child process runs by name (common.check_in_child, optimizer.py), and the tests
 from .optimizer import (ddp_step, ddp_step_child, optimizer_resume, optimizer_resume_child,  # noqa: F401
                         smoke_distributed_optimizer, smoke_optimizer_resume)
@@ -46,6 +46,7 @@ def gpu_smoke(output_dir: str | Path | None = None) -> dict[str, Any]:
                      ("megatron_distributed_optimizer_step", lambda: smoke_distributed_optimizer(work)),
                      ("megatron_optimizer_resume_bitwise", lambda: smoke_optimizer_resume(work)),
                      ("megatron_te_spec_vs_hf", lambda: smoke_te_spec(work)),
+                     ("megatron_cp2_te_spec_vs_hf", lambda: smoke_context_parallel(work)),
                      ("megatron_moe_vs_hf", lambda: smoke_moe(work)),
                      ("vllm_routed_experts_vs_hf", lambda: smoke_vllm_routes(work)),
                      ("openrlhf_loop_vllm_sleep_stop_resume", lambda: smoke_openrlhf_loop(work)),

@@ -43,9 +43,10 @@ def one_rank_child(log: Path, code: str, port: int) -> tuple[int | None, dict]:
         return None, {"ok": False, "error": f"exit {rc}; see {log}"}
 
 
-def one_rank_job(device: str) -> bool:
+def one_rank_job(device: str, cp: int = 1) -> bool:
     """torch.distributed (from the environment, NCCL on CUDA else gloo) and Megatron's parallel
-    state at TP = PP = 1, unless they are up; whether ``device`` is CUDA."""
+    state at TP = PP = 1 (and ``cp`` context-parallel ranks: the job's world), unless they are up;
+    whether ``device`` is CUDA."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -57,7 +58,7 @@ def one_rank_job(device: str) -> bool:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
+        ps.initialize_model_parallel(1, 1, context_parallel_size=cp)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     return cuda
 
@@ -74,3 +75,27 @@ def check_in_child(work: Path, check: str, port: int, needs: tuple[str, ...]) ->
     if rc is None:
         return res
     return {**res, "ok": rc == 0 and res["ok"]}
+
+
+def ranks_child(work: Path, name: str, code: str, *, world: int, port: int) -> tuple[list[int], dict]:
+    """Run ``code`` in ``world`` child Pythons, one GPU each (RANK / LOCAL_RANK / WORLD_SIZE set, logs
+    ``work/<name>_rank<r>.log``); rank 0 prints one JSON line last. (exit codes, that object)."""
+    import subprocess
+
+    procs, logs = [], [work / f"{name}_rank{r}.log" for r in range(world)]
+    for rank, log in enumerate(logs):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+        with open(log, "w") as f:  # the child keeps its own copy of the descriptor
+            procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, env=env))
+    try:
+        rcs = [p.wait(timeout=600) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        return [-1] * world, {"ok": False, "error": f"timed out; see {logs[0]}"}
+    lines = logs[0].read_text().strip().splitlines() if logs[0].exists() else []
+    try:
+        return rcs, json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return rcs, {"ok": False, "error": f"exit {rcs}; see {logs}"}

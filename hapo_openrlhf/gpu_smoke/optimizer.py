@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 
-from .common import one_rank_child, one_rank_job
+from .common import one_rank_child, one_rank_job, ranks_child
 
 
 def smoke_distributed_optimizer(work: Path) -> dict:
@@ -28,26 +26,11 @@ def smoke_distributed_optimizer(work: Path) -> dict:
     world = max(1, min(2, torch.cuda.device_count()))
     runs = {}
     for overlap in (True, False):
-        procs, logs = [], [work / f"distributed_optimizer_overlap{int(overlap)}_rank{r}.log" for r in range(world)]
         code = f"from hapo_openrlhf.gpu_smoke import ddp_step_child; ddp_step_child({overlap})"
-        for rank, log in enumerate(logs):
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29533 + int(overlap)),
-                   "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
-            with open(log, "w") as f:  # the child keeps its own copy of the descriptor
-                procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, env=env))
-        try:
-            rcs = [p.wait(timeout=600) for p in procs]
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            return {"ok": False, "error": f"timed out; see {logs[0]}"}
-        lines = logs[0].read_text().strip().splitlines() if logs[0].exists() else []
-        try:
-            runs[overlap] = json.loads(lines[-1])
-        except (IndexError, json.JSONDecodeError):
-            return {"ok": False, "error": f"exit {rcs}; see {logs[0]}"}
-        if any(rcs):
-            return {"ok": False, "error": f"exit {rcs}; see {logs}"}
+        rcs, runs[overlap] = ranks_child(work, f"distributed_optimizer_overlap{int(overlap)}", code, world=world,
+                                         port=29533 + int(overlap))
+        if any(rcs) or "error" in runs[overlap]:
+            return {"ok": False, "error": runs[overlap].get("error", f"exit {rcs}; see the logs in {work}")}
     on, off = runs[True], runs[False]
     diff = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(on["checksums"], off["checksums"]))
     ok = all(r["finite"] and r["moved"] == r["params"] for r in runs.values()) and diff < 1e-2

@@ -415,3 +415,23 @@ def test_the_nucleus_logmass_and_paecs_signals_at_cp2_equal_cp1():
                 for x, y in zip(a, b):
                     torch.testing.assert_close(x[valid[m]], y[valid[m]], rtol=0, atol=2e-5)
     assert all(float(lm[valid[m]].max()) < 0 for m, (_, _, lm) in enumerate(one["old"]))  # top-p 0.9 < 1
+
+
+def _gpu_smoke_cp_worker(rank, out_dir):
+    from hapo_openrlhf.gpu_smoke import te_spec_check
+    from tests.megatron.cuda_shim import install
+
+    install()
+    torch.save(te_spec_check("cpu", cp=2), Path(out_dir) / f"smoke{rank}.pt")
+
+
+def test_the_gpu_smokes_cp2_check_runs_on_the_stand_in(tmp_path):
+    """``hapo doctor --gpu-smoke``'s context-parallel check (there: two GPUs and the real TE's ring):
+    the TE-spec model at CP 2 against Hugging Face, here on two gloo ranks under the stand-in."""
+    from tests.megatron._dist import spawn_te
+
+    spawn_te("tests.megatron.test_context_parallel:_gpu_smoke_cp_worker", 2, str(tmp_path))
+    for r in range(2):
+        res = torch.load(tmp_path / f"smoke{r}.pt")
+        assert res["ok"] and res["cp"] == 2 and res["loaded_strict"] and res["stream_exact"] is None, res
+        assert res["logprob_max_abs_err"] < 1e-4 and res["entropy_max_abs_err"] < 1e-4, res
