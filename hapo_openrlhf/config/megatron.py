@@ -42,8 +42,8 @@ class MegatronConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     # context parallelism: each packed sequence split over this many ranks (Transformer Engine's
-    # context-parallel attention; needs layer_spec: te, openrlhf.packing_samples, pipeline_parallel 1,
-    # a dense model; megatron/context_parallel.py, docs/megatron.md "Context parallelism")
+    # context-parallel attention; needs layer_spec: te, openrlhf.packing_samples, pipeline_parallel 1;
+    # megatron/context_parallel.py, docs/megatron.md "Context parallelism")
     context_parallel: int = 1
     # how TE's attention exchanges K/V between the CP ranks: p2p (ring, TE >= 1.7 on THD), all_gather
     # or a2a (TE >= 1.10; a2a: heads per TP rank divisible by CP). a2a+p2p (hierarchical) is refused
@@ -104,9 +104,10 @@ class MegatronConfig:
         require(self.context_parallel == 1 or self.pipeline_parallel == 1,
                  "megatron.context_parallel > 1 with pipeline_parallel > 1 is not wired (each CP rank's share of a "
                  "micro-batch would cross the pipeline): use tensor and context parallelism with pipeline_parallel 1")
-        require(self.context_parallel == 1 or self.moe.routing_replay == "off",
-                 "megatron.context_parallel > 1 with megatron.moe.routing_replay: r3 is not wired (the routes would "
-                 "need the same split as the tokens): turn one off")
+        require(self.context_parallel == 1 or self.moe.aux_loss_coeff == 0,
+                 "megatron.context_parallel > 1 with megatron.moe.aux_loss_coeff > 0 is not wired (each CP rank's "
+                 "routers see a share of every sequence, and the load-balancing loss's token counts would need "
+                 "reducing over CP): use aux_loss_coeff 0 (the RL default) or context_parallel 1")
         require(not self.sequence_parallel or self.layer_spec == "te",
                  "megatron.sequence_parallel needs megatron.layer_spec: te (Transformer Engine's norms); "
                  "megatron-core's local spec builds torch norms, which refuse it (docs/megatron.md)")

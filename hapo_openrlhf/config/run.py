@@ -83,11 +83,11 @@ class RunConfig:
                  f"{m.context_parallel} x {m.pipeline_parallel} = {m.model_parallel_size}) must divide the "
                  f"actor world size (openrlhf.actor_num_nodes x actor_gpus_per_node = {world})")
         dp = world // m.model_parallel_size
-        require(dp % m.expert_parallel == 0,
-                 f"backend megatron: expert_parallel {m.expert_parallel} must divide the data-parallel size {dp} "
-                 f"(world {world} / tensor_parallel {m.tensor_parallel} / context_parallel {m.context_parallel} / "
-                 f"pipeline_parallel {m.pipeline_parallel}): "
-                 f"expert parallelism is carved out of data parallelism")
+        require(dp * m.context_parallel % m.expert_parallel == 0,
+                 f"backend megatron: expert_parallel {m.expert_parallel} must divide the data-parallel size "
+                 f"x context_parallel {dp * m.context_parallel} "
+                 f"(world {world} / tensor_parallel {m.tensor_parallel} / pipeline_parallel {m.pipeline_parallel}): "
+                 f"expert parallelism is carved out of data (and context) parallelism")
         require(m.expert_parallel == 1 or m.pipeline_parallel == 1,
                  f"backend megatron: expert_parallel {m.expert_parallel} with pipeline_parallel "
                  f"{m.pipeline_parallel} cannot start: the actor orders ranks tp-ep-pp-dp so each data-parallel "

@@ -31,13 +31,14 @@ What TE's CP attention does with this split is in the tests' TE stand-in (``cp_g
 checks it equals one rank on this split, and that megatron-core's GPTModel at
 ``context_parallel_size`` 2 fed this split equals the model at CP=1). :class:`CPRows` is hapo's
 log-prob path under CP on top of this split: ``schedule.logprobs_and_entropy`` and
-``schedule.forward_backward`` take it when the parallel state has CP > 1 (dense models, THD, PP 1;
-the head's nucleus log-mass and PAEC's signals too), and megatron-core's DDP and distributed
+``schedule.forward_backward`` take it when the parallel state has CP > 1 (THD, PP 1; the head's
+nucleus log-mass and PAEC's signals too; a mixture of experts' routers see each rank's share, the
+rollout's routes cut by the same positions), and megatron-core's DDP and distributed
 optimizer reduce and shard over DP x CP. The policy actor runs it with ``megatron.context_parallel``
 > 1 (its parallel state in ``setup.RANK_ORDER``: OpenRLHF's controller sends a replica's micro-batches
 to all its CP ranks; the token budget counts each rank's share, :func:`tokens_per_rank`). Not built
-(refused by name where configured): routes and MoE under CP, PP x CP, the hierarchical ``a2a+p2p``
-(docs/megatron.md, "Context parallelism").
+(refused by name where configured): PP x CP, the hierarchical ``a2a+p2p``, a load-balancing loss
+under CP (docs/megatron.md, "Context parallelism").
 """
 
 from __future__ import annotations
@@ -253,6 +254,7 @@ class CPRows(PlacedHeadValues):
         cp = 1 if self.group is None else dist.get_world_size(self.group)
         B, S = self.shape = tuple(input_ids.shape)
         self.device = input_ids.device
+        self.starts_host, self.lengths_host = list(starts), list(lengths)
         where = [torch.arange(b * S + s, b * S + s + n) for b, (s, n) in enumerate(zip(starts, lengths))]
         self.shard = shard(where, cp, 0 if self.group is None else dist.get_rank(self.group), tp=tp,
                            sequence_parallel=sequence_parallel, pad_id=-1)
@@ -279,6 +281,41 @@ class CPRows(PlacedHeadValues):
                                  cu_seqlens_kv_padded=cu_p, max_seqlen_q=sh.max_seqlen, max_seqlen_kv=sh.max_seqlen)
         return {"input_ids": self.input_ids[None], "position_ids": sh.position_ids[None].to(dev),
                 "attention_mask": None, "packed_seq_params": packed}
+
+    # a mixture of experts under CP: this rank's routers see its share (the split's padding marked)
+    def real_tokens(self, tp_rank: int = 0, tp: int = 1) -> torch.Tensor:
+        """[tokens this rank holds] bool: True on the rows' real tokens, False on the split's padding; a
+        TP rank's chunk with sequence parallelism (``tp`` > 1)."""
+        real = (self.shard.input_ids >= 0).to(self.device)
+        return real.chunk(tp, 0)[tp_rank] if tp > 1 else real
+
+    def padding_mask(self, tp_rank: int = 0, tp: int = 1) -> torch.Tensor:
+        """GPTModel's ``padding_mask`` [1, tokens]: True where the split padded (the routers leave those
+        tokens out of their load-balancing loss and counts); megatron-core scatters it over TP itself."""
+        mask = ~self.real_tokens()[None]
+        return mask.T.chunk(tp, 0)[tp_rank].T.contiguous() if tp > 1 else mask
+
+    def route_input(self, routes: torch.Tensor, tp_rank: int = 0, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rollout's recorded expert choices [B, S, layers, k] (``moe.recorded_routes``: checked, the
+        unrecorded last token and the padding completed) -> this CP rank's tokens' [tokens, layers, k]
+        in the order its routers see them, this TP rank's chunk with sequence parallelism; and each
+        token's recorded flag. The routes are cut by the same positions as the tokens, on the host."""
+        from .moe import recorded_routes
+
+        B, S = self.shape
+        if routes.dim() != 4 or tuple(routes.shape[:2]) != (B, S):
+            raise ValueError(f"routed experts must be [B, S, layers, top_k] with [B, S] = {[B, S]}, got "
+                             f"{list(routes.shape)}")
+        full = recorded_routes(routes, torch.tensor(self.starts_host), torch.tensor(self.lengths_host))
+        pos = self.shard.input_ids  # positions in the flattened batch (host), -1 where the split padded
+        flat = full.reshape(B * S, *full.shape[2:]).index_select(0, pos.clamp(min=0))
+        pad = pos < 0
+        if bool(pad.any()):  # padding: experts 0 ... k-1, not recorded
+            fill = torch.arange(full.shape[-1], dtype=full.dtype)
+            flat[pad, :-1] = fill
+            flat[pad, -1] = 0
+        flat = flat.chunk(tp, 0)[tp_rank] if tp > 1 else flat
+        return flat[:, :-1].to(self.device, non_blocking=True), flat[:, -1, 0].bool().to(self.device, non_blocking=True)
 
     # the head's values (head.PlacedHeadValues): every held position is scored, against the global next
     # token of its sequence (which another CP rank may hold)

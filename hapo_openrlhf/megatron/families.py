@@ -222,9 +222,6 @@ def check_actor_family(hf_config, megatron: MegatronConfig | None = None) -> Fam
         problems.append("megatron.moe.routing_replay replays a mixture of experts' routes, and this model is dense "
                         "(set routing_replay: off)")
     cp = m.context_parallel
-    if fam.moe and cp > 1:
-        problems.append(f"context_parallel {cp} with a mixture of experts is not wired (the MoE layers' token "
-                        f"dispatch and load-balancing mask under CP): run it at context_parallel 1")
     if cp > 1 and m.cp_comm_type == "a2a":  # TE's a2a swaps the sequence split for a head split inside the CP group
         heads = {"attention heads": hf_config.num_attention_heads, "key/value heads": hf_config.num_key_value_heads}
         for what, n in heads.items():

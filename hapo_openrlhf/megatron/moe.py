@@ -339,6 +339,34 @@ def stage_routers(model) -> list[tuple[int, object]]:
     return out
 
 
+def recorded_routes(routes: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's recorded expert choices [B, S, layers, k] (not recorded: -1, or 255 in a uint8
+    tensor) on the host, checked and completed: only a row's last real token may lack a record (no
+    forward of the engine ever took it as input; its output feeds no log-prob) -- it gets experts
+    0 ... k-1, as do padding tokens; a gap anywhere else is refused. Returns [B, S, layers + 1, k]:
+    the routes, then a row of each token's recorded flag (what a layout flattens alongside)."""
+    if routes.dim() != 4 or routes.shape[0] != len(starts) or len(starts) != len(lengths):
+        raise ValueError(f"routed experts must be [B, S, layers, top_k] for the micro-batch's {len(starts)} rows, "
+                         f"got {list(routes.shape)}")
+    B, S = routes.shape[:2]
+    routes, starts, lengths = routes.cpu(), torch.as_tensor(starts).cpu(), torch.as_tensor(lengths).cpu()
+    missing = routes == 255 if routes.dtype == torch.uint8 else routes < 0
+    k = routes.shape[-1]
+    fill = torch.arange(k, dtype=routes.dtype)
+    ar = torch.arange(S)
+    real = (ar[None] >= starts[:, None]) & (ar[None] < (starts + lengths)[:, None])
+    last = ar[None] == (starts + lengths - 1)[:, None]
+    unknown = missing.any(-1).any(-1)
+    gap = unknown & real & ~last
+    if bool(gap.any()):
+        rows = gap.any(-1).nonzero().flatten().tolist()
+        raise ValueError(f"rows {rows[:8]} have real tokens without recorded routes (only a row's last token "
+                         f"may lack them): the rollout's routed experts do not cover its tokens")
+    known = ~unknown & real  # [B, S]
+    routes = torch.where(known[:, :, None, None], routes, fill)
+    return torch.cat([routes, known[:, :, None, None].to(routes.dtype).expand(B, S, 1, k)], 2)
+
+
 def reduce_route_stats(stats: dict | None, hf_config, group=None) -> dict[str, float]:
     """:func:`router_metrics` of ``forward_backward``'s ``route_stats`` summed over ``group``
     (default: every rank -- data-parallel ranks route different tokens, pipeline stages

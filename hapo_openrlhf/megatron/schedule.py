@@ -36,7 +36,8 @@ import torch
 from ..algos.entropy import DEFAULT_CHUNK
 from . import head as heads
 from .model import attention_inputs, default_layout
-from .taps import AuxLossScale, Head, HeadSignals, NucleusLogMass, ReplayRoutes, Tap
+from .moe import recorded_routes
+from .taps import AuxLossScale, Head, ReplayRoutes, Tap
 
 # loss_fn(logp [B, S-1], entropy [B, S-1], micro_batch) -> (scalar loss, {metric: float tensor})
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -200,22 +201,8 @@ class RowLayout(heads.PlacedHeadValues):
         dev = self.lengths.device
         starts = (self.starts_host if self.starts_host is not None else self.starts).cpu()
         lengths = (self.lengths_host if self.lengths_host is not None else self.lengths).cpu()
-        routes = routes.cpu()
-        missing = routes == 255 if routes.dtype == torch.uint8 else routes < 0
-        k = routes.shape[-1]
-        fill = torch.arange(k, dtype=routes.dtype)
-        ar = torch.arange(S)
-        real = (ar[None] >= starts[:, None]) & (ar[None] < (starts + lengths)[:, None])
-        last = ar[None] == (starts + lengths - 1)[:, None]
-        unknown = missing.any(-1).any(-1)
-        gap = unknown & real & ~last
-        if bool(gap.any()):
-            rows = gap.any(-1).nonzero().flatten().tolist()
-            raise ValueError(f"rows {rows[:8]} have real tokens without recorded routes (only a row's last token "
-                             f"may lack them): the rollout's routed experts do not cover its tokens")
-        known = ~unknown & real  # [B, S]
-        routes = torch.where(known[:, :, None, None], routes, fill)
-        routes = torch.cat([routes, known[:, :, None, None].to(routes.dtype).expand(B, S, 1, k)], 2)  # rides along
+        routes = recorded_routes(routes, starts, lengths)  # [B, S, layers + 1, k]: the recorded flag rides along
+        fill = torch.arange(routes.shape[-1], dtype=routes.dtype)
         if self.layout == "masked":
             flat = routes.transpose(0, 1).reshape(S * B, *routes.shape[2:])
         else:
@@ -307,22 +294,16 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 def cp_layouts(micro_batches: list[dict], layout: str, pp: int, taps, config) -> list:
-    """Under context parallelism: each micro-batch's :class:`~.context_parallel.CPRows` (THD, PP 1,
-    a dense model; of the taps, the head's token-local values -- the nucleus log-mass, PAEC's signals:
-    what issue 58 has wired so far, each other case refused by name)."""
+    """Under context parallelism: each micro-batch's :class:`~.context_parallel.CPRows` (THD, PP 1; each
+    other case refused by name). Every tap runs on it: the head's token-local values, and for a
+    mixture of experts the routers' statistics and routing replay over each rank's share."""
     from megatron.core import parallel_state as ps
 
     from .context_parallel import CPRows
 
-    # the head's token-local values; AuxLossScale only weighs a mixture of experts' load-balancing
-    # loss, and a mixture of experts is refused here (on a dense model the tap does nothing)
-    token_local = (NucleusLogMass, HeadSignals, AuxLossScale)
-    refused = {f"layout {layout!r}": layout != "thd", "pipeline parallelism": pp > 1,
-               "a mixture of experts": bool(getattr(config, "num_moe_experts", None)),
-               "taps other than the head's token-local values (routing replay, router statistics)": any(
-                   not isinstance(t, token_local) for t in taps)}
+    refused = {f"layout {layout!r}": layout != "thd", "pipeline parallelism": pp > 1}
     if any(refused.values()):
-        raise ValueError(f"context parallelism is not wired with {[k for k, v in refused.items() if v]} yet "
+        raise ValueError(f"context parallelism is not wired with {[k for k, v in refused.items() if v]} "
                          f"(issue 58): run those at context_parallel 1")
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_group()
     out = []

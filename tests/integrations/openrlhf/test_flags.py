@@ -125,7 +125,7 @@ def test_megatron_configs_are_shipped_and_checked():
                           ("megatron.optimizer_sharding=fully_sharded_model_space",
                            "dp_reshardable or fully_reshardable"),
                           # mixture of experts: EP is carved out of DP (TP 2 x PP 2 on 4 GPUs leaves DP 1)
-                          ("megatron.expert_parallel=2", "expert_parallel 2 must divide the data-parallel size 1"),
+                          ("megatron.expert_parallel=2", "expert_parallel 2 must divide the data-parallel size x context_parallel 1"),
                           ("megatron.expert_parallel=0", "expert_parallel must be >= 1"),
                           ("megatron.tensor_parallel=1,megatron.pipeline_parallel=1,megatron.expert_parallel=2,"
                            "megatron.moe.dispatcher=allgather", "allgather gathers equal token counts"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import copy
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,7 +53,7 @@ def _shaped(estimator, params, exps, entropies):
     return compute_advantages(estimator, inputs, **params).split([e.action_mask.shape[0] for e in exps])
 
 
-def _cp_worker(rank, world, port, args_by_phase, model_dir, data, out_dir):
+def _cp_worker(rank, world, port, phases, args_by_phase, model_dir, data, out_dir, routes=None):
     from tests.megatron.cuda_shim import install
 
     install()
@@ -69,14 +70,17 @@ def _cp_worker(rank, world, port, args_by_phase, model_dir, data, out_dir):
     from megatron.core import parallel_state as ps
 
     # the tokens this rank's model forwards: its share of each packed micro-batch under CP
-    record = {"phases": [], "cp": ps.get_context_parallel_world_size(), "tokens": 0}
+    record = {"phases": [], "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+              "tokens": 0}
     actor.model.embedding.register_forward_hook(
         lambda mod, args, kwargs, out: record.__setitem__("tokens", record["tokens"] + kwargs["input_ids"].numel()),
         with_kwargs=True)
-    for (name, estimator, params, _), args, exps in zip(PHASES, args_by_phase, data, strict=True):
+    for (name, estimator, params, _), args, exps in zip(phases, args_by_phase, data, strict=True):
         actor.loss_fn = loss_from_config(transported(args.hapo))
         if name == "stare":  # the controller's state for the step (what the experience maker sends)
             actor.set_loss_state({"gate_on": True, "reweight_w": 1.5, "reweight_m": 0.5})
+        if routes is not None:  # R3: what the controller sends before the step's first forward
+            actor.set_routes(routes)
         lps = [actor.forward(e.sequences, e.action_mask, e.attention_mask) for e in exps]
         ents = [actor.pop_behaviour(fingerprint(e.sequences, e.attention_mask))[0] for e in exps]
         advs = _shaped(estimator, params, exps, ents) if estimator else [e.advantages for e in exps]
@@ -92,26 +96,39 @@ def _cp_worker(rank, world, port, args_by_phase, model_dir, data, out_dir):
     dist.destroy_process_group()
 
 
-def test_actor_at_context_parallel_2_equals_context_parallel_1(tmp_path):
+MOE_R3 = (("hapo", "hapo", {"alpha": 0.2, "phi": 2.0}, ["megatron.moe.routing_replay=r3"]),)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_actor_at_context_parallel_2_equals_context_parallel_1(tmp_path, family):
+    """Dense: HAPO, STARE and EAPO-entropic, two optimizer steps each. A tiny Qwen3-MoE (4 experts,
+    top-2) with rollout routing replay: at CP 2 its two ranks are also its two expert-parallel ranks
+    (EP carved out of DP x CP: each holds two experts, and each rank's share of every sequence
+    crosses the all-to-all dispatcher), the recorded routes cut by the split as the tokens are;
+    against EP 1 x CP 1 on one rank -- the router statistics and the replay's counts included."""
+    from tests.integrations.openrlhf.test_megatron_actor import _recorded_routes
     from tests.megatron._dist import spawn_te
 
-    model_dir = _tiny_model_dir(tmp_path / "model", False, "qwen3")
+    moe = family == "qwen3_moe"
+    phases = MOE_R3 if moe else PHASES
+    model_dir = _tiny_model_dir(tmp_path / "model", False, family)
+    # the same rows at both sizes: 4 experiences of 4 rows per phase (two optimizer steps of 8 rows);
+    # every CP rank receives the whole micro-batch (OpenRLHF's duplicate actors) and keeps its share
+    data = [_experiences(4, seed=11 + i) for i in range(len(phases))]
+    table = _recorded_routes(model_dir, data[0])[1] if moe else None
     got = {}
     for cp in (1, 2):
-        args = [_args(tmp_path / f"cp{cp}_{name}", [*CP_TE, f"megatron.context_parallel={cp}",
-                                                    f"openrlhf.actor_gpus_per_node={cp}", *sets])[1]
-                for name, _, _, sets in PHASES]
-        # the same rows at both sizes: 4 experiences of 4 rows per phase (two optimizer steps of 8 rows);
-        # every CP rank receives the whole micro-batch (OpenRLHF's duplicate actors) and keeps its share
-        data = [_experiences(4, seed=11 + i) for i in range(len(PHASES))]
+        layout = [f"megatron.context_parallel={cp}", f"openrlhf.actor_gpus_per_node={cp}",
+                  *([f"megatron.expert_parallel={cp}"] if moe else [])]
+        args = [_args(tmp_path / f"cp{cp}_{name}", [*CP_TE, *layout, *sets])[1] for name, _, _, sets in phases]
         out = tmp_path / f"out{cp}"
         out.mkdir()
-        spawn_te("tests.integrations.openrlhf.test_megatron_actor_cp:_cp_worker", cp, cp, _free_port(), args,
-                 model_dir, data, str(out), process_group=False)
+        spawn_te("tests.integrations.openrlhf.test_megatron_actor_cp:_cp_worker", cp, cp, _free_port(), phases, args,
+                 model_dir, [[copy.deepcopy(e) for e in d] for d in data], str(out), table, process_group=False)
         got[cp] = [torch.load(out / f"cp{cp}_rank{r}.pt") for r in range(cp)]
     one, (two, two_b) = got[1][0], got[2]
     # CP 2 really split the sequences: each rank forwarded its half of every (padded) packed sequence
-    assert (one["cp"], two["cp"], two_b["cp"]) == (1, 2, 2)
+    assert (one["cp"], two["cp"], two_b["cp"]) == (1, 2, 2) and two["ep"] == (2 if moe else 1)
     assert two["tokens"] == two_b["tokens"] and 0.5 * one["tokens"] < two["tokens"] < 0.65 * one["tokens"], (
         one["tokens"], two["tokens"])
     for p1, p2, p2b in zip(one["phases"], two["phases"], two_b["phases"], strict=True):
@@ -128,11 +145,35 @@ def test_actor_at_context_parallel_2_equals_context_parallel_1(tmp_path):
         assert p1["status"]["actor_grad_norm"] > 0 and 0 < p1["status"]["ppo_clip_ratio"] < 1, name
         if name == "stare":  # the loss's own selection ran (its metrics reached the status)
             assert any(k.startswith("stare/") for k in p1["status"]), sorted(p1["status"])
-    # the shaped advantages are not the raw ones: the behaviour entropy entered them
-    assert not torch.equal(one["phases"][0]["advs"][0], one["phases"][2]["advs"][0])
-    for k, v in one["weights"].items():  # the model after six optimizer steps, on both CP ranks
+    if moe:  # the replay ran on every token at both sizes, and the rollout's routes differ from the router's
+        st = one["phases"][0]["status"]
+        assert 0.05 < st["moe/rollout_routes_differed_fraction"] < 0.95 and "moe/router_entropy" in st, st
+    else:  # the shaped advantages are not the raw ones: the behaviour entropy entered them
+        assert not torch.equal(one["phases"][0]["advs"][0], one["phases"][2]["advs"][0])
+    for k, v in one["weights"].items():  # the model after the optimizer steps, on both CP ranks
+        if moe and ".experts." in k:  # each CP (= EP) rank holds two of the four experts
+            continue
         for w in (two["weights"][k], two_b["weights"][k]):
             assert float((w - v).abs().max()) <= 2e-6, (k, float((w - v).abs().max()))
+    if moe:  # the experts: rank r's local expert j is expert 2 r + j at EP 1
+        checked = 0
+        for k in (k for k in two["weights"] if ".experts." in k):
+            for r, w in enumerate((two["weights"][k], two_b["weights"][k])):
+                want = one["weights"][_global_expert_name(k, r, 2)]
+                assert float((w - want).abs().max()) <= 2e-6, (k, r)
+                checked += 1
+        assert checked >= 2 * 2 * 2 * 2, checked  # two layers x two projections x two local experts x two ranks
+
+
+def _global_expert_name(name: str, rank: int, per: int) -> str:
+    """A local expert's parameter name on expert-parallel rank ``rank`` (``per`` experts each) -> its
+    name at EP 1: TE's grouped GEMM (``experts.linear_fc1.weight<j>``) or SequentialMLP
+    (``experts.local_experts.<j>.``)."""
+    import re
+
+    if "local_experts." in name:
+        return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + per * rank}.", name)
+    return re.sub(r"weight(\d+)$", lambda m: f"weight{int(m.group(1)) + per * rank}", name)
 
 
 def test_token_budget_counts_each_context_parallel_ranks_share():
@@ -163,6 +204,10 @@ def test_token_budget_counts_each_context_parallel_ranks_share():
     (["megatron.context_parallel=2", *CP_TE, "megatron.cp_comm_type=a2a+p2p"], "a2a+p2p (hierarchical"),
     (["megatron.context_parallel=2", *CP_TE, "megatron.cp_comm_type=ring"], "must be p2p, all_gather or a2a"),
     (["megatron.context_parallel=0", *CP_TE], "must be an integer >= 1"),
+    (["megatron.context_parallel=2", *CP_TE, "megatron.moe.aux_loss_coeff=0.01"],
+     "with megatron.moe.aux_loss_coeff > 0 is not wired"),
+    (["megatron.context_parallel=2", *CP_TE, "megatron.expert_parallel=4"],
+     "expert_parallel 4 must divide the data-parallel size x context_parallel 2"),
 ])
 def test_context_parallel_settings_refused_by_name(tmp_path, sets, problem):
     from hapo_openrlhf.config import load_config
@@ -197,5 +242,4 @@ def test_a2a_needs_heads_divisible_by_context_parallel():
                                          r"context_parallel 4 \(use p2p or all_gather\)"):
         check_actor_family(hf, MegatronConfig(layer_spec="te", context_parallel=4, cp_comm_type="a2a"))
     moe = __import__("tests.megatron.test_moe", fromlist=["tiny_moe"]).tiny_moe().config
-    with pytest.raises(ValueError, match="context_parallel 2 with a mixture of experts is not wired"):
-        check_actor_family(moe, MegatronConfig(layer_spec="te", context_parallel=2))
+    assert check_actor_family(moe, MegatronConfig(layer_spec="te", context_parallel=2, expert_parallel=2)).moe

@@ -255,8 +255,8 @@ class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStat
         if self.moe and self.ep > 1:
             from megatron.core import parallel_state as ps
 
-            n = torch.tensor([len(groups)], device=device())
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            n = torch.tensor([len(groups)], device=device())  # an EP group may span DP and CP ranks
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
             groups = even_out(groups, lengths, int(n))
         return groups
 
