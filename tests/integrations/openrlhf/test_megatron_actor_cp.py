@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import copy
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -243,3 +244,47 @@ def test_a2a_needs_heads_divisible_by_context_parallel():
         check_actor_family(hf, MegatronConfig(layer_spec="te", context_parallel=4, cp_comm_type="a2a"))
     moe = __import__("tests.megatron.test_moe", fromlist=["tiny_moe"]).tiny_moe().config
     assert check_actor_family(moe, MegatronConfig(layer_spec="te", context_parallel=2, expert_parallel=2)).moe
+
+
+@pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)], ids=["cp2_to_cp1", "cp1_to_cp2"])
+def test_actor_resumes_across_context_parallel_sizes(tmp_path, saved, resumed):
+    """OpenRLHF's requeue path onto another CP size, two ranks each time (TE spec, packed): CP 2 x DP 1
+    -> CP 1 x DP 2 and back. The distributed optimizer shards over DP x CP (2 both ways), so its
+    dp_reshardable state moves; the weights load bitwise, the controller's client states come back,
+    and the next optimizer step equals the uninterrupted run's (loss, grad norm, the weights it
+    writes). At DP 2 each rank trains its half of the second batch, as OpenRLHF's controller deals it."""
+    from safetensors.torch import load_file
+
+    from tests.integrations.openrlhf.test_megatron_actor import _args as args_of
+    from tests.megatron._dist import spawn_te
+
+    _, args_a = args_of(tmp_path, [*CP_TE, f"megatron.context_parallel={saved}"])
+    _, args_b = args_of(tmp_path, [*CP_TE, f"megatron.context_parallel={resumed}"])
+    assert args_a.ckpt.path == args_b.ckpt.path
+    model_dir = _tiny_model_dir(tmp_path / "model", False, "qwen3")
+    data = _experiences(4, seed=5)
+    batches = [data[:2], data[2:]]
+    out = tmp_path / "out"
+    out.mkdir()
+    target = "tests.integrations.openrlhf.test_megatron_actor:_resume_worker"
+    spawn_te(target, 2, 2, _free_port(), args_a, model_dir, batches, str(out), "first", True, saved == 1,
+             process_group=False)
+    spawn_te(target, 2, 2, _free_port(), args_b, model_dir, batches, str(out), "resume", True, resumed == 1,
+             process_group=False)
+    layout = json.loads((Path(args_a.ckpt.path) / "_actor" / "step_1" / "hapo_layout.json").read_text())
+    assert layout["context_parallel"] == saved and layout["data_parallel"] == 2 // saved
+    at_save = load_file(str(out / "hf_at_save" / "model.safetensors"))
+    at_load = load_file(str(out / "hf_at_load" / "model.safetensors"))
+    assert set(at_save) == set(at_load)
+    for k, v in at_save.items():
+        assert torch.equal(at_load[k], v), k
+    first, again = torch.load(out / "first0.pt"), torch.load(out / "resume0.pt")
+    assert again["states"] == {"global_step": 1, "data_loader_state_dict": {"consumed": 8}}
+    for k in ("policy_loss", "actor_grad_norm", "actor_lr"):
+        assert again["status"][k] == pytest.approx(first["status"][k], rel=1e-5), k
+    want = load_file(str(out / "hf_first" / "model.safetensors"))
+    got = load_file(str(out / "hf_resume" / "model.safetensors"))
+    moved = max(float((want[k] - at_save[k]).abs().max()) for k in want)
+    assert moved > 100 * 2e-6  # the resumed step moved the weights far beyond the tolerance
+    for k, v in want.items():
+        assert float((got[k] - v).abs().max()) <= 2e-6, k
