@@ -435,3 +435,63 @@ def test_the_gpu_smokes_cp2_check_runs_on_the_stand_in(tmp_path):
         res = torch.load(tmp_path / f"smoke{r}.pt")
         assert res["ok"] and res["cp"] == 2 and res["loaded_strict"] and res["stream_exact"] is None, res
         assert res["logprob_max_abs_err"] < 1e-4 and res["entropy_max_abs_err"] < 1e-4, res
+
+
+def _memory_worker(rank, out_dir, cp):
+    """A TE-spec tiny Qwen3's forward and backward through hapo's schedule on two 1,024-token sequences,
+    at ``cp`` CP ranks: the elements of Q entering the core attention and of the largest tensor any op
+    makes outside it (its forward and its backward), counted by a dispatch mode (the stand-in's own K/V gather and scores are not
+    TE's kernel, which keeps two K/V chunks in flight: memory.activation_bytes counts those)."""
+    import json
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hapo_openrlhf.megatron.schedule import logprobs_and_entropy
+    from tests.megatron.test_convert import tiny_model
+
+    _init_cp(cp)
+    hf = tiny_model("qwen3", False, layers=2)
+    model = _te_model(hf, cp, "fused")
+    seen = {"inside": 0, "largest": 0, "q": 0}
+    for layer in model.decoder.layers:
+        core = layer.self_attention.core_attention
+        core.register_forward_pre_hook(lambda m, args: seen.update(inside=seen["inside"] + 1,
+                                                                   q=max(seen["q"], args[0].numel())))
+        core.register_forward_hook(lambda m, args, out: seen.update(inside=seen["inside"] - 1))
+        core.register_full_backward_pre_hook(lambda m, grad_out: seen.update(inside=seen["inside"] + 1))
+        core.register_full_backward_hook(lambda m, grad_in, grad_out: seen.update(inside=seen["inside"] - 1))
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not seen["inside"]:
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor):
+                        seen["largest"] = max(seen["largest"], t.numel())
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 259, (2, 1024), generator=g)
+    am = torch.ones_like(ids)
+    with Largest():
+        lp, en = logprobs_and_entropy(model, ids, am, vocab_size=259, chunk_size=64)
+        (lp.sum() + en.sum()).backward()
+    if rank == 0:
+        (Path(out_dir) / f"memory_cp{cp}.json").write_text(json.dumps({k: seen[k] for k in ("largest", "q")}))
+
+
+def test_cp2_halves_the_attention_inputs_and_the_largest_activation_per_rank(tmp_path):
+    """Issue 58's memory proxy on the CPU: per rank, Q entering the core attention and the largest
+    tensor outside it (forward and backward, the fused head in 64-token chunks) are exactly half at
+    CP 2 of what they are at CP 1. docs/megatron.md has the per-rank figures of the 64k and 128k
+    configs (the dry run's arithmetic at full size)."""
+    import json
+
+    from tests.megatron._dist import spawn_te
+
+    for cp in (1, 2):
+        spawn_te("tests.megatron.test_context_parallel:_memory_worker", cp, str(tmp_path), cp)
+    one, two = (json.loads((tmp_path / f"memory_cp{cp}.json").read_text()) for cp in (1, 2))
+    assert one["q"] == 2048 * 4 * 24 and two["q"] * 2 == one["q"], (one, two)  # [T, heads, head_dim]
+    assert two["largest"] * 2 == one["largest"], (one, two)
+    assert one["largest"] >= 2048 * 128  # an activation ([T, ffn] or wider), not a weight
