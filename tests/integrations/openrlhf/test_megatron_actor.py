@@ -534,8 +534,6 @@ def test_moe_actor_resumes_under_another_expert_parallel_size(tmp_path, monkeypa
     weights load bitwise, the controller's client states come back, and the next optimizer step
     equals the uninterrupted run's (loss, grad norm, router metrics, the weights it writes).
     dp_reshardable refuses the new EP by name."""
-    from safetensors.torch import load_file
-
     from tests.megatron._dist import spawn_te, start
 
     common = ["megatron.distributed_optimizer=true", "megatron.optimizer_sharding=fully_reshardable"]
@@ -553,21 +551,8 @@ def test_moe_actor_resumes_under_another_expert_parallel_size(tmp_path, monkeypa
         start(_resume_worker, 2, first)
     # TP=2 (one replica) -> DP=2: each rank its half of the second batch, the same rows per optimizer step
     start(_resume_worker, 2, (2, _free_port(), args_b, model_dir, batches, str(out), "resume", True, bool(first_sets)))
-    at_save = load_file(str(out / "hf_at_save" / "model.safetensors"))
-    at_load = load_file(str(out / "hf_at_load" / "model.safetensors"))
-    assert set(at_save) == set(at_load) and any(".experts.3.down_proj" in k for k in at_save)
-    for k, v in at_save.items():
-        assert torch.equal(at_load[k], v), k
-    first, again = torch.load(out / "first0.pt"), torch.load(out / "resume0.pt")
-    assert again["states"] == {"global_step": 1, "data_loader_state_dict": {"consumed": 8}}
-    for k in ("policy_loss", "actor_grad_norm", "actor_lr", "moe/router_entropy", "moe/expert_load_max_over_mean"):
-        assert again["status"][k] == pytest.approx(first["status"][k], rel=1e-5), k
-    want = load_file(str(out / "hf_first" / "model.safetensors"))
-    got = load_file(str(out / "hf_resume" / "model.safetensors"))
-    moved = max(float((want[k] - at_save[k]).abs().max()) for k in want)
-    assert moved > 100 * 2e-6  # the resumed step moved the weights far beyond the tolerance
-    for k, v in want.items():
-        assert float((got[k] - v).abs().max()) <= 2e-6, k
+    names = check_resumed_run(out, ("moe/router_entropy", "moe/expert_load_max_over_mean"))
+    assert any(".experts.3.down_proj" in k for k in names)
     # the same checkpoint under dp_reshardable cannot move its experts: refused before any tensor is read
     import json
 
@@ -588,6 +573,31 @@ def test_moe_actor_resumes_under_another_expert_parallel_size(tmp_path, monkeypa
     with pytest.raises(ValueError, match=f"x EP {saved}, which can resume at another data-parallel size only, "
                                          f"not at .* x EP {resumed}"):
         check_resumable(step, Here())
+
+
+def check_resumed_run(out: Path, status_keys=()) -> list[str]:
+    """What :func:`_resume_worker`'s two phases wrote (with ``snapshots``) into ``out``: the weights loaded
+    bitwise as saved, the controller's client states back, the next step's status (``policy_loss``,
+    ``actor_grad_norm``, ``actor_lr`` and ``status_keys``) and the weights it writes equal to the
+    uninterrupted run's. Returns the Hugging Face names."""
+    from safetensors.torch import load_file
+
+    at_save = load_file(str(out / "hf_at_save" / "model.safetensors"))
+    at_load = load_file(str(out / "hf_at_load" / "model.safetensors"))
+    assert set(at_save) == set(at_load)
+    for k, v in at_save.items():
+        assert torch.equal(at_load[k], v), k
+    first, again = torch.load(out / "first0.pt"), torch.load(out / "resume0.pt")
+    assert again["states"] == {"global_step": 1, "data_loader_state_dict": {"consumed": 8}}
+    for k in ("policy_loss", "actor_grad_norm", "actor_lr", *status_keys):
+        assert again["status"][k] == pytest.approx(first["status"][k], rel=1e-5), k
+    want = load_file(str(out / "hf_first" / "model.safetensors"))
+    got = load_file(str(out / "hf_resume" / "model.safetensors"))
+    moved = max(float((want[k] - at_save[k]).abs().max()) for k in want)
+    assert moved > 100 * 2e-6  # the resumed step moved the weights far beyond the tolerance
+    for k, v in want.items():
+        assert float((got[k] - v).abs().max()) <= 2e-6, k
+    return sorted(at_save)
 
 
 def _reference_worker(rank, world, port, args, model_dir, exps, out_dir):
