@@ -27,10 +27,11 @@ def _other_version() -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def _in_other(sharding: str, ckpt: Path, phase: str, out: Path) -> None:
-    """``_resume_worker`` on two gloo ranks under the other interpreter's megatron-core."""
-    code = ("from tests.megatron._dist import spawn; from tests.megatron.test_ddp import _resume_worker; "
-            f"spawn(_resume_worker, 2, 1, {sharding!r}, {str(ckpt)!r}, {phase!r}, {str(out)!r})")
+def _in_other(*runs: tuple[str, Path, str, Path]) -> None:
+    """``_resume_worker`` on two gloo ranks under the other interpreter's megatron-core, once per
+    ``(sharding, checkpoint, phase, out)``, in one interpreter (its imports and fork server paid once)."""
+    calls = "; ".join(f"spawn(_resume_worker, 2, 1, {sh!r}, {str(ck)!r}, {ph!r}, {str(o)!r})" for sh, ck, ph, o in runs)
+    code = f"from tests.megatron._dist import spawn; from tests.megatron.test_ddp import _resume_worker; {calls}"
     p = subprocess.run([OTHER, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
 
@@ -47,24 +48,32 @@ def _equal(a: dict, b: dict) -> None:
 
 @pytest.mark.skipif(not OTHER, reason="HAPO_MC_OTHER_PYTHON is not set (scripts/test.sh sets it to .venv-py312's "
                                       "python, megatron-core 0.19.2)")
-@pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
-def test_a_checkpoint_resumes_bitwise_under_a_newer_megatron_core_and_is_refused_under_an_older(tmp_path, sharding):
+def test_a_checkpoint_resumes_bitwise_under_a_newer_megatron_core_and_is_refused_under_an_older(tmp_path):
+    """Both optimizer shardings (dp_reshardable, fully_reshardable), each with its own checkpoints; the
+    other interpreter runs its share of both in one launch (issue 57: not two per sharding)."""
     here, there = version("megatron-core"), _other_version()
     if here == there:
         pytest.skip(f"HAPO_MC_OTHER_PYTHON runs the same megatron-core ({here})")
-    spawn(_resume_worker, 2, 1, sharding, str(tmp_path / "unused"), "full", str(tmp_path / "full"))
-    # here -> there
-    spawn(_resume_worker, 2, 1, sharding, str(tmp_path / "a"), "first", str(tmp_path / "first_a"))
-    layout = json.loads(next((tmp_path / "a").glob("step_*/hapo_layout.json")).read_text())
-    assert layout["megatron_core"] == here
-    _in_other(sharding, tmp_path / "a", "resume", tmp_path / "resumed_there")
-    # there -> here: refused, naming both versions and the direction
-    _in_other(sharding, tmp_path / "b", "first", tmp_path / "first_b")
-    assert json.loads(next((tmp_path / "b").glob("step_*/hapo_layout.json")).read_text())["megatron_core"] == there
-    spawn(_resume_worker, 2, 1, sharding, str(tmp_path / "b"), "resume", str(tmp_path / "refused"))
-    why = torch.load(tmp_path / "refused.0")["refused"]
-    assert f"written by megatron-core {there}" in why and "no common.pt" in why and "up across versions" in why
-    for r in range(2):
-        full, got = torch.load(tmp_path / f"full.{r}"), torch.load(tmp_path / f"resumed_there.{r}")
-        assert "refused" not in got, got
-        _equal(full, got)
+    shardings = ("dp_reshardable", "fully_reshardable")
+    for sh in shardings:
+        d = tmp_path / sh
+        d.mkdir()
+        spawn(_resume_worker, 2, 1, sh, str(d / "unused"), "full", str(d / "full"))
+        # here -> there: written here
+        spawn(_resume_worker, 2, 1, sh, str(d / "a"), "first", str(d / "first_a"))
+        layout = json.loads(next((d / "a").glob("step_*/hapo_layout.json")).read_text())
+        assert layout["megatron_core"] == here
+    # there: each here-written checkpoint resumed; and a checkpoint of its own per sharding
+    _in_other(*[(sh, tmp_path / sh / "a", "resume", tmp_path / sh / "resumed_there") for sh in shardings],
+              *[(sh, tmp_path / sh / "b", "first", tmp_path / sh / "first_b") for sh in shardings])
+    for sh in shardings:
+        d = tmp_path / sh
+        # there -> here: refused, naming both versions and the direction
+        assert json.loads(next((d / "b").glob("step_*/hapo_layout.json")).read_text())["megatron_core"] == there
+        spawn(_resume_worker, 2, 1, sh, str(d / "b"), "resume", str(d / "refused"))
+        why = torch.load(d / "refused.0")["refused"]
+        assert f"written by megatron-core {there}" in why and "no common.pt" in why and "up across versions" in why
+        for r in range(2):
+            full, got = torch.load(d / f"full.{r}"), torch.load(d / f"resumed_there.{r}")
+            assert "refused" not in got, got
+            _equal(full, got)
