@@ -102,8 +102,13 @@ class MegatronConfig:
                  "megatron.context_parallel > 1 needs megatron.layer_spec: te: megatron-core's local attention "
                  "asserts context_parallel_size 1, context parallelism runs through Transformer Engine's attention")
         require(self.context_parallel == 1 or self.pipeline_parallel == 1,
-                 "megatron.context_parallel > 1 with pipeline_parallel > 1 is not wired (each CP rank's share of a "
-                 "micro-batch would cross the pipeline): use tensor and context parallelism with pipeline_parallel 1")
+                 f"megatron.context_parallel {self.context_parallel} with pipeline_parallel {self.pipeline_parallel} "
+                 f"cannot start: the actor orders ranks tp-cp-ep-pp-dp so each data-parallel replica is TP x CP x PP "
+                 f"consecutive actors (OpenRLHF's duplicate actors), and in that order megatron-core asserts the "
+                 f"attention and expert layers have the same data-parallel size, which its expert grid (CP folded "
+                 f"into data parallelism) breaks under PP > 1 even for a dense model "
+                 f"(parallel_state.initialize_model_parallel): use tensor and context parallelism with "
+                 f"pipeline_parallel 1")
         require(self.context_parallel == 1 or self.moe.aux_loss_coeff == 0,
                  "megatron.context_parallel > 1 with megatron.moe.aux_loss_coeff > 0 is not wired (each CP rank's "
                  "routers see a share of every sequence, and the load-balancing loss's token counts would need "

@@ -279,7 +279,7 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
     if tp_group is None:  # the model's own TP group (None would reduce the vocabulary over the whole job)
         tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     if ps.get_context_parallel_world_size() > 1:  # this rank's share, the values gathered (context_parallel.py)
-        lay = cp_layouts([{"input_ids": input_ids, "attention_mask": attention_mask}], layout or "thd", 1, (),
+        lay = cp_layouts([{"input_ids": input_ids, "attention_mask": attention_mask}], layout or "thd",
                          model.config)[0]
         out = model(**lay.model_inputs())
         weight = heads.output_weight(model) if heads.is_installed(model) else None
@@ -293,18 +293,19 @@ def logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.T
                                 chunk_size=chunk_size, tp_group=tp_group, tp_rank=tp_rank, weight=weight)
 
 
-def cp_layouts(micro_batches: list[dict], layout: str, pp: int, taps, config) -> list:
-    """Under context parallelism: each micro-batch's :class:`~.context_parallel.CPRows` (THD, PP 1; each
-    other case refused by name). Every tap runs on it: the head's token-local values, and for a
-    mixture of experts the routers' statistics and routing replay over each rank's share."""
+def cp_layouts(micro_batches: list[dict], layout: str, config) -> list:
+    """Under context parallelism: each micro-batch's :class:`~.context_parallel.CPRows` (THD, PP 1; the
+    rest refused by name). Every tap runs on it: the head's token-local values, and for a mixture of
+    experts the routers' statistics and routing replay over each rank's share."""
     from megatron.core import parallel_state as ps
 
     from .context_parallel import CPRows
 
-    refused = {f"layout {layout!r}": layout != "thd", "pipeline parallelism": pp > 1}
-    if any(refused.values()):
-        raise ValueError(f"context parallelism is not wired with {[k for k, v in refused.items() if v]} "
-                         f"(issue 58): run those at context_parallel 1")
+    if layout != "thd":
+        raise ValueError(f"context parallelism splits packed (THD) sequences only, got layout {layout!r}")
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # the config refuses PP x CP (megatron-core's rank order)
+        raise ValueError("context parallelism through pipeline stages is not supported (the actor's rank order "
+                         "cannot start it in megatron-core; untested): run it with pipeline parallelism 1")
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_group()
     out = []
     for mb in micro_batches:
@@ -346,7 +347,7 @@ def forward_backward(model, micro_batches: list[dict[str, torch.Tensor]], loss_f
     pad_to = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
     # from the CPU copy of each mask when the caller keeps one (the actor does): no host sync
     if ps.get_context_parallel_world_size() > 1:  # each CP rank forwards its share (context_parallel.py)
-        layouts = cp_layouts(micro_batches, layout, pp, taps, config)
+        layouts = cp_layouts(micro_batches, layout, config)
     else:
         layouts = [RowLayout.of(mb.get("attention_mask_cpu", mb["attention_mask"]), layout, pad_to,
                                 device=mb["input_ids"].device) for mb in micro_batches]

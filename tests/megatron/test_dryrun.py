@@ -149,7 +149,9 @@ def test_a_layout_that_cannot_start_or_fit_fails_with_the_rank_and_reason():
 def test_pp_with_ep_is_refused_at_load_as_megatron_core_would_crash_at_start(tmp_path):
     """The layout the 30B config shipped with (PP=2 x EP=8) asserted in megatron-core's
     initialize_model_parallel on every rank: reproduced at PP=2 x EP=2 on 4 fake ranks through
-    the actor's own set-up, and now refused by name when the config loads."""
+    the actor's own set-up, and now refused by name when the config loads. PP=2 x CP=2 asserts the
+    same way, a dense model included (megatron-core's expert grid folds CP into data parallelism):
+    refused by name too (found wiring CP through the pipeline, issue 58)."""
     script = textwrap.dedent("""
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -166,10 +168,20 @@ def test_pp_with_ep_is_refused_at_load_as_megatron_core_would_crash_at_start(tmp
             ps.destroy_model_parallel()
             r = init_parallel_state(1, 1, 2)  # the layout the loader points to instead
             print("pp1", r.dp_size, r.ep_rank, r.expert_dp_size)
+            ps.destroy_model_parallel()
+            try:
+                init_parallel_state(1, 2, 1, 2)  # PP 2 x CP 2, no experts
+                print("cp started")
+            except AssertionError as e:
+                print("cp assert:", e)
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "assert: When not using pp-last rank ordering" in p.stdout, p.stderr[-2000:]
     assert "pp1 4 0 2" in p.stdout
+    assert "cp assert: When not using pp-last rank ordering" in p.stdout, p.stdout
+    with pytest.raises(ValueError, match="context_parallel 2 with pipeline_parallel 2 cannot start"):
+        load_config(REPO / "configs/deepscaler_1p5b_64k_hapo_megatron_cp.yaml",
+                    ["megatron.pipeline_parallel=2", "megatron.tensor_parallel=1"])
     with pytest.raises(ValueError, match="expert_parallel 2 with pipeline_parallel 2 cannot start"):
         load_config(REPO / "configs/qwen3_30b_a3b_hapo_megatron.yaml",
                     ["openrlhf.actor_num_nodes=1", "openrlhf.actor_gpus_per_node=4", "megatron.pipeline_parallel=2",

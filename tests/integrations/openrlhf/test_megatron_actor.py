@@ -616,20 +616,28 @@ def _reference_worker(rank, world, port, args, model_dir, exps, out_dir):
     dist.destroy_process_group()
 
 
-def test_megatron_reference_actor_returns_the_models_log_probs(tmp_path):
-    """The KL reference (kl_coef > 0 on backend: megatron): a frozen Qwen3 GPTModel at TP=2 with
-    no optimizer, whose ``forward`` is OpenRLHF's reference contract: the action log-probs at
-    the rollout temperature (masked, on the CPU) == Hugging Face's, on every TP rank."""
+@pytest.mark.parametrize("layout", ["tp2", "cp2_te"])
+def test_megatron_reference_actor_returns_the_models_log_probs(tmp_path, layout):
+    """The KL reference (kl_coef > 0 on backend: megatron): a frozen Qwen3 GPTModel at TP=2 -- or at
+    context parallelism 2 on Transformer Engine's spec (the stand-in), packed, each rank forwarding its
+    share -- with no optimizer, whose ``forward`` is OpenRLHF's reference contract: the action log-probs
+    at the rollout temperature (masked, on the CPU) == Hugging Face's, on every rank."""
     from transformers import AutoModelForCausalLM
 
-    from tests.megatron._dist import start
+    from tests.megatron._dist import spawn_te, start
 
-    cfg, args = _args(tmp_path, ["megatron.tensor_parallel=2", "algorithm.kl_coef=0.05"])
+    sets = (["megatron.tensor_parallel=2"] if layout == "tp2" else
+            ["megatron.context_parallel=2", "megatron.layer_spec=te", *PACKED])
+    cfg, args = _args(tmp_path, [*sets, "algorithm.kl_coef=0.05"])
     model_dir = _tiny_model_dir(tmp_path / "model", False, "qwen3")
     exps = _experiences(2, seed=9)
     out = tmp_path / "out"
     out.mkdir()
-    start(_reference_worker, 2, (2, _free_port(), args, model_dir, exps, str(out)))
+    if layout == "tp2":
+        start(_reference_worker, 2, (2, _free_port(), args, model_dir, exps, str(out)))
+    else:
+        spawn_te("tests.integrations.openrlhf.test_megatron_actor:_reference_worker", 2, 2, _free_port(), args,
+                 model_dir, exps, str(out), process_group=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for r in range(2):
         got = torch.load(out / f"ref{r}.pt")
