@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 # controller deals out data (its "duplicate actors": every CP rank gets the whole micro-batch and
 # keeps its share, context_parallel.CPRows); expert parallelism is carved out of data
 # parallelism. In this order megatron-core asserts that attention and expert layers have the same
-# data-parallel size when PP > 1, which EP > 1 breaks: the config loader refuses PP > 1 with EP > 1.
+# data-parallel size when PP > 1, which EP > 1 breaks, and CP > 1 too (its expert grid folds CP into
+# data parallelism): the config loader refuses PP > 1 with EP > 1 or CP > 1.
 RANK_ORDER = "tp-cp-ep-pp-dp"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
