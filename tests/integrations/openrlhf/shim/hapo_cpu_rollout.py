@@ -7,7 +7,9 @@ rollout actor: only the driver and the engine's own worker import it, not every 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import zlib
 from types import SimpleNamespace
 
 from hapo_cpu_shim import GlooBroadcaster, record_sync
@@ -40,7 +42,7 @@ class CpuRolloutActorImpl(_rollout_base()):
         self.route_bias = torch.tensor([float(b) for b in bias.split(",")]) if bias else None
         if self.route_bias is not None:
             _bias_routers(self.model, self.route_bias)
-        self.calls = 0
+        self._occurrences: dict[tuple, int] = {}  # prompt tokens -> requests for them so far
         self._mm_pad_token_ids = None
         self._group = None
         self._inflight = 0
@@ -58,8 +60,14 @@ class CpuRolloutActorImpl(_rollout_base()):
     def _generate(self, prompt_token_ids, sampling_params):
         import torch
 
-        self.calls += 1
-        torch.manual_seed(self.seed * 1_000_003 + self.calls)
+        # the sample is a function of the engine's seed, the prompt and how many times it was asked for
+        # (samples_per_prompt copies): not of the order concurrent requests arrive in, which varies
+        # with the machine's load -- so two launches of one config draw the same rollouts
+        key = tuple(prompt_token_ids)
+        n = self._occurrences.get(key, 0)
+        self._occurrences[key] = n + 1
+        digest = zlib.crc32(json.dumps(prompt_token_ids).encode())
+        torch.manual_seed((self.seed * 1_000_003 + digest * 7_919 + n) % (2 ** 63))
         ids = torch.tensor([prompt_token_ids])
         eos = self.tokenizer.eos_token_id
         with torch.no_grad():
