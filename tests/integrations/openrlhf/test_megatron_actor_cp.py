@@ -12,16 +12,18 @@ the values are gathered over CP before the loss, so every family runs on the who
 * **EAPO-entropic**: advantages from the 10th/90th percentiles of the whole batch's behaviour entropy.
 
 The three run one after another on the same actor (two optimizer steps each), as the same sequence
-at CP 1. The token budget under CP and the refusals are tested here too; the model at CP 2 against
-CP 1 and Hugging Face, gradients, checkpoints and the TE stand-in's attention:
-tests/megatron/test_context_parallel.py."""
+at CP 1. A tiny Qwen3-MoE with rollout routing replay runs at EP 2 x CP 2 against EP 1 x CP 1; a run
+saved at one CP size resumes at the other; the token budget under CP and the refusals are tested
+here too. The model at CP 2 against CP 1 and Hugging Face, gradients, checkpoints and the memory
+per rank: tests/megatron/test_context_parallel.py; the split and the TE stand-in's attention:
+test_cp_split.py; OpenRLHF's loop at CP 2: test_e2e_megatron_cp.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import copy
+import importlib.util
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
