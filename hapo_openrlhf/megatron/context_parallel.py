@@ -255,6 +255,7 @@ class CPRows(PlacedHeadValues):
         B, S = self.shape = tuple(input_ids.shape)
         self.device = input_ids.device
         self.starts_host, self.lengths_host = list(starts), list(lengths)
+        self._real: torch.Tensor | None = None  # real_tokens(), made on first use (a mixture of experts)
         where = [torch.arange(b * S + s, b * S + s + n) for b, (s, n) in enumerate(zip(starts, lengths))]
         self.shard = shard(where, cp, 0 if self.group is None else dist.get_rank(self.group), tp=tp,
                            sequence_parallel=sequence_parallel, pad_id=-1)
@@ -286,8 +287,9 @@ class CPRows(PlacedHeadValues):
     def real_tokens(self, tp_rank: int = 0, tp: int = 1) -> torch.Tensor:
         """[tokens this rank holds] bool: True on the rows' real tokens, False on the split's padding; a
         TP rank's chunk with sequence parallelism (``tp`` > 1)."""
-        real = (self.shard.input_ids >= 0).to(self.device)
-        return real.chunk(tp, 0)[tp_rank] if tp > 1 else real
+        if self._real is None:  # moved to the device once: the routers' statistics and the mask both read it
+            self._real = (self.shard.input_ids >= 0).to(self.device, non_blocking=True)
+        return self._real.chunk(tp, 0)[tp_rank] if tp > 1 else self._real
 
     def padding_mask(self, tp_rank: int = 0, tp: int = 1) -> torch.Tensor:
         """GPTModel's ``padding_mask`` [1, tokens]: True where the split padded (the routers leave those
@@ -303,10 +305,7 @@ class CPRows(PlacedHeadValues):
         from .moe import recorded_routes
 
         B, S = self.shape
-        if routes.dim() != 4 or tuple(routes.shape[:2]) != (B, S):
-            raise ValueError(f"routed experts must be [B, S, layers, top_k] with [B, S] = {[B, S]}, got "
-                             f"{list(routes.shape)}")
-        full = recorded_routes(routes, torch.tensor(self.starts_host), torch.tensor(self.lengths_host))
+        full = recorded_routes(routes, (B, S), self.starts_host, self.lengths_host)
         pos = self.shard.input_ids  # positions in the flattened batch (host), -1 where the split padded
         flat = full.reshape(B * S, *full.shape[2:]).index_select(0, pos.clamp(min=0))
         pad = pos < 0

@@ -339,16 +339,17 @@ def stage_routers(model) -> list[tuple[int, object]]:
     return out
 
 
-def recorded_routes(routes: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """A micro-batch's recorded expert choices [B, S, layers, k] (not recorded: -1, or 255 in a uint8
-    tensor) on the host, checked and completed: only a row's last real token may lack a record (no
-    forward of the engine ever took it as input; its output feeds no log-prob) -- it gets experts
-    0 ... k-1, as do padding tokens; a gap anywhere else is refused. Returns [B, S, layers + 1, k]:
-    the routes, then a row of each token's recorded flag (what a layout flattens alongside)."""
-    if routes.dim() != 4 or routes.shape[0] != len(starts) or len(starts) != len(lengths):
-        raise ValueError(f"routed experts must be [B, S, layers, top_k] for the micro-batch's {len(starts)} rows, "
-                         f"got {list(routes.shape)}")
-    B, S = routes.shape[:2]
+def recorded_routes(routes: torch.Tensor, shape: tuple[int, int], starts, lengths) -> torch.Tensor:
+    """A micro-batch's recorded expert choices [B, S, layers, k] (``shape`` = [B, S]; not recorded: -1,
+    or 255 in a uint8 tensor) on the host, checked and completed: only a row's last real token may
+    lack a record (no forward of the engine ever took it as input; its output feeds no log-prob) --
+    it gets experts 0 ... k-1, as do padding tokens; a gap anywhere else is refused. Returns
+    [B, S, layers + 1, k]: the routes, then a row of each token's recorded flag (what a layout
+    flattens alongside)."""
+    B, S = shape
+    if routes.dim() != 4 or tuple(routes.shape[:2]) != (B, S):
+        raise ValueError(f"routed experts must be [B, S, layers, top_k] with [B, S] = {[B, S]}, got "
+                         f"{list(routes.shape)}")
     routes, starts, lengths = routes.cpu(), torch.as_tensor(starts).cpu(), torch.as_tensor(lengths).cpu()
     missing = routes == 255 if routes.dtype == torch.uint8 else routes < 0
     k = routes.shape[-1]

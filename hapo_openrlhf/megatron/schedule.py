@@ -195,13 +195,11 @@ class RowLayout(heads.PlacedHeadValues):
         rows' sizes): the checks wait for no GPU, and only this TP rank's routes of this
         micro-batch are moved."""
         B, S = self.shape
-        if routes.dim() != 4 or tuple(routes.shape[:2]) != (B, S):
-            raise ValueError(f"routed experts must be [B, S, layers, top_k] with [B, S] = {[B, S]}, got "
-                             f"{list(routes.shape)}")
         dev = self.lengths.device
         starts = (self.starts_host if self.starts_host is not None else self.starts).cpu()
         lengths = (self.lengths_host if self.lengths_host is not None else self.lengths).cpu()
-        routes = recorded_routes(routes, starts, lengths)  # [B, S, layers + 1, k]: the recorded flag rides along
+        # [B, S, layers + 1, k]: the recorded flag rides along
+        routes = recorded_routes(routes, (B, S), starts, lengths)
         fill = torch.arange(routes.shape[-1], dtype=routes.dtype)
         if self.layout == "masked":
             flat = routes.transpose(0, 1).reshape(S * B, *routes.shape[2:])
