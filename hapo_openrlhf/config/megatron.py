@@ -46,7 +46,8 @@ class MegatronConfig:
     # megatron/context_parallel.py, docs/megatron.md "Context parallelism")
     context_parallel: int = 1
     # how TE's attention exchanges K/V between the CP ranks: p2p (ring, TE >= 1.7 on THD), all_gather
-    # or a2a (TE >= 1.10; a2a: heads per TP rank divisible by CP). a2a+p2p (hierarchical) is refused
+    # or a2a (TE >= 1.10; a2a: heads per TP rank divisible by CP). a2a+p2p (hierarchical) is refused:
+    # TE runs it on sbhd / bshd only, and CP here is THD
     cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
     sequence_parallel: bool = False  # needs layer_spec: te (megatron-core's torch norms refuse it)
     params_dtype: Literal["bf16", "fp32"] = "bf16"  # bf16 | fp32 (weights, activations and the AdamW moments' params)
@@ -94,8 +95,10 @@ class MegatronConfig:
                  and self.context_parallel >= 1,
                  f"megatron.context_parallel must be an integer >= 1, got {self.context_parallel!r}")
         require(self.cp_comm_type != "a2a+p2p",
-                 "megatron.cp_comm_type a2a+p2p (hierarchical: a2a inside a node, p2p across) needs megatron-core's "
-                 "hierarchical context-parallel groups, which the actor does not build: use p2p, all_gather or a2a")
+                 "megatron.cp_comm_type a2a+p2p (hierarchical: a2a inside a node, p2p across) cannot run on packed "
+                 "sequences: Transformer Engine asserts qkv_format != 'thd' for it (attn_forward_func_with_cp, "
+                 "TE 1.12 to 2.x), and context parallelism here needs openrlhf.packing_samples (THD): use p2p, "
+                 "all_gather or a2a")
         require(self.cp_comm_type in choices(type(self), "cp_comm_type"),
                  f"megatron.cp_comm_type must be p2p, all_gather or a2a, got {self.cp_comm_type!r}")
         require(self.context_parallel == 1 or self.layer_spec == "te",
@@ -109,10 +112,6 @@ class MegatronConfig:
                  f"into data parallelism) breaks under PP > 1 even for a dense model "
                  f"(parallel_state.initialize_model_parallel): use tensor and context parallelism with "
                  f"pipeline_parallel 1")
-        require(self.context_parallel == 1 or self.moe.aux_loss_coeff == 0,
-                 "megatron.context_parallel > 1 with megatron.moe.aux_loss_coeff > 0 is not wired (each CP rank's "
-                 "routers see a share of every sequence, and the load-balancing loss's token counts would need "
-                 "reducing over CP): use aux_loss_coeff 0 (the RL default) or context_parallel 1")
         require(not self.sequence_parallel or self.layer_spec == "te",
                  "megatron.sequence_parallel needs megatron.layer_spec: te (Transformer Engine's norms); "
                  "megatron-core's local spec builds torch norms, which refuse it (docs/megatron.md)")

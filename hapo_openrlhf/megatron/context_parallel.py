@@ -36,9 +36,10 @@ nucleus log-mass and PAEC's signals too; a mixture of experts' routers see each 
 rollout's routes cut by the same positions), and megatron-core's DDP and distributed
 optimizer reduce and shard over DP x CP. The policy actor runs it with ``megatron.context_parallel``
 > 1 (its parallel state in ``setup.RANK_ORDER``: OpenRLHF's controller sends a replica's micro-batches
-to all its CP ranks; the token budget counts each rank's share, :func:`tokens_per_rank`). Not built
-(refused by name where configured): PP x CP, the hierarchical ``a2a+p2p``, a load-balancing loss
-under CP (docs/megatron.md, "Context parallelism").
+to all its CP ranks; the token budget counts each rank's share, :func:`tokens_per_rank`); a load-
+balancing loss is megatron-core's, its expert counts reduced over TP x CP. Refused by name where
+configured: PP x CP (megatron-core cannot start it in the actor's rank order) and the hierarchical
+``a2a+p2p`` (TE runs it on sbhd / bshd only) -- docs/megatron.md, "Context parallelism".
 """
 
 from __future__ import annotations

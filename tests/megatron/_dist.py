@@ -58,7 +58,7 @@ def spawn(worker, nprocs: int, *args) -> None:
         start(_entry, nprocs, (worker, nprocs, os.path.join(d, "store"), args))
 
 
-def init_megatron(tp: int = 1, pp: int = 1, seed: int = 7, ep: int = 1) -> None:
+def init_megatron(tp: int = 1, pp: int = 1, seed: int = 7, ep: int = 1, cp: int = 1) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -66,7 +66,7 @@ def init_megatron(tp: int = 1, pp: int = 1, seed: int = 7, ep: int = 1) -> None:
 
     install()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

@@ -222,14 +222,19 @@ def _cp_attention_worker(rank, out_dir):
                 torch.testing.assert_close(got.grad, want.grad[idx], rtol=0, atol=1e-12)
             checked[f"{mask_type}/{comm}"] = {"tokens": int(idx.numel()),
                                               "zero_rows": int((out.abs().sum(-1) == 0).sum())}
-    # refused by name, as the stand-in computes neither
-    for kw, says in (({"cp_comm_type": "a2a+p2p"}, "a2a+p2p"), ({"qkv_format": "sbhd"}, "sbhd")):
+    # refused: CP on sbhd by name, as the stand-in does not compute it; a2a+p2p on THD with TE's own
+    # assertions (a list of two groups; THD not supported by the hierarchical implementation)
+    for kw, says, err in (({"cp_comm_type": "a2a+p2p", "cp_group": [dist.group.WORLD, dist.group.WORLD]},
+                           "thd format is not supported with hierarchical CP implementation yet!", AssertionError),
+                          ({"cp_comm_type": "a2a+p2p"}, "requires cp_group = [a2a_cp_group, p2p_cp_group]",
+                           AssertionError),
+                          ({"qkv_format": "sbhd"}, "sbhd", NotImplementedError)):
         args = {"qkv_format": "thd", "attn_mask_type": "padding_causal", "cp_group": dist.group.WORLD,
                 "cp_global_ranks": [0, 1], **kw}
         try:
             a = DotProductAttention(heads, d, num_gqa_groups=kv_heads, **args)
             a(q[idx].float(), k[idx].float(), v[idx].float(), cu_seqlens_q=cu, cu_seqlens_q_padded=cu_p)
-        except NotImplementedError as e:
+        except err as e:
             assert says in str(e), e
         else:
             raise AssertionError(f"{kw} was not refused")

@@ -93,10 +93,11 @@ def _train(coeff: float, layout: str, dispatcher: str, pp: int = 1, tp: int = 1,
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     hf = tiny_moe()
     model = build_gpt_model(hf.config, ep=ep, moe={"dispatcher": dispatcher, "aux_loss_coeff": coeff},
                             perform_initialization=False, pp=pp, pp_rank=pp_rank, tp=tp, spec=spec,
-                            sequence_parallel=tp > 1)
+                            sequence_parallel=tp > 1, context_parallel_size=cp)
     load_hf_into(model, hf, ep=ep, ep_rank=ep_rank, pp=pp, pp_rank=pp_rank, tp=tp, tp_rank=tp_rank, spec=spec)
     ddp = wrap(model, distributed_optimizer=True)
     opt = MegatronOptimizer(ddp, lr=LR, eps=EPS, clip_grad=CLIP)
@@ -116,19 +117,20 @@ def _train(coeff: float, layout: str, dispatcher: str, pp: int = 1, tp: int = 1,
 
         res = forward_backward(ddp, mbs, loss_fn, vocab_size=259, layout=layout,
                                taps=[AuxLossScale(float(am.sum()) / dp)])
-        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp if tp_rank == 0 else 0.0, dtype=torch.float64)
-        dist.all_reduce(loss)  # the last stage of each replica holds its share (on every TP rank: counted once)
+        loss = torch.tensor(sum(float(r["loss"]) for r in res) / dp if tp_rank == cp_rank == 0 else 0.0,
+                            dtype=torch.float64)
+        dist.all_reduce(loss)  # the last stage of each replica holds its share (on every TP and CP rank: counted once)
         losses.append(float(loss))
         norms.append(opt.step())
     return model, hf.config, norms, losses
 
 
-def _worker(rank, world, ep, layout, dispatcher, out, pp=1, tp=1, spec="local", micro_batches=None):
+def _worker(rank, world, ep, layout, dispatcher, out, pp=1, tp=1, spec="local", micro_batches=None, cp=1):
     from megatron.core import parallel_state as ps
 
     from hapo_openrlhf.megatron.convert import megatron_to_hf
 
-    init_megatron(ep=ep, pp=pp, tp=tp)
+    init_megatron(ep=ep, pp=pp, tp=tp, cp=cp)
     got = {}
     for coeff in (0.0, COEFF):
         model, cfg, norms, losses = _train(coeff, layout, dispatcher, pp, tp, spec)
@@ -145,10 +147,10 @@ def _worker(rank, world, ep, layout, dispatcher, out, pp=1, tp=1, spec="local", 
         torch.save({"got": got, "ref": {c: _reference(c, micro_batches or world) for c in (0.0, COEFF)}}, out)
 
 
-def _te_worker(rank, world, ep, layout, dispatcher, out, pp, tp, micro_batches):
+def _te_worker(rank, world, ep, layout, dispatcher, out, pp, tp, micro_batches, cp=1):
     """:func:`_worker` on Transformer Engine's spec (the stand-in; ranks from the TE fork server) with sequence
-    parallelism."""
-    _worker(rank, world, ep, layout, dispatcher, out, pp=pp, tp=tp, spec="te", micro_batches=micro_batches)
+    parallelism at TP > 1 and context parallelism at ``cp`` > 1."""
+    _worker(rank, world, ep, layout, dispatcher, out, pp=pp, tp=tp, spec="te", micro_batches=micro_batches, cp=cp)
 
 
 @pytest.mark.parametrize("ep, pp, layout, dispatcher", [(2, 1, "thd", "alltoall"), (2, 1, "padded", "allgather"),
@@ -173,6 +175,21 @@ def test_tp2_pp2_sequence_parallel_moe_with_the_load_balancing_loss_equals_hf_ad
 
     out = tmp_path / "res.pt"
     spawn_te("tests.megatron.test_moe_train:_te_worker", 4, 4, 1, "thd", "alltoall", str(out), 2, 2, 2)
+    _check_against_hf(torch.load(out))
+
+
+def test_ep2_x_cp2_with_the_load_balancing_loss_equals_hf_adamw(tmp_path):
+    """Context parallelism (issue 58) at EP 2 x CP 2 on two ranks (EP carved out of DP x CP), the TE
+    spec (the stand-in's CP attention), packed micro-batches: each rank forwards its share of every
+    sequence, its routers compute the load-balancing loss on that share against the expert counts of
+    the whole micro-batch (megatron-core reduces them over TP x CP; under 0.19 it weights each rank's
+    loss by the TP x CP group, ``compat.aux_loss_token_factor``); the shares' gradients are summed
+    over DP x CP. Two steps == Hugging Face + megatron-core's load-balancing loss on the whole
+    micro-batch (one data-parallel replica), as above, with and without the loss."""
+    from ._dist import spawn_te
+
+    out = tmp_path / "res.pt"
+    spawn_te("tests.megatron.test_moe_train:_te_worker", 2, 2, 2, "thd", "alltoall", str(out), 1, 1, 1, 2)
     _check_against_hf(torch.load(out))
 
 

@@ -94,13 +94,21 @@ def _cp_worker(rank, world, port, phases, args_by_phase, model_dir, data, out_di
             actor.append(e)
         status = actor.fit()
         record["phases"].append({"name": name, "lps": lps, "ents": ents, "advs": advs, "status": status})
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    # the load-balancing loss this rank's routers computed in the training passes, per layer (before the
+    # coefficient; megatron-core's tracker, never reduced here): at CP 2 each rank's share of every sequence
+    lb = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    record["load_balancing"] = None if lb is None else lb["values"].detach().clone()
     record["weights"] = {k: v.detach().clone() for k, v in actor.model.state_dict().items()
                          if not k.endswith("_extra_state")}
     torch.save(record, Path(out_dir) / f"cp{world}_rank{rank}.pt")
     dist.destroy_process_group()
 
 
-MOE_R3 = (("hapo", "hapo", {"alpha": 0.2, "phi": 2.0}, ["megatron.moe.routing_replay=r3"]),)
+# with megatron-core's load-balancing loss: its token counts are reduced over TP x CP by the router
+MOE_R3 = (("hapo", "hapo", {"alpha": 0.2, "phi": 2.0},
+           ["megatron.moe.routing_replay=r3", "megatron.moe.aux_loss_coeff=0.1"]),)
 
 
 @pytest.mark.parametrize("family, pp", [("qwen3", 1), ("qwen3_moe", 1)], ids=["dense", "moe_ep2_r3"])
@@ -110,7 +118,8 @@ def test_actor_at_context_parallel_2_equals_context_parallel_1(tmp_path, family,
     (EP carved out of DP x CP: each holds two experts, and each rank's share of every sequence
     crosses the all-to-all dispatcher), the recorded routes cut by the split as the tokens are;
     against EP 1 x CP 1 on one rank -- the router statistics and the replay's counts included.
-    (``pp``: the pipeline's stages each pass their CP share on; megatron-core cannot start PP x CP in
+    The MoE case trains with megatron-core's load-balancing loss (0.1): each CP rank's routers compute
+    theirs on their share of the tokens. (``pp``: the pipeline's stages each pass their CP share on; megatron-core cannot start PP x CP in
     the actor's rank order, so it is refused at load -- test_dryrun.py -- and the cases here run PP 1.)"""
     from tests.integrations.openrlhf.test_megatron_actor import _recorded_routes
     from tests.megatron._dist import spawn_te
@@ -155,6 +164,13 @@ def test_actor_at_context_parallel_2_equals_context_parallel_1(tmp_path, family,
     if moe:  # the replay ran on every token at both sizes, and the rollout's routes differ from the router's
         st = one["phases"][0]["status"]
         assert 0.05 < st["moe/rollout_routes_differed_fraction"] < 0.95 and "moe/router_entropy" in st, st
+        # the load-balancing loss ran in every training pass: each CP rank's routers computed theirs on
+        # their share of the tokens against the expert counts of the whole sequence (reduced over CP), so
+        # the two ranks' losses add up to the one rank's, layer by layer (and the weights below agree)
+        lb1, lb2 = one["load_balancing"], two["load_balancing"] + two_b["load_balancing"]
+        assert lb1.shape == (2,) and bool((lb1 > 0.5).all()), lb1  # about 1 per micro-batch when balanced
+        torch.testing.assert_close(lb2, lb1, rtol=1e-5, atol=0)
+        assert not torch.equal(two["load_balancing"], two_b["load_balancing"])
     elif pp == 1:  # the shaped advantages are not the raw ones: the behaviour entropy entered them
         assert not torch.equal(one["phases"][0]["advs"][0], one["phases"][2]["advs"][0])
     for k, v in one["weights"].items():  # the model after the optimizer steps, on both CP ranks
@@ -211,8 +227,6 @@ def test_token_budget_counts_each_context_parallel_ranks_share():
     (["megatron.context_parallel=2", *CP_TE, "megatron.cp_comm_type=a2a+p2p"], "a2a+p2p (hierarchical"),
     (["megatron.context_parallel=2", *CP_TE, "megatron.cp_comm_type=ring"], "must be p2p, all_gather or a2a"),
     (["megatron.context_parallel=0", *CP_TE], "must be an integer >= 1"),
-    (["megatron.context_parallel=2", *CP_TE, "megatron.moe.aux_loss_coeff=0.01"],
-     "with megatron.moe.aux_loss_coeff > 0 is not wired"),
     (["megatron.context_parallel=2", *CP_TE, "megatron.expert_parallel=4"],
      "expert_parallel 4 must divide the data-parallel size x context_parallel 2"),
 ])

@@ -10,8 +10,10 @@ the rank's own tokens, zero on padding. TE computes it with a ring of K/V exchan
 compute (``p2p``), an all-gather (``all_gather``) or head-scattering all-to-alls (``a2a``); all three
 give that result, which the stand-in computes one way: it all-gathers K and V inside the CP group
 (backward: the gathered gradient all-reduced, each rank keeping its share). What it cannot show is
-TE's: the overlap, the kernels' numerics, memory per rank. ``a2a+p2p`` (two groups) and CP on the
-``sbhd`` / ``bshd`` layouts are refused by name."""
+TE's: the overlap, the kernels' numerics, memory per rank. CP on the ``sbhd`` / ``bshd`` layouts is
+refused by name. ``a2a+p2p`` (``cp_group`` = [a2a group, p2p group]) fails on THD as TE's
+``attn_forward_func_with_cp`` fails (the same assertions, TE 1.12 to 2.x: THD is not supported with
+the hierarchical implementation); on the other layouts the stand-in refuses it with them."""
 
 from __future__ import annotations
 
@@ -91,8 +93,8 @@ class DotProductAttention(_ExtraState):
         """TE's (``load_balancing_strategy``: TE's default, DualChunkSwap, the only one the stand-in
         computes; ``None`` here stands for it)."""
         strategy = getattr(load_balancing_strategy, "name", load_balancing_strategy)
-        unsupported = {f"cp_comm_type {cp_comm_type!r}": cp_group is not None and cp_comm_type not in _CP_COMM,
-                       "a list of CP groups (a2a+p2p)": isinstance(cp_group, (list, tuple)),
+        unsupported = {f"cp_comm_type {cp_comm_type!r}": cp_group is not None and cp_comm_type not in (*_CP_COMM,
+                                                                                                          "a2a+p2p"),
                        f"load_balancing_strategy {strategy!r}": strategy not in (None, "DUAL_CHUNK_SWAP")}
         if any(unsupported.values()):
             raise NotImplementedError(f"the Transformer Engine stand-in's attention does not implement "
@@ -122,6 +124,12 @@ class DotProductAttention(_ExtraState):
                                       f"{[k for k, v in unsupported.items() if v]}")
         q, k, v = query_layer, key_layer, value_layer
         causal = mask_type in _CAUSAL
+        if self.cp_group is not None and self.cp_comm_type == "a2a+p2p":  # TE's attn_forward_func_with_cp
+            assert isinstance(self.cp_group, list) and len(self.cp_group) == 2, \
+                "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
+            assert fmt != "thd", f"{fmt} format is not supported with hierarchical CP implementation yet!"
+            raise NotImplementedError(f"the Transformer Engine stand-in's attention does not implement context "
+                                      f"parallelism on qkv_format {fmt!r} (THD only)")
         cp = 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
         if cp > 1:
             if fmt != "thd":
