@@ -73,8 +73,7 @@ def token_scores(q: torch.Tensor, mask: torch.Tensor, *, beta: float, lam: float
                  granularity: str = "token") -> torch.Tensor:
     """The token process rewards [B, T] from q (module docstring), no gradient."""
     q = q.detach().float() * mask.float()
-    L = _lengths(mask)
-    pos = torch.arange(q.shape[-1], device=q.device)
+    m, last = mask.bool(), last_token_mask(mask)
     r = beta * q
     if lam != 0.0:  # r_t = beta q_t + lam r_{t+1}, from the end of the row back
         acc = torch.zeros_like(r[:, 0])
@@ -83,10 +82,9 @@ def token_scores(q: torch.Tensor, mask: torch.Tensor, *, beta: float, lam: float
             acc = r[:, t] + lam * acc
             out[:, t] = acc
         r = out
-    if granularity == "token":
-        return torch.where(pos < (L - 1).unsqueeze(-1), r, torch.zeros_like(r))
-    whole = torch.where(pos < L.unsqueeze(-1), r, torch.zeros_like(r)).sum(-1)
-    last = pos == (L - 1).unsqueeze(-1)
+    if granularity == "token":  # the response's tokens but its last (the recipe's [: valid_length - 1])
+        return torch.where(m & ~last, r, torch.zeros_like(r))
+    whole = torch.where(m, r, torch.zeros_like(r)).sum(-1)
     return torch.where(last, whole.unsqueeze(-1), torch.zeros_like(r))
 
 
@@ -126,10 +124,11 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: each response's last valid token (none for an empty response)."""
-    L = _lengths(mask)
-    pos = torch.arange(mask.shape[-1], device=mask.device)
-    return (pos == (L - 1).unsqueeze(-1)) & (L > 0).unsqueeze(-1)
+    """[B, T] bool: each response's last valid token (none for an empty response), wherever the row's
+    response starts: the recipe's rows start at position 0 (verl's response tensor, the embedded
+    trainer's); OpenRLHF's action masks start after the row's padding."""
+    m = mask.bool()
+    return m & (m.long().cumsum(-1) == _lengths(m).unsqueeze(-1))
 
 
 def prime_advantages(scores: torch.Tensor, outcome: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor, *,
@@ -180,6 +179,22 @@ def outcome_auc(q: torch.Tensor, outcome: torch.Tensor, mask: torch.Tensor) -> f
         return float("nan")
     diff = pos[:, None] - neg[None, :]
     return float(((diff > 0).double() + 0.5 * (diff == 0).double()).mean())
+
+
+def prm_metrics(seen: torch.Tensor, q: torch.Tensor, outcome: torch.Tensor, mask: torch.Tensor,
+                group_index: torch.Tensor, *, beta: float) -> dict[str, float]:
+    """The implicit PRM's metrics for one RL step: on ``seen`` -- the responses as the PRM scored them
+    before training on them (held out) -- the pairwise accuracy, the AUC (left out when the batch holds
+    one outcome) and the implicit outcome prediction sigmoid(beta sum q) > 1/2; on ``q`` (what the
+    policy reads) the pairwise accuracy. Every back end logs these."""
+    metrics = {"prm/acc_heldout": pairwise_accuracy(seen, outcome, mask, group_index)}
+    auc = outcome_auc(seen, outcome, mask)
+    if math.isfinite(auc):
+        metrics["prm/auc_heldout"] = auc
+    logit = beta * (seen * mask).sum(-1)
+    metrics["prm/outcome_acc_heldout"] = float(((logit > 0) == outcome.bool()).float().mean())
+    metrics["prm/acc"] = pairwise_accuracy(q, outcome, mask, group_index)
+    return metrics
 
 
 def _check(p: Mapping[str, Any]) -> None:

@@ -160,3 +160,33 @@ def test_hostile_prime_parameters_are_one_named_error(params, match):
 def test_prime_is_implemented_not_refused():
     assert "prime" in algos.list_estimators() and "prime" not in algos.ESTIMATORS.refused()
     assert algos.ESTIMATORS.get("PRIME".lower()).trains_prm
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("lam,granularity", [(0.0, "token"), (0.5, "token"), (0.0, "whole")])
+def test_the_advantage_does_not_depend_on_where_a_rows_response_starts(seed, lam, granularity):
+    """OpenRLHF's action masks start after each row's padding (found in the OpenRLHF end-to-end run,
+    where every score had been dropped: the tail was placed by length from position 0). The same
+    responses, each shifted right by its own offset, give the same scores and advantages, shifted."""
+    q, mask, acc, L, gi, _ = _batch(seed)
+    B, T = mask.shape
+    shift = torch.randint(0, 6, (B,), generator=torch.Generator().manual_seed(seed + 10))
+    W = T + 6
+    q2, m2 = torch.randn(B, W), torch.zeros(B, W, dtype=torch.bool)  # garbage off the response
+    for i in range(B):
+        q2[i, shift[i]:shift[i] + T], m2[i, shift[i]:shift[i] + T] = q[i], mask[i]
+
+    def back(x):  # the shifted rows' values at the original positions
+        return torch.stack([x[i, shift[i]:shift[i] + T] for i in range(B)])
+
+    kw = dict(beta=0.05, lam=lam, granularity=granularity)
+    torch.testing.assert_close(back(P.token_scores(q2, m2, **kw)), P.token_scores(q, mask, **kw), rtol=0, atol=1e-7)
+    a = algos.AdvantageInputs(rewards=acc, response_mask=mask, entropy=torch.zeros(B, T), group_index=gi,
+                              correct=acc > 0.5, process_q=q)
+    b = algos.AdvantageInputs(rewards=acc, response_mask=m2, entropy=torch.zeros(B, W), group_index=gi,
+                              correct=acc > 0.5, process_q=q2)
+    got_a = algos.run_estimator("prime", a, **kw).advantages
+    got_b = algos.run_estimator("prime", b, **kw).advantages
+    assert float(got_a.abs().max()) > 0.1
+    torch.testing.assert_close(back(got_b), got_a, rtol=1e-5, atol=1e-6)
+    assert float(got_b[~m2].abs().max()) == 0
