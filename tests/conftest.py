@@ -55,6 +55,7 @@ def _require_vllm():
 # xdist the three OpenRLHF e2e tests are dealt over two workers (in series on each) and the
 # others over the other workers' first chunks (_spread_for_xdist).
 LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_e2e_megatron.py::", "test_timeout_then_resubmit",
+                 "test_e2e_prime.py::",
                  "test_preempt_checkpoint_requeue", "test_scale_submits_and_collects", "test_vllm_engine_evaluates",
                  "test_experiment_cli_smoke", "test_seed_array", "test_corrupt_newest_checkpoint",
                  "test_sigkill_then_resume", "test_one_dp2_megatron_step_across_two_hosts",

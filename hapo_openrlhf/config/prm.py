@@ -54,3 +54,19 @@ class PRMConfig:
         for key in ("path", "ref_path"):
             v = getattr(self, key)
             require(v is None or bool(str(v).strip()), f"prm.{key} must be null or a model directory, got {v!r}")
+
+
+def openrlhf_prm_batches(cfg, world: int) -> tuple[int, int]:
+    """On OpenRLHF (``integrations/openrlhf/actors/prm_actor.py``): (responses per PRM optimizer step
+    over the group, rows per micro-batch) for a run config ``cfg`` and a PRM group of ``world``
+    data-parallel actors. The micro-batches are the experience maker's (``openrlhf.
+    micro_rollout_batch_size`` rows: the PRM trains on the micro-batches it scores); a mini-batch
+    (``prm.mini_batch_size``, null: the whole rollout batch) must be whole micro-batches on every
+    actor -- else one named line."""
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    mini, micro = cfg.prm.mini_batch_size or rows, cfg.openrlhf.micro_rollout_batch_size
+    if rows % mini or mini % (micro * world):
+        raise ValueError(f"prm.mini_batch_size {mini} must divide the rollout batch ({rows} responses) and be whole "
+                         f"micro-batches (openrlhf.micro_rollout_batch_size {micro}) on each of the PRM group's "
+                         f"{world} actors")
+    return mini, micro

@@ -58,10 +58,10 @@ class RunConfig:
         if self.backend != "local":
             from ..algos import ESTIMATORS
 
-            require(not ESTIMATORS.get(self.algorithm.estimator).trains_prm,
+            require(self.backend == "openrlhf" or not ESTIMATORS.get(self.algorithm.estimator).trains_prm,
                     f"algorithm.estimator {self.algorithm.estimator} trains an implicit process reward model beside "
-                    f"the policy, which backend {self.backend} does not build yet (its PRM actor group is issue 59's "
-                    f"next step): run it on backend local")
+                    f"the policy, which backend {self.backend} does not build yet (the PRM group runs beside "
+                    f"OpenRLHF's DeepSpeed policy): run it on backend openrlhf or local")
             require(not self.algorithm.accuracy_filter.enable,
                     f"algorithm.accuracy_filter runs in the embedded trainer (backend local); backend {self.backend} "
                     f"filters with algorithm.dynamic_sampling")

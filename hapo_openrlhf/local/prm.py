@@ -143,13 +143,7 @@ class ImplicitPRM:
             seen, metrics = self.update(ro, outcome, ref_logp)
             q = self.score(ro, ref_logp) if self.cfg.update == "before" else seen
         # seen: the responses as the PRM scored them before training on them (held out)
-        metrics["prm/acc_heldout"] = prime_algo.pairwise_accuracy(seen, outcome, mask, group_index)
-        auc = prime_algo.outcome_auc(seen, outcome, mask)
-        if math.isfinite(auc):
-            metrics["prm/auc_heldout"] = auc
-        logit = self.beta * (seen * mask).sum(-1)
-        metrics["prm/outcome_acc_heldout"] = float(((logit > 0) == outcome.bool()).float().mean())
-        metrics["prm/acc"] = prime_algo.pairwise_accuracy(q, outcome, mask, group_index)  # the q the policy reads
+        metrics.update(prime_algo.prm_metrics(seen, q, outcome, mask, group_index, beta=self.beta))
         return q, metrics
 
 

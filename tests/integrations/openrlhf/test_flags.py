@@ -19,7 +19,7 @@ def test_paper_configs_are_shipped():
             "deepscaler_1p5b_preview_16k_hapo", "deepscaler_1p5b_preview_24k_hapo"} <= names
     for q in ("phr", "plr", "nhr", "nlr"):
         assert f"qwen25_math_7b_quadrant_{q}" in names
-    for b in ("grpo", "dr_grpo", "dapo", "w_reinf", "entro_reg", "entro_adv", "forking", "kl_cov", "clip_cov"):
+    for b in ("grpo", "dr_grpo", "dapo", "w_reinf", "entro_reg", "entro_adv", "forking", "kl_cov", "clip_cov", "prime"):
         assert f"qwen25_math_7b_{b}" in names
 
 
@@ -407,3 +407,27 @@ def test_a_moe_layout_the_actor_cannot_serve_is_refused_before_anything_starts(t
     assert p.returncode == 2, p.stderr[-2000:]
     assert "cannot lay out this Qwen3-MoE model: num_experts 6 is not divisible by expert parallel size 4" in p.stderr
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_prime_on_openrlhf_builds_its_prm_group_from_the_config(tmp_path):
+    """PRIME's 7B config (the recipe's settings) through OpenRLHF's parser: no critic asked of OpenRLHF
+    by the flags (hapo adds the PRM group in the critic slot after parsing, launch/train.py), the
+    recipe's n 4 x 64 prompts and actor lr; the PRM's batches cut evenly over the actors; refused by
+    name: OpenRLHF's dynamic batch, a PRM mini-batch that is not whole micro-batches per actor."""
+    from hapo_openrlhf.config.prm import openrlhf_prm_batches
+    from hapo_openrlhf.integrations.openrlhf.launch.train import parse_with_upstream
+
+    base = REPO / "configs/qwen25_math_7b_prime.yaml"
+    cfg = load_config(base)
+    args = parse_with_upstream(build_argv(cfg, tmp_path))
+    assert args.critic.model_name_or_path is None and args.algo.advantage.estimator != "gae"
+    assert (args.rollout.batch_size, args.rollout.n_samples_per_prompt, args.actor.adam.lr) == (64, 4, 5e-7)
+    assert (cfg.prm.update, cfg.prm.lr, cfg.prm.grad_clip, dict(cfg.algorithm.estimator_params)["beta"]) == \
+        ("before", 1e-6, 10.0, 0.05)
+    assert openrlhf_prm_batches(cfg, 8) == (256, 8)  # the whole batch per step: 32 rows (4 micro-batches) per actor
+    for sets, msg in ((["openrlhf.dynamic_batch=true"], "openrlhf.dynamic_batch with PRIME"),
+                      (["prm.mini_batch_size=96"], "prm.mini_batch_size 96 must divide the rollout batch"),
+                      (["prm.mini_batch_size=32"], "be whole micro-batches \\(openrlhf.micro_rollout_batch_size 8\\) "
+                                                   "on each of the PRM group's 8 actors")):
+        with pytest.raises(ValueError, match=msg):
+            build_argv(load_config(base, sets), tmp_path)

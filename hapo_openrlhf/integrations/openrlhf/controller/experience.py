@@ -84,9 +84,13 @@ def gather_inputs(experiences: Sequence[Any], cfg: RunConfig, n_samples: int, op
         raise ValueError(f"rollout batch of {len(index)} rows is not whole groups of {n_samples}")
     # the response tokens: OpenRLHF's action_mask covers the last A_i positions of each row's sequences
     response_ids = _pad_cat([e.sequences[:, e.sequences.shape[1] - e.action_mask.shape[1]:] for e in experiences], W)
+    # PRIME: the implicit PRM's q per response token (controller/prm.py)
+    process_q = (_pad_cat([e.process_q.float() for e in experiences], W)
+                 if all(getattr(e, "process_q", None) is not None for e in experiences) else None)
     inputs = algos.AdvantageInputs(rewards=rewards, response_mask=mask, entropy=entropy,
                                    group_index=torch.div(index, n_samples, rounding_mode="floor"),
-                                   correct=correct, response_ids=response_ids, step=optimizer_step)
+                                   correct=correct, response_ids=response_ids, step=optimizer_step,
+                                   process_q=process_q)
     has_old = all(getattr(e, "action_log_probs", None) is not None for e in experiences)
     old = _pad_cat([e.action_log_probs.float() for e in experiences], W) if has_old else None
     if old is None and algos.LOSSES.get(algorithm.loss).stateful:
@@ -96,7 +100,8 @@ def gather_inputs(experiences: Sequence[Any], cfg: RunConfig, n_samples: int, op
 
 
 def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: int,
-                        optimizer_step: int | None = None, persisted: dict | None = None) -> dict[str, Any]:
+                        optimizer_step: int | None = None, persisted: dict | None = None,
+                        prm_status: dict | None = None) -> dict[str, Any]:
     """Fill ``advantages``/``returns`` (and narrow ``action_mask``) of OpenRLHF experiences in place.
 
     Each experience needs ``rewards`` [b], ``action_mask`` [b, A_i], ``index`` (the rollout
@@ -104,7 +109,9 @@ def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: i
     generates them), ``response_length`` [b] and ``behaviour_entropy`` [b, A_i]; with
     ``nucleus_logmass`` [b, A_i] (a top-p rollout) the metrics get ``rollout/nucleus_logmass``.
     ``optimizer_step``: the optimizer steps taken before this batch (eapo_entropic's kappa
-    decay, ``AdvantageInputs.step``). ``persisted``: a stateful loss's checkpointed state.
+    decay, ``AdvantageInputs.step``). ``persisted``: a stateful loss's checkpointed state. PRIME:
+    each experience's ``process_q`` and ``prm_seen`` (controller/prm.py) and the PRM update's
+    ``prm_status`` join the metrics (``algos.prime.prm_metrics``).
     The algorithm itself is ``algos.step.before_update``, as on every back end: this function
     gathers its inputs from the experiences and spreads its output back over them. Returns the
     estimator inputs and outputs (for dumps and tests), the batch metrics, and the loss state
@@ -120,6 +127,13 @@ def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: i
     step = before_update(algorithm, inputs, persisted, old_logprobs=old, estimator_order=torch.argsort(index))
     metrics = step.metrics
     metrics["entropy/behaviour_mean"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+    if inputs.process_q is not None:  # PRIME: the PRM's update status and its held-out metrics
+        from ....algos.prime import prm_metrics
+
+        seen = prm_seen = _pad_cat([e.prm_seen.float() for e in experiences], W)
+        metrics.update(prm_status or {})
+        metrics.update(prm_metrics(seen, inputs.process_q, inputs.correct, mask, inputs.group_index,
+                                   beta=float(dict(algorithm.estimator_params).get("beta", 0.05))))
     if all(getattr(e, "rollout_log_probs", None) is not None for e in experiences):  # the correction is on
         from ....algos.is_correction import mismatch_by_entropy
 
@@ -146,7 +160,8 @@ def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: i
         e.info["return"] = r.clone()
         e.kl = None
     return {"inputs": inputs, "advantages": step.advantages, "loss_mask": step.loss_mask, "metrics": metrics,
-            "loss_state": step.loss_state, "persisted": step.persisted}
+            "loss_state": step.loss_state, "persisted": step.persisted,
+            "prm_seen": prm_seen if inputs.process_q is not None else None}
 
 
 class HapoExperienceMaker(RemoteExperienceMaker):
@@ -157,11 +172,25 @@ class HapoExperienceMaker(RemoteExperienceMaker):
     # restored from the checkpoint on a resume, plus each batch made since at its own steps per RL step
     _optimizer_steps = 0
     loss_state: dict = {}  # a stateful loss's controller (checkpointed by HapoControllerMixin)
+    # PRIME's implicit PRM group (OpenRLHF's critic group; controller/prm.py), hidden from upstream's
+    # make_experience, which would score with it before its update
+    prm_group = None
+    _prm_status: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.critic_model_group is not None and algos.ESTIMATORS.get(
+                transported(self.args.hapo).algorithm.estimator).trains_prm:
+            self.prm_group, self.critic_model_group = self.critic_model_group, None
 
     def make_experience(self, samples_list):
         group = self.actor_model_group
         ray.get(group.async_run_method(method_name="clear_behaviour_entropy"))
         experiences = super().make_experience(samples_list)
+        if self.prm_group is not None:
+            from . import prm
+
+            self._prm_status = prm.run(self, self.prm_group, experiences, transported(self.args.hapo))
         fps = [fingerprint(e.sequences, e.attention_mask) for e in experiences]
         dup = self.args.ds.ring_attn_size * self.args.ds.tensor_parallel_size
         refs = group.async_run_method_batch(method_name="pop_behaviour", fingerprint=fps)
@@ -179,7 +208,8 @@ class HapoExperienceMaker(RemoteExperienceMaker):
         # the optimizer steps before this batch (a resume restores the count of those taken)
         cfg = transported(args.hapo)
         result = registry_advantages(experiences, cfg, args.rollout.n_samples_per_prompt,
-                                     optimizer_step=self._optimizer_steps, persisted=self.loss_state)
+                                     optimizer_step=self._optimizer_steps, persisted=self.loss_state,
+                                     prm_status=self._prm_status)
         self.loss_state = result["persisted"]
         if result["loss_state"] is not None:  # every policy actor (every DP / TP / PP rank) trains this step with it
             ray.get(self.actor_model_group.async_run_method(method_name="set_loss_state", state=result["loss_state"]))
@@ -190,7 +220,8 @@ class HapoExperienceMaker(RemoteExperienceMaker):
             os.makedirs(d, exist_ok=True)
             inp = result["inputs"]
             torch.save({"rewards": inp.rewards, "response_mask": inp.response_mask, "entropy": inp.entropy,
-                        "group_index": inp.group_index, "advantages": result["advantages"]},
+                        "group_index": inp.group_index, "advantages": result["advantages"],
+                        "process_q": inp.process_q, "prm_seen": result.get("prm_seen")},
                        os.path.join(d, f"advantages_step{self._step}.pt"))
             with open(os.path.join(d, f"experiences_step{self._step}.jsonl"), "w") as f:
                 for e in experiences:
@@ -204,7 +235,7 @@ class HapoExperienceMaker(RemoteExperienceMaker):
                 with open(os.path.join(d, "loss_state.jsonl"), "a") as f:
                     f.write(json.dumps({"step": self._step, **result["loss_state"]}) + "\n")
         for e in experiences:
-            for name in ("behaviour_entropy", "nucleus_logmass"):
+            for name in ("behaviour_entropy", "nucleus_logmass", "process_q", "prm_seen"):
                 if hasattr(e, name):
                     delattr(e, name)
         return experiences

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ....config.prm import openrlhf_prm_batches
 from ....config import RunConfig
 
 PROGRAM = "openrlhf.cli.train_ppo_ray"
@@ -128,6 +129,7 @@ def _check_batch_layout(cfg: RunConfig) -> int:
     if o.train_batch_size % (o.micro_train_batch_size * dp):
         raise ValueError(f"openrlhf.train_batch_size ({o.train_batch_size}) must be a multiple of "
                          f"micro_train_batch_size x data-parallel size ({o.micro_train_batch_size} x {dp})")
+    _check_prm_group(cfg, dp)
     return mp
 
 
@@ -187,6 +189,22 @@ def _switch_flags(cfg: RunConfig, paths: RunPaths) -> list[str]:
                  "--eval.temperature", _f(cfg.eval.temperature),
                  "--eval.n_samples_per_prompt", str(cfg.eval.n_samples)]
     return argv
+
+
+def _check_prm_group(cfg: RunConfig, dp: int) -> None:
+    """PRIME's PRM group (``actors/prm_actor.py``) before Ray starts: its batches cut evenly over its
+    ``dp`` data-parallel actors (placed as the policy's), and no dynamic batch (which re-cuts its
+    micro-batches)."""
+    from ....algos import ESTIMATORS
+
+    o = cfg.openrlhf
+    if not ESTIMATORS.get(cfg.algorithm.estimator).trains_prm:
+        return
+    if o.dynamic_batch:
+        raise ValueError("openrlhf.dynamic_batch with PRIME: the PRM group trains on the experience maker's "
+                         "micro-batches (one DeepSpeed accumulation per prm.mini_batch_size responses), which "
+                         "OpenRLHF's dynamic batch re-cuts: set openrlhf.dynamic_batch false")
+    openrlhf_prm_batches(cfg, dp)
 
 
 def build_argv(cfg: RunConfig, out: str | Path | None = None) -> list[str]:

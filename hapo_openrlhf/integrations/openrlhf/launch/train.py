@@ -72,12 +72,14 @@ def with_logprobs_mode(create: Callable, mode: str | None) -> Callable:
 
 
 @contextlib.contextmanager
-def installed(backend: str = "openrlhf", logprobs_mode: str | None = None, routed_experts: bool = False):
+def installed(backend: str = "openrlhf", logprobs_mode: str | None = None, routed_experts: bool = False,
+              prm: bool = False):
     """Point OpenRLHF's driver-side names at the hapo subclasses (restored on exit):
     the policy actor (DeepSpeed or Megatron), the controller, where the correction asks
     the engines for log-probs the engines' ``logprobs_mode`` (:func:`with_logprobs_mode`),
     and under rollout routing replay the rollout actor ``create_vllm_engines`` builds
-    (``routes.routed_rollout_actor``: engines that return their routed experts)."""
+    (``routes.routed_rollout_actor``: engines that return their routed experts), and for an estimator
+    that trains an implicit PRM (PRIME) the critic group's actor (``prm_actor.HapoPRMActor``)."""
     import openrlhf.cli.train_ppo_ray as cli
     import openrlhf.trainer.ppo_trainer as pt
     import openrlhf.trainer.ppo_trainer_async as pta
@@ -87,13 +89,17 @@ def installed(backend: str = "openrlhf", logprobs_mode: str | None = None, route
     from ..controller.trainer_async import HapoPPOTrainerAsync
 
     saved = (cli.PolicyModelActor, cli.ReferenceModelActor, pt.PPOTrainer, pta.PPOTrainerAsync,
-             cli.create_vllm_engines, ve.RolloutRayActor)
+             cli.create_vllm_engines, ve.RolloutRayActor, cli.CriticModelActor)
     cli.PolicyModelActor, pt.PPOTrainer, pta.PPOTrainerAsync = (policy_actor_class(backend), HapoPPOTrainer,
                                                                 HapoPPOTrainerAsync)
     if backend == "megatron":  # the KL reference (kl_coef > 0): a frozen GPTModel under the policy's layout
         from ..actors.megatron_reference import MegatronReferenceActor
 
         cli.ReferenceModelActor = MegatronReferenceActor
+    if prm:
+        from ..actors.prm_actor import HapoPRMActor
+
+        cli.CriticModelActor = HapoPRMActor
     if logprobs_mode is not None:
         cli.create_vllm_engines = with_logprobs_mode(cli.create_vllm_engines, logprobs_mode)
     if routed_experts:
@@ -104,19 +110,25 @@ def installed(backend: str = "openrlhf", logprobs_mode: str | None = None, route
         yield
     finally:
         (cli.PolicyModelActor, cli.ReferenceModelActor, pt.PPOTrainer, pta.PPOTrainerAsync,
-         cli.create_vllm_engines, ve.RolloutRayActor) = saved
+         cli.create_vllm_engines, ve.RolloutRayActor, cli.CriticModelActor) = saved
 
 
 def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None:
     import openrlhf.cli.train_ppo_ray as cli
 
+    from .... import algos
+
     if args.critic.model_name_or_path:
         raise ValueError("hapo estimators are critic-free; OpenRLHF was asked for a critic")
     from .flags import engine_logprobs_mode
 
+    prm = algos.ESTIMATORS.get(cfg.algorithm.estimator).trains_prm
+    if prm:  # PRIME's implicit PRM: OpenRLHF's critic group, placed as the policy's actors (prm_actor.py)
+        args.critic.model_name_or_path = args.actor.model_name_or_path
+        args.critic.num_nodes, args.critic.num_gpus_per_node = args.actor.num_nodes, args.actor.num_gpus_per_node
     # the typed config's transport to every Ray actor: each rebuilds it (config.transported)
     args.hapo = {**cfg.to_dict(), "output_dir": str(out or cfg.output_dir)}
-    with installed(cfg.backend, engine_logprobs_mode(cfg), routed_experts=cfg.routing_replay):
+    with installed(cfg.backend, engine_logprobs_mode(cfg), routed_experts=cfg.routing_replay, prm=prm):
         cli.train(args)
 
 
