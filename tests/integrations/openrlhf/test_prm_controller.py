@@ -114,3 +114,22 @@ def test_an_update_missing_a_row_or_of_another_length_is_named(monkeypatch):
     group.async_run_method = dropping
     with pytest.raises(RuntimeError, match="returned no q .* for rollout row 0"):
         prm_ctl.run(_maker(), group, _experiences(), SimpleNamespace(prm=SimpleNamespace(update="after")))
+
+
+def test_the_prm_resumes_from_the_policys_checkpoint_or_names_why_not(tmp_path):
+    """A run killed between the policy's save and the PRM's would pair a policy of one step with a
+    PRM of another if each loaded its own newest: the PRM loads the tag the policy resumes from."""
+    from hapo_openrlhf.integrations.openrlhf.actors.prm_actor import resume_tag
+
+    (tmp_path / "_critic" / "global_step1").mkdir(parents=True)
+    (tmp_path / "_critic" / "global_step2").mkdir()
+    (tmp_path / "_critic" / "latest").write_text("global_step2")
+    with pytest.raises(ValueError, match="the policy has none"):
+        resume_tag(str(tmp_path))
+    (tmp_path / "_actor").mkdir()
+    (tmp_path / "_actor" / "latest").write_text("global_step1\n")  # the policy's newest: step 1
+    assert resume_tag(str(tmp_path)) == "global_step1"
+    (tmp_path / "_actor" / "latest").write_text("global_step3")
+    with pytest.raises(ValueError, match=r"resumes from global_step3 but the PRM has no checkpoint of it \(it has "
+                                         r"\['global_step1', 'global_step2'\]\)"):
+        resume_tag(str(tmp_path))

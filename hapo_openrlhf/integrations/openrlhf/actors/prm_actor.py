@@ -41,6 +41,25 @@ from ....config.prm import openrlhf_prm_batches
 CKPT_DIR = "_critic"  # OpenRLHF's critic checkpoint directory: its save and resume paths, unchanged
 
 
+def resume_tag(ckpt_root: str) -> str:
+    """The checkpoint the PRM resumes from: the policy's (``<ckpt_root>/_actor/latest``, the tag
+    OpenRLHF's policy actor loads), never the PRM's own newest -- a run killed between the two saves
+    would otherwise pair a policy of step N with a PRM of another step. One named line when the
+    PRM has no checkpoint of that step, or the policy none at all."""
+    latest = os.path.join(ckpt_root, "_actor", "latest")
+    if not os.path.isfile(latest):
+        raise ValueError(f"the PRM has a checkpoint in {os.path.join(ckpt_root, CKPT_DIR)} but the policy has none "
+                         f"({latest} is missing): the two resume together or not at all")
+    with open(latest) as f:
+        tag = f.read().strip()
+    if not os.path.isdir(os.path.join(ckpt_root, CKPT_DIR, tag)):
+        have = sorted(d for d in os.listdir(os.path.join(ckpt_root, CKPT_DIR))
+                      if os.path.isdir(os.path.join(ckpt_root, CKPT_DIR, d)))
+        raise ValueError(f"the policy resumes from {tag} but the PRM has no checkpoint of it (it has {have}): the "
+                         f"two were not saved together (a run stopped between the two saves?)")
+    return tag
+
+
 @ray.remote(num_gpus=1)
 class HapoPRMActor(BaseModelActor):
     """phi, its reference and its optimizer on one rank of the PRM group (module docstring)."""
@@ -77,8 +96,9 @@ class HapoPRMActor(BaseModelActor):
         self.ref.eval()
         ckpt = os.path.join(args.ckpt.path, CKPT_DIR)
         if args.ckpt.load_enable and os.path.exists(ckpt):
-            strategy.print(f"Loading the PRM checkpoint: {ckpt}")
-            strategy.load_ckpt(self.model.model, ckpt)
+            tag = resume_tag(args.ckpt.path)
+            strategy.print(f"Loading the PRM checkpoint: {ckpt} ({tag}, the policy's)")
+            strategy.load_ckpt(self.model.model, ckpt, tag=tag)
         self.buffer: list = []
         if args.ds.enable_sleep:  # colocated: off the GPU until the experience maker needs it
             self.offload_states()
