@@ -56,12 +56,6 @@ class RunConfig:
         if self.backend == "megatron":
             self._check_megatron()
         if self.backend != "local":
-            from ..algos import ESTIMATORS
-
-            require(self.backend == "openrlhf" or not ESTIMATORS.get(self.algorithm.estimator).trains_prm,
-                    f"algorithm.estimator {self.algorithm.estimator} trains an implicit process reward model beside "
-                    f"the policy, which backend {self.backend} does not build yet (the PRM group runs beside "
-                    f"OpenRLHF's DeepSpeed policy): run it on backend openrlhf or local")
             require(not self.algorithm.accuracy_filter.enable,
                     f"algorithm.accuracy_filter runs in the embedded trainer (backend local); backend {self.backend} "
                     f"filters with algorithm.dynamic_sampling")

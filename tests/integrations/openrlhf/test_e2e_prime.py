@@ -104,3 +104,29 @@ def test_prime_trains_its_prm_group_and_resumes_exactly(tmp_path, warm_model):
     assert resumed["prm/grad_norm"] == pytest.approx(m[1]["prm/grad_norm"], rel=1e-3)
     # (the policy's step reads the updated PRM's q, which the bf16 weights carry those last bits into:
     # its gradient norm agrees to ~0.3% here, so it is not compared)
+
+
+def test_prime_beside_the_megatron_actor_at_tp2(tmp_path, warm_model):
+    """The same PRM group beside the Megatron policy at TP 2: OpenRLHF's controller hands both TP ranks
+    every micro-batch (``ds.tensor_parallel_size`` carries the Megatron layout), and the PRM group,
+    built from the same arguments, trains as pure data parallelism with each micro-batch on both of its
+    actors alike (``prm_actor``: DeepSpeed's batch counts each row twice). One step: the advantages
+    reaching the loss are the registry's from the logged q, the PRM's loss from its reference is ln 2."""
+    pytest.importorskip("megatron.core")
+    out, dump = tmp_path / "run", tmp_path / "dump"
+    p = run_e2e(out, dump, [*PRIME, f"model.path={warm_model}", "trainer.steps=1", "backend=megatron",
+                            "megatron.tensor_parallel=2", "megatron.params_dtype=fp32",
+                            "openrlhf.actor_gpus_per_node=2"], engine="cpu", HAPO_SHIM_MEGATRON="1")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    (r,) = jsonl(out / "metrics.jsonl")
+    assert r["prm/loss"] == pytest.approx(math.log(2), abs=1e-6) and r["prm/grad_norm"] > 0, r
+    d = torch.load(dump / "advantages_step1.pt")
+    mask = d["response_mask"]
+    assert float(d["process_q"][mask].abs().max()) > 1e-4 and float(d["prm_seen"].abs().max()) == 0
+    torch.testing.assert_close(d["advantages"], _registry_prime(d))
+    exp_rows = jsonl(dump / "experiences_step1.jsonl")
+    by_tokens = {tuple(e["tokens"]): e["advantages"] for e in exp_rows}
+    loss_rows = jsonl(dump / "loss_rank0.jsonl")
+    assert len(loss_rows) == 16
+    for e in loss_rows:
+        assert e["advantages"] == pytest.approx(by_tokens[tuple(e["tokens"])], abs=1e-6)

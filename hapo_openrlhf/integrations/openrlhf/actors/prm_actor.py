@@ -71,9 +71,15 @@ class HapoPRMActor(BaseModelActor):
         self.disable_ds_ckpt = args.ckpt.disable_ds
         # DeepSpeed's accumulation boundary is the PRM's own mini-batch, not the policy's train batch
         # (set before the process group: DeepSpeed's accumulation steps are derived from them there)
-        dp = self._world_size // (strategy.ring_attn_size * strategy.ds_tensor_parallel_size)
-        mini, micro = openrlhf_prm_batches(cfg, dp)
+        dup = strategy.ring_attn_size * strategy.ds_tensor_parallel_size  # actors handed the same micro-batches
+        mini, micro = openrlhf_prm_batches(cfg, self._world_size // dup)
         strategy.train_batch_size, strategy.micro_train_batch_size = mini, micro
+        if cfg.backend == "megatron":
+            # beside the Megatron policy, ds.tensor_parallel_size carries its TP x PP (so the controller
+            # hands a replica's micro-batches to all its ranks, and this group's too): the PRM itself is
+            # pure data parallelism over every actor, each micro-batch trained on by its `dup` actors alike
+            # -- their gradients averaged, as one -- so DeepSpeed's batch counts each row `dup` times
+            strategy.ds_tensor_parallel_size, strategy.train_batch_size = 1, mini * dup
         self._setup_distributed(strategy)
 
         def build(path, ds_config):
