@@ -181,6 +181,12 @@ def outcome_auc(q: torch.Tensor, outcome: torch.Tensor, mask: torch.Tensor) -> f
     return float(((diff > 0).double() + 0.5 * (diff == 0).double()).mean())
 
 
+def prm_beta(estimator: str, params: Mapping[str, Any]) -> float:
+    """The PRM's beta (the recipe's ``beta_train``): the estimator's, its registered default where the
+    config leaves it out -- the PRM's loss and the process rewards share it, on every back end."""
+    return float({**ESTIMATORS.get(estimator).defaults, **params}["beta"])
+
+
 def prm_metrics(seen: torch.Tensor, q: torch.Tensor, outcome: torch.Tensor, mask: torch.Tensor,
                 group_index: torch.Tensor, *, beta: float) -> dict[str, float]:
     """The implicit PRM's metrics for one RL step: on ``seen`` -- the responses as the PRM scored them

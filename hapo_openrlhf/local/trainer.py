@@ -24,6 +24,7 @@ import torch
 
 from .. import algos
 from ..algos.advantages import grpo_sequence_advantage
+from ..algos.prime import prm_beta as prime_beta
 from ..algos.step import after_update, before_update
 from ..algos.entropy import check_finite
 from ..algos.nucleus import metric_due
@@ -212,8 +213,7 @@ class LocalTrainer:
 
     def _build_prm(self) -> ImplicitPRM:
         a, m = self.cfg.algorithm, self.cfg.model
-        beta = {**algos.ESTIMATORS.get(a.estimator).defaults, **a.estimator_params}["beta"]
-        return ImplicitPRM(self.cfg.prm, self.model, beta=beta, chunk_size=a.entropy_chunk_size, fused=m.fused_head,
+        return ImplicitPRM(self.cfg.prm, self.model, beta=prime_beta(a.estimator, a.estimator_params), chunk_size=a.entropy_chunk_size, fused=m.fused_head,
                            packing=m.packing)
 
     def _restore_prm(self, ckpt: Path, shard: dict, old: dict) -> None:

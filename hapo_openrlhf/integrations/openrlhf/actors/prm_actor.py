@@ -66,8 +66,8 @@ class HapoPRMActor(BaseModelActor):
 
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None):
         args = strategy.args
-        self.cfg = cfg = transported(args.hapo)
-        self.beta = float(dict(cfg.algorithm.estimator_params).get("beta", 0.05))
+        cfg = transported(args.hapo)
+        self.beta = prime_algo.prm_beta(cfg.algorithm.estimator, cfg.algorithm.estimator_params)
         self.disable_ds_ckpt = args.ckpt.disable_ds
         # DeepSpeed's accumulation boundary is the PRM's own mini-batch, not the policy's train batch
         # (set before the process group: DeepSpeed's accumulation steps are derived from them there)
@@ -156,8 +156,9 @@ class HapoPRMActor(BaseModelActor):
             if (n + 1) % gas == 0:
                 norms.append(self.strategy.get_grad_norm(self.model))
             losses.append(float(loss.detach()))
+            q_host, mask_host = q.detach().float().cpu(), mask.cpu()  # one copy per micro-batch, not per row
             for j, row in enumerate(e.index):
-                seen[int(row)] = q[j][mask[j]].detach().float().cpu()
+                seen[int(row)] = q_host[j][mask_host[j]]
         self.buffer = []
         status = {"prm/loss": sum(losses) / max(len(losses), 1), "prm/grad_norm": norms[-1] if norms else 0.0}
         return {"status": self.strategy.all_reduce(status), "rows": seen}

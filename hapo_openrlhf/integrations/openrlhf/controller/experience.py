@@ -128,12 +128,12 @@ def registry_advantages(experiences: Sequence[Any], cfg: RunConfig, n_samples: i
     metrics = step.metrics
     metrics["entropy/behaviour_mean"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
     if inputs.process_q is not None:  # PRIME: the PRM's update status and its held-out metrics
-        from ....algos.prime import prm_metrics
+        from ....algos.prime import prm_beta, prm_metrics
 
         prm_seen = _pad_cat([e.prm_seen.float() for e in experiences], W)
         metrics.update(prm_status or {})
         metrics.update(prm_metrics(prm_seen, inputs.process_q, inputs.correct, mask, inputs.group_index,
-                                   beta=float(dict(algorithm.estimator_params).get("beta", 0.05))))
+                                   beta=prm_beta(algorithm.estimator, algorithm.estimator_params)))
     if all(getattr(e, "rollout_log_probs", None) is not None for e in experiences):  # the correction is on
         from ....algos.is_correction import mismatch_by_entropy
 
