@@ -27,11 +27,13 @@ import functools
 import itertools
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from .advantages import ESTIMATORS, AdvantageInputs, AdvantageOutput, grpo_sequence_advantage
+from .segment_match import UNSETTLED, first_hosts
 
-Segment = tuple[int, tuple[int, ...], list[int]]  # (member, token ids, positions)
+Segment = tuple[int, tuple[int, ...], range]  # (member: its row, token ids, positions)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -47,46 +49,36 @@ def _find(sub: tuple[int, ...], seq: tuple[int, ...]) -> int:
     return -1 if at < 0 else _text(seq).count(",", 0, at)
 
 
-def _segments(member: int, ids: list[int], h: torch.Tensor, tau: float, min_len: int) -> list[Segment]:
-    """Maximal runs of H < tau of at least ``min_len`` tokens (the runs found on the row's tensor)."""
-    low = (h < tau).to(torch.int8)
-    zero = low.new_zeros(1)
-    edge = torch.diff(low, prepend=zero, append=zero)
-    starts, ends = (edge == 1).nonzero().flatten().tolist(), (edge == -1).nonzero().flatten().tolist()
-    return [(member, tuple(ids[s:e]), list(range(s, e))) for s, e in zip(starts, ends) if e - s >= min_len]
-
-
 @functools.lru_cache(maxsize=1 << 16)
 def _windows(toks: tuple[int, ...], k: int) -> frozenset[tuple[int, ...]]:
-    """The k-token windows of ``toks`` (a segment's or key's, looked up again as pairs form)."""
+    """The k-token windows of ``toks`` (a key's, looked up again as pairs form)."""
     return frozenset(toks[i:i + k] for i in range(len(toks) - k + 1))
 
 
-def _clusters(segments: list[Segment], min_len: int) -> dict[tuple[int, ...], tuple[set[int], dict[int, list[int]]]]:
-    """Steps 3: key -> (members, member -> positions), in the reference's order.
+def _host_by_scan(segments: list[Segment], n: int) -> int:
+    """The reference's host search for segment ``n``, every segment in order (the fallback for a
+    hash collision, which :func:`first_hosts` reports as unsettled)."""
+    m, toks, _ = segments[n]
+    text = _text(toks)
+    return next((o for o, (om, otoks, _) in enumerate(segments)
+                 if om != m and len(otoks) >= len(toks) and text in _text(otoks)), -1)
 
-    The reference scans every other segment for a host, and every cluster key for each pair; a
-    sequence can only contain another if it holds the other's first k tokens (k the shortest
-    segment's length, at most ``min_len``) as a window, so both scans here visit only the
-    segments / keys an index of k-token windows names, in the reference's order (a segment's
-    index; a key's insertion number, which an overwritten key keeps, as a dict does). The result
-    is the reference's exactly (tests/algos/test_competitors.py holds the full scan as the oracle,
-    on random groups)."""
+
+def _clusters(segments: list[Segment], hosts: list[int], min_len: int) -> dict[tuple[int, ...], tuple[set[int], dict[int, range]]]:
+    """Step 3 for one group: key -> (members, member -> positions), in the reference's order.
+
+    ``hosts[n]``: the index of segment n's host (its first segment of another response holding
+    it; -1 none), from :func:`first_hosts`. The reference then scans every cluster key for each
+    pair; a key and a segment can only contain one another if one holds the other's first k
+    tokens (k the shortest segment's length, at most ``min_len``) as a window, so the scan
+    visits only the keys an index of k-token windows names, in the reference's order (a key's
+    insertion number, which an overwritten key keeps, as a dict does). The result is the
+    reference's exactly (tests/algos/test_competitors.py holds the full scan as the oracle, on
+    random groups)."""
     if not segments:
         return {}
     k = max(1, min(min_len, min(len(t) for _, t, _ in segments)))
-    texts = [_text(toks) for _, toks, _ in segments]
-    holding: dict[tuple[int, ...], list[int]] = {}  # window -> the segments holding it, in order
-    for n, (_, toks, _) in enumerate(segments):
-        for w in _windows(toks, k):
-            holding.setdefault(w, []).append(n)
-    pairs = []
-    for n, (seg, text) in enumerate(zip(segments, texts)):
-        host = next((segments[o] for o in holding[seg[1][:k]]
-                     if segments[o][0] != seg[0] and len(texts[o]) >= len(text) and text in texts[o]), None)
-        if host is not None:
-            pairs.append((seg, host))
-    clusters: dict[tuple[int, ...], tuple[set[int], dict[int, list[int]]]] = {}
+    clusters: dict[tuple[int, ...], tuple[set[int], dict[int, range]]] = {}
     order: dict[tuple[int, ...], int] = {}  # key -> its place in the dict's order
     places = itertools.count()
     by_first: dict[tuple[int, ...], set] = {}  # a key's first window -> keys
@@ -106,7 +98,12 @@ def _clusters(segments: list[Segment], min_len: int) -> dict[tuple[int, ...], tu
         for w in _windows(key, k):
             by_window[w].discard(key)
 
-    for (m, toks, pos), (hm, htoks, hpos) in pairs:
+    for n, h in enumerate(hosts):
+        if h == UNSETTLED:
+            h = _host_by_scan(segments, n)
+        if h < 0:
+            continue
+        (m, toks, pos), (hm, htoks, hpos) = segments[n], segments[h]
         if len(toks) < min_len:
             continue
         inside = set().union(*(by_first.get(w, ()) for w in _windows(toks, k)))  # keys toks may hold
@@ -133,32 +130,71 @@ def _clusters(segments: list[Segment], min_len: int) -> dict[tuple[int, ...], tu
     return clusters
 
 
-def group_weights(ids: list[list[int]], ent: list[torch.Tensor], correct: list[bool], min_len: int,
-                  device: torch.device | str = "cpu"):
-    """Steps 1-4 for one group: each response's per-token weights (on ``device``), and
-    (clusters, mixed). ``ent``: each response's entropies, a float32 CPU tensor of its valid tokens."""
-    n = {True: sum(correct), False: len(correct) - sum(correct)}
-    weights, segs = [], {True: [], False: []}
-    for m, (t_ids, h) in enumerate(zip(ids, ent)):
-        T = h.shape[0]
-        if not T:
-            weights.append(torch.zeros(0, device=device))
-            continue
-        tau = float(h.sort().values[min(round(T * 0.8), T - 1)])
-        w = torch.where(h <= tau, 1.0 / n[correct[m]], 1.0).float()
-        weights.append(w.to(device))
-        segs[correct[m]] += _segments(m, t_ids, h, tau, min_len)
-    clusters = _clusters(segs[True] + segs[False], min_len)
-    mixed = 0
-    for members, where in clusters.values():
-        count = {c: sum(correct[k] == c for k in members) for c in (True, False)}
-        both = count[True] and count[False]
-        mixed += bool(both)
-        for k in members:
-            s, e = where[k][0], where[k][-1] + 1
-            w = weights[k]
-            w[s:e] = 0.0 if both else torch.clamp(w[s:e], min=count[correct[k]] / n[correct[k]])
-    return weights, len(clusters), mixed
+def _segments(h: torch.Tensor, valid: torch.Tensor, tau: torch.Tensor, group: torch.Tensor, wrong: torch.Tensor,
+              min_len: int):
+    """Step 2 for the whole batch: (row, start, length) of each maximal run of H < tau of at least
+    ``min_len`` valid tokens, [S] each, in the reference's order -- group by group, the correct
+    responses' first, each response's in order."""
+    low = ((h < tau[:, None]) & valid).to(torch.int8)
+    pad = low.new_zeros(low.shape[0], 1)
+    edge = torch.diff(torch.cat([pad, low, pad], -1), dim=-1)
+    starts, ends = (edge == 1).nonzero(), (edge == -1).nonzero()  # row-major: rows, then positions, in order
+    length = ends[:, 1] - starts[:, 1]
+    keep = length >= min_len
+    row, start, length = starts[keep, 0], starts[keep, 1], length[keep]
+    order = torch.sort(group[row] * 2 + wrong[row].long(), stable=True).indices
+    return row[order], start[order], length[order]
+
+
+def _weights(inputs: AdvantageInputs, valid: torch.Tensor, correct: torch.Tensor, min_len: int):
+    """Steps 1-4 for every group: the per-token weights [B, T] (float32, on the host), and the
+    counts of clusters and of mixed clusters."""
+    B, T = valid.shape
+    device = valid.device
+    h = inputs.entropy.detach().float()
+    n_tok = valid.sum(-1)
+    group = torch.unique(inputs.group_index, return_inverse=True)[1]
+    n_groups = int(group.max()) + 1 if B else 0
+    n_right = torch.zeros(n_groups, dtype=torch.long, device=device).index_add_(0, group, correct.long())
+    n_all = torch.bincount(group, minlength=n_groups)
+    n_same = torch.where(correct, n_right[group], (n_all - n_right)[group])
+    # 1. tau: each response's sorted valid entropies at min(round(0.8 T), T - 1) (Python's round)
+    at = torch.tensor([min(round(t * 0.8), t - 1) for t in n_tok.tolist()], device=device).clamp(min=0)
+    tau = torch.where(valid, h, torch.inf).sort(-1).values.gather(-1, at[:, None]).squeeze(-1)
+    w = torch.where(h <= tau[:, None], (1.0 / n_same.double()).float()[:, None], 1.0).float().cpu()
+    # 2-3. the segments, their hosts on the batch's device, then the clusters in the reference's order
+    row, start, length = _segments(h, valid, tau, group, ~correct, min_len)
+    offsets = torch.cumsum(length, 0) - length
+    stream = inputs.response_ids[torch.repeat_interleave(row, length),
+                                 torch.repeat_interleave(start - offsets, length) + torch.arange(
+                                     int(length.sum()), device=device)]
+    hosts = first_hosts(stream, offsets, length, row, group[row])
+    tokens = stream.tolist()
+    row_l, start_l, len_l, off_l, group_l = (t.tolist() for t in (row, start, length, offsets, group[row]))
+    right, n_same_l = correct.tolist(), n_same.tolist()
+    w_np = w.numpy()
+    n_clusters = n_mixed = 0
+    hosts_l = hosts.tolist()
+    for g, idx in itertools.groupby(range(len(row_l)), key=group_l.__getitem__):
+        idx = list(idx)
+        first = idx[0]
+        segs = [(row_l[s], tuple(tokens[off_l[s]:off_l[s] + len_l[s]]), range(start_l[s], start_l[s] + len_l[s]))
+                for s in idx]
+        local = [x - first if x >= 0 else x for x in (hosts_l[s] for s in idx)]
+        clusters = _clusters(segs, local, min_len)
+        n_clusters += len(clusters)
+        # 4. a cluster with both outcomes zeroes its members there; else max(weight, its outcome's share)
+        for members, where in clusters.values():
+            count = {c: sum(right[r] == c for r in members) for c in (True, False)}
+            both = count[True] and count[False]
+            n_mixed += bool(both)
+            for r in members:
+                s, e = where[r][0], where[r][-1] + 1
+                if both:
+                    w_np[r, s:e] = 0.0
+                else:
+                    np.maximum(w_np[r, s:e], np.float32(count[right[r]] / n_same_l[r]), out=w_np[r, s:e])
+    return w, n_clusters, n_mixed
 
 
 def _check(p: Mapping[str, Any]) -> None:
@@ -173,27 +209,13 @@ def less(inputs: AdvantageInputs, *, min_len: int = 5, eps: float = 1e-6) -> Adv
         raise ValueError("the less estimator needs the responses' token ids (AdvantageInputs.response_ids)")
     mask = inputs.response_mask.bool()
     A = grpo_sequence_advantage(inputs, eps).float().unsqueeze(-1) * mask
-    correct = (inputs.correct.bool() if inputs.correct is not None else A.sum(-1) > 0).tolist()
-    lengths = mask.int().cumprod(-1).sum(-1).tolist()  # the leading run of the mask, as the reference counts
-    out = A.clone()
-    groups = {}
-    for i, g in enumerate(inputs.group_index.tolist()):
-        groups.setdefault(g, []).append(i)
-    n_clusters = n_mixed = zeroed = 0
-    # one copy of the token ids and entropies to the host for the whole batch (the matcher runs there),
-    # not one per row
-    all_ids, all_ent = inputs.response_ids.cpu(), inputs.entropy.detach().float().cpu()
-    for rows in groups.values():
-        ids = [all_ids[i, :lengths[i]].tolist() for i in rows]
-        ent = [all_ent[i, :lengths[i]] for i in rows]
-        w, c, mx = group_weights(ids, ent, [correct[i] for i in rows], min_len, device=A.device)
-        n_clusters, n_mixed = n_clusters + c, n_mixed + mx
-        for i, wi in zip(rows, w):
-            if float(A[i].abs().sum()) < 1e-8:  # zero-advantage responses are left as they are
-                continue
-            out[i] = 0.0
-            out[i, :lengths[i]] = A[i, :lengths[i]] * wi
-            zeroed += int((wi == 0).sum())
-    valid = max(int(mask.sum()), 1)
+    correct = inputs.correct.bool() if inputs.correct is not None else A.sum(-1) > 0
+    valid = mask.int().cumprod(-1).bool()  # the leading run of the mask, as the reference counts
+    w, n_clusters, n_mixed = _weights(inputs, valid, correct, min_len)
+    w = w.to(A.device)
+    moved = (A.abs().sum(-1) >= 1e-8)[:, None]  # zero-advantage responses are left as they are
+    out = torch.where(moved, torch.where(valid, A * w, 0.0), A)
+    zeroed = int(((w == 0) & valid & moved).sum())
+    n_valid = max(int(mask.sum()), 1)
     return AdvantageOutput(out, metrics={"less/clusters": float(n_clusters), "less/mixed_clusters": float(n_mixed),
-                                         "less/zeroed_frac": zeroed / valid})
+                                         "less/zeroed_frac": zeroed / n_valid})

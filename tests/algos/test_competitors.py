@@ -310,16 +310,59 @@ def _random_less_batch(seed: int, groups: int, G: int, T: int, vocab: int, level
 @pytest.mark.parametrize("seed, vocab, levels, min_len, hole", [
     (0, 3, 4, 2, False), (1, 4, 5, 5, True), (2, 2, 3, 1, True), (3, 5, 10, 3, False), (4, 3, 2, 4, True),
     (5, 2, 8, 2, False)])
-def test_less_indexed_matcher_equals_the_full_scan_on_random_groups(seed, vocab, levels, min_len, hole):
-    """Issue 61: the k-token-window index visits only the segments and keys that can contain one
-    another; advantages and metrics equal the full scan's exactly (tests/algos/less_reference.py,
-    the module before the change, the reference's order token for token)."""
+def test_less_tensor_matcher_equals_the_full_scan_on_random_groups(seed, vocab, levels, min_len, hole):
+    """Issue 61: the hosts found by hashing the batch's token windows on tensors, and the cluster
+    keys looked up through a k-token-window index; advantages and metrics equal the full scan's
+    exactly (tests/algos/less_reference.py, the module before the change, the reference's order
+    token for token)."""
     from .less_reference import less_reference
 
     inputs = _random_less_batch(seed, groups=4, G=8, T=48, vocab=vocab, levels=levels, hole=hole)
     got, want = algos.run_estimator("less", inputs, min_len=min_len), less_reference(inputs, min_len=min_len)
     assert torch.equal(got.advantages, want.advantages)
     assert got.metrics == want.metrics and want.metrics["less/clusters"] > 0
+
+
+def _hosts_by_scan(tokens, offsets, lengths, members, groups):
+    """The reference's host search: for each segment, the first of its group, another member's, that
+    holds it as a contiguous run (as Python lists)."""
+    segs = [tokens[o:o + n].tolist() for o, n in zip(offsets.tolist(), lengths.tolist())]
+    out = []
+    for s, seg in enumerate(segs):
+        out.append(next((o for o, other in enumerate(segs) if members[o] != members[s] and groups[o] == groups[s]
+                         and any(other[i:i + len(seg)] == seg for i in range(len(other) - len(seg) + 1))), -1))
+    return out
+
+
+@pytest.mark.parametrize("moduli", [None, (2, 3), (5, 7)])
+def test_less_host_search_on_tensors_equals_the_scan_and_settles_no_collision_wrongly(monkeypatch, moduli):
+    """first_hosts against the scan on random segments (a 3-token vocabulary: nested, repeated and
+    shared runs; four groups; the same response holding several). With tiny moduli nearly every
+    window collides: no wrong host is ever returned, only UNSETTLED (which the estimator searches in
+    full) where a colliding candidate failed the token check, and the estimator's result stays the
+    full scan's."""
+    from hapo_openrlhf.algos import segment_match
+
+    if moduli is not None:
+        monkeypatch.setattr(segment_match, "MODULI", moduli)
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(1, 9, (60,), generator=g)
+    tokens = torch.randint(0, 3, (int(lengths.sum()),), generator=g)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    members = torch.randint(0, 6, (60,), generator=g)
+    groups = torch.sort(torch.randint(0, 4, (60,), generator=g)).values
+    got = segment_match.first_hosts(tokens, offsets, lengths, members, groups).tolist()
+    want = _hosts_by_scan(tokens, offsets, lengths, members.tolist(), groups.tolist())
+    unsettled = [s for s, h in enumerate(got) if h == segment_match.UNSETTLED]
+    assert [h for s, h in enumerate(got) if s not in unsettled] == [h for s, h in enumerate(want) if s not in unsettled]
+    if moduli is None:
+        assert not unsettled and sum(h >= 0 for h in want) > 20
+    else:
+        assert unsettled
+        from .less_reference import less_reference
+        inputs = _random_less_batch(1, groups=4, G=8, T=48, vocab=4, levels=5, hole=True)
+        got_adv = algos.run_estimator("less", inputs, min_len=5).advantages
+        assert torch.equal(got_adv, less_reference(inputs, min_len=5).advantages)
 
 
 def test_less_needs_token_ids_and_a_positive_segment_length():
