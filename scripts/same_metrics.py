@@ -33,6 +33,7 @@ CASES = {
     "cpu_tiny": ("configs/cpu_tiny.yaml", []),
     "stare": ("configs/cpu_tiny_stare.yaml", []),
     "paec": ("configs/cpu_tiny_paec.yaml", []),
+    "less": ("configs/cpu_tiny_less.yaml", []),
     "eapo_decay": ("configs/cpu_tiny_eapo_entropic.yaml", ["algorithm.estimator_params.decay_steps=8"]),
 }
 
