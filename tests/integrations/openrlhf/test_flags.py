@@ -431,3 +431,33 @@ def test_prime_on_openrlhf_builds_its_prm_group_from_the_config(tmp_path):
                                                    "on each of the PRM group's 8 actors")):
         with pytest.raises(ValueError, match=msg):
             build_argv(load_config(base, sets), tmp_path)
+
+
+def test_prime_on_openrlhf_checks_its_prm_models_before_anything_starts(tmp_path):
+    """prm.path / prm.ref_path on OpenRLHF, checked at launch as the embedded trainer checks them: a
+    missing directory, one without a model's config, a vocabulary other than the policy's -- one named
+    line each; the policy's own vocabulary and a hub id pass (the actors download it)."""
+    from hapo_openrlhf.integrations.openrlhf.launch.train import check_prm_models
+
+    def model(name, vocab):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": vocab}))
+        return str(d)
+
+    policy, same, other, empty = model("policy", 151_936), model("same", 151_936), model("other", 152_064), tmp_path / "e"
+    empty.mkdir()
+    base = REPO / "configs/qwen25_math_7b_prime.yaml"
+
+    def check(*sets):
+        check_prm_models(load_config(base, [f"model.path={policy}", *sets]))
+
+    check(f"prm.path={same}", f"prm.ref_path={same}")
+    check("prm.path=Qwen/Qwen2.5-Math-7B")  # a hub id: the actors' download
+    for sets, msg in (([f"prm.path={tmp_path / 'gone'}"], "prm.path '.*gone' does not exist"),
+                      ([f"prm.ref_path={empty}"], "prm.ref_path '.*e' holds no config.json"),
+                      ([f"prm.ref_path={other}"], "prm.ref_path '.*other' has a vocabulary of 152064 tokens, the "
+                                                  "policy \\(.*policy\\) 151936")):
+        with pytest.raises(ValueError, match=msg):
+            check(*sets)
+    check_prm_models(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", [f"prm.path={tmp_path / 'gone'}"]))

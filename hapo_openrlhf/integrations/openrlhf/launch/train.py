@@ -30,6 +30,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -149,12 +150,49 @@ def check_megatron_model(cfg: RunConfig) -> None:
     check_actor_family(SimpleNamespace(**read_json_object(path / "config.json", "the model's config")), cfg.megatron)
 
 
+def _vocab(path: Path, what: str) -> int | None:
+    from ....rundir.jsonfile import read_json_object
+
+    conf = read_json_object(path / "config.json", what)
+    v = conf.get("vocab_size", (conf.get("text_config") or {}).get("vocab_size"))
+    return v if isinstance(v, int) else None
+
+
+def check_prm_models(cfg: RunConfig) -> None:
+    """PRIME's ``prm.path`` / ``prm.ref_path`` before Ray or any process starts, as the embedded
+    trainer checks them (``local/prm.py``): a path that names a directory must exist and hold a
+    model whose vocabulary is the policy's -- q is a difference of log-probs of the policy's tokens.
+    A hub id (not a path on this machine) is left to the actors' download, as for the policy."""
+    from .... import algos
+
+    if not algos.ESTIMATORS.get(cfg.algorithm.estimator).trains_prm:
+        return
+    policy = Path(cfg.model.path).expanduser() if cfg.model.path else None
+    want = _vocab(policy, "the policy's config") if policy and (policy / "config.json").is_file() else None
+    for key in ("path", "ref_path"):
+        v = getattr(cfg.prm, key)
+        if v is None:
+            continue
+        path = Path(v).expanduser()
+        if not path.exists():
+            if not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", v):  # "org/name" or "name": a hub id
+                raise ValueError(f"prm.{key} {v!r} does not exist")
+            continue
+        if not (path / "config.json").is_file():
+            raise ValueError(f"prm.{key} {v!r} holds no config.json: not a Hugging Face model directory")
+        got = _vocab(path, f"prm.{key}'s config")
+        if want is not None and got != want:
+            raise ValueError(f"prm.{key} {v!r} has a vocabulary of {got} tokens, the policy ({cfg.model.path}) "
+                             f"{want}: the PRM scores the policy's tokens, so it must share its tokenizer")
+
+
 def launch(cfg: RunConfig, out: str | Path | None = None) -> Path:
     """Write the prompt files and run OpenRLHF with hapo installed; returns the output dir."""
     from ....rundir import runlock
     from .data import write_prompt_files
 
     check_megatron_model(cfg)
+    check_prm_models(cfg)
     from ..actors.routes import check_engine_platform
 
     if cfg.routing_replay:  # R3 and this Python's vLLM (the engines' where it is) cannot return routes
