@@ -53,3 +53,16 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def peaked_hidden(h: torch.Tensor, w: torch.Tensor, g: torch.Generator, boost_lo: float = 15.0,
+                  boost_hi: float = 27.0, spread: float = 24.0) -> torch.Tensor:
+    """Hidden states [N, H] whose logits through the head ``w`` [V, H] look like a trained model's
+    (benchmarks/head_signals.py): four candidate tokens per row (random rows of the head), the first
+    raised by c ~ U(boost_lo, boost_hi) nats over h's logits, the other three by c - U(0, spread)."""
+    N, V = h.shape[0], w.shape[0]
+    tok = torch.randint(0, V, (N, 4), generator=g)
+    c = torch.empty(N, 1).uniform_(boost_lo, boost_hi, generator=g)
+    c = torch.cat([c, c - torch.empty(N, 3).uniform_(0, spread, generator=g)], 1)
+    wt = w[tok]  # [N, 4, H]: each candidate's logit raised by c (its head row over its squared norm)
+    return h + (c.unsqueeze(-1) * wt / (wt * wt).sum(-1, keepdim=True)).sum(1)

@@ -10,7 +10,9 @@ dual clip). The same estimators on a synthetic paper-scale batch (``--rows`` x `
 how the cost scales (there is no CPU step time for that). PAEC's head signals (nucleus entropy and
 top-two gap, ``sharded_nucleus_stats`` from hidden states + LM head, ``--head-tokens`` x
 ``--hidden`` x ``--vocab``) are timed as a ratio to the fused head's log-prob + entropy forward
-on the same rows (``fused_logprobs_entropy``): the extra head pass a PAEC step pays. LESS's
+on the same rows (``fused_logprobs_entropy``): the extra head pass a PAEC step pays, at each
+``--vocab``, on rows like a trained model's (``_embedded.peaked_hidden``; today's path and every
+row sorted, the path before issue 61) and on flat N(0, 1) logits (the worst case). LESS's
 full-scan matcher from before issue 61 (the tests' oracle) is timed on the paper-scale batch in
 the same run, and its advantages compared with the tensor matcher's.
 
@@ -30,7 +32,7 @@ import torch
 
 from hapo_openrlhf import algos
 
-from _embedded import best_of, grpo_step_batches  # benchmarks/_embedded.py (the script's own folder is on sys.path)
+from _embedded import best_of, grpo_step_batches, peaked_hidden  # benchmarks/_embedded.py (the script's own folder is on sys.path)
 
 METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}, "less": {}}
 # label -> (registry loss, params); rsi_s's bounds are ours (the paper publishes none)
@@ -60,21 +62,25 @@ def _loss_times(mask: torch.Tensor, repeat: int) -> dict[str, float]:
 
 
 def _head_signal_times(n: int, hidden: int, vocab: int, repeat: int) -> dict[str, float]:
-    """The fused head's log-probs + entropy forward vs PAEC's signal pass on the same rows."""
+    """The fused head's log-probs + entropy forward vs PAEC's signal pass on the same rows: on rows
+    like a trained model's (``peaked_hidden``), today's path and every row sorted (before issue 61);
+    on flat N(0, 1) logits (every nucleus most of the vocabulary: every row falls to the sort)."""
     from hapo_openrlhf.algos.fused import fused_logprobs_entropy
     from hapo_openrlhf.algos.nucleus import sharded_nucleus_stats
 
     g = torch.Generator().manual_seed(2)
-    h, w = torch.randn(n, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / hidden ** 0.5
+    flat, w = torch.randn(n, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / hidden ** 0.5
     labels = torch.randint(0, vocab, (n,), generator=g)
+    peaked = peaked_hidden(flat, w, g)
+
+    def signals(x, **kw):
+        return lambda: sharded_nucleus_stats(x, 0.9, weight=w, chunk_size=1024, entropy=True, top2_gap=True, **kw)
+
     with torch.no_grad():
-        return {"head": best_of(lambda: fused_logprobs_entropy(h, w, labels, chunk_size=1024), repeat),
-                "signals": best_of(lambda: sharded_nucleus_stats(h, 0.9, weight=w, chunk_size=1024, entropy=True,
-                                                                 top2_gap=True), repeat),
-                # every row sorted (issue 61's before); these N(0, 1) logits are flat, so every row falls to
-                # the sort either way: benchmarks/head_signals.py measures a trained model's peaked rows too
-                "signals_sorted": best_of(lambda: sharded_nucleus_stats(h, 0.9, weight=w, chunk_size=1024, entropy=True,
-                                                                        top2_gap=True, top_k=0), repeat)}
+        return {"head": best_of(lambda: fused_logprobs_entropy(peaked, w, labels, chunk_size=1024), repeat),
+                "signals": best_of(signals(peaked), repeat), "signals_sorted": best_of(signals(peaked, top_k=0), repeat),
+                "flat_head": best_of(lambda: fused_logprobs_entropy(flat, w, labels, chunk_size=1024), repeat),
+                "flat_signals": best_of(signals(flat), repeat)}
 
 
 def _times(inputs, repeat: int) -> dict[str, float]:
@@ -90,7 +96,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--head-tokens", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 151936])
     a = ap.parse_args()
     steps = []
     for inputs, step_s in grpo_step_batches(a.steps, a.warmup):
@@ -134,13 +140,17 @@ def main() -> None:
     out["less_full_scan"] = {"paper_ms": ref_s * 1e3, "tensor_over_full_scan": paper["less"] / ref_s, "equal": same}
     print(f"less, the full scan before issue 61: {ref_s * 1e3:.1f} ms at paper scale; the tensor matcher "
           f"{paper['less'] * 1e3:.1f} ms = {paper['less'] / ref_s:.3f} x it; advantages equal: {same}")
-    hs = _head_signal_times(a.head_tokens, a.hidden, a.vocab, max(2, a.repeat // 5))
-    out["paec_head_signals"] = {"head_ms": hs["head"] * 1e3, "signals_ms": hs["signals"] * 1e3,
-                                "ratio_to_head": hs["signals"] / hs["head"], "shape": [a.head_tokens, a.hidden, a.vocab],
-                                "sorted_ratio_to_head": hs["signals_sorted"] / hs["head"]}
-    print(f"paec head signals ({a.head_tokens} x {a.hidden} x {a.vocab}): {hs['signals'] * 1e3:.1f} ms = "
-          f"{hs['signals'] / hs['head']:.2f} x the fused head's log-prob + entropy forward ({hs['head'] * 1e3:.1f} ms); "
-          f"every row sorted {hs['signals_sorted'] / hs['head']:.2f} x (flat N(0, 1) logits: see head_signals.py)")
+    out["paec_head_signals"] = {}
+    for V in a.vocab:
+        hs = _head_signal_times(a.head_tokens, a.hidden, V, max(2, a.repeat // 5))
+        row = {"head_ms": hs["head"] * 1e3, "signals_ms": hs["signals"] * 1e3, "ratio_to_head": hs["signals"] / hs["head"],
+               "sorted_ratio_to_head": hs["signals_sorted"] / hs["head"],
+               "flat_ratio_to_head": hs["flat_signals"] / hs["flat_head"], "shape": [a.head_tokens, a.hidden, V]}
+        out["paec_head_signals"][str(V)] = row
+        print(f"paec head signals ({a.head_tokens} x {a.hidden} x {V}), rows like a trained model's: "
+              f"{row['signals_ms']:.1f} ms = {row['ratio_to_head']:.2f} x the fused head's log-prob + entropy forward "
+              f"({row['head_ms']:.1f} ms); every row sorted (before issue 61) {row['sorted_ratio_to_head']:.2f} x; "
+              f"flat N(0, 1) logits (every row sorted either way) {row['flat_ratio_to_head']:.2f} x")
     print(f"embedded step ({B} samples x {T} tokens): {step_s * 1e3:.1f} ms")
     print(json.dumps(out))
 

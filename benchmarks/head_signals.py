@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from _embedded import best_of  # benchmarks/_embedded.py (the script's own folder is on sys.path)
+from _embedded import best_of, peaked_hidden  # benchmarks/_embedded.py (the script's own folder is on sys.path)
 
 
 def main() -> None:
@@ -48,11 +48,7 @@ def main() -> None:
         h = torch.randn(a.tokens, a.hidden, generator=g)
         w = torch.randn(V, a.hidden, generator=g) / a.hidden ** 0.5
         labels = torch.randint(0, V, (a.tokens,), generator=g)
-        tok = torch.randint(0, V, (a.tokens, 4), generator=g)
-        c = torch.empty(a.tokens, 1).uniform_(a.boost_lo, a.boost_hi, generator=g)
-        c = torch.cat([c, c - torch.empty(a.tokens, 3).uniform_(0, a.spread, generator=g)], 1)
-        wt = w[tok]  # [N, 4, H]: each candidate's logit raised by c (its head row over its squared norm)
-        peaked = h + (c.unsqueeze(-1) * wt / (wt * wt).sum(-1, keepdim=True)).sum(1)
+        peaked = peaked_hidden(h, w, g, a.boost_lo, a.boost_hi, a.spread)
         for kind, x in (("peaked", peaked), ("flat", h)):
             with torch.no_grad():
                 best = lambda fn: best_of(fn, a.repeat)  # noqa: E731

@@ -98,8 +98,9 @@ def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["grpo"]["embedded_ratio"] == 1.0 and res["paper_batch"] == [16, 64]
-    assert res["loss_paec"]["paper_ratio"] > 0 and res["paec_head_signals"]["ratio_to_head"] > 0
-    assert res["paec_head_signals"]["sorted_ratio_to_head"] > 0
+    head = res["paec_head_signals"]["500"]
+    assert res["loss_paec"]["paper_ratio"] > 0 and head["ratio_to_head"] > 0 and head["shape"] == [64, 16, 500]
+    assert head["sorted_ratio_to_head"] > 0 and head["flat_ratio_to_head"] > 0
     for m in ("hapo", "eapo_entropic", "pepo", "less"):
         assert res[m]["embedded_ratio"] > 0 and res[m]["paper_ratio"] > 0
     assert res["loss_ppo"]["paper_ratio"] == 1.0 and res["loss_stare"]["paper_ratio"] > 0 and res["loss_rsi_s"]["paper_ratio"] > 0
