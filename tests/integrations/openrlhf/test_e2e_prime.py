@@ -44,6 +44,7 @@ def test_prime_trains_its_prm_group_and_resumes_exactly(tmp_path, warm_model):
     assert [r["step"] for r in m] == [1, 2]
     for r in m:  # the PRM's update and its held-out metrics, every step; the policy trained on PRIME's advantages
         assert r["prm/loss"] > 0 and r["prm/grad_norm"] > 0 and 0 <= r["prm/acc_heldout"] <= 1, r
+        assert r["prm/skipped_steps"] == 0, r  # the non-finite guard's count (test_prm_nonfinite.py), logged
         assert "prime/process_share" in r and "prm/outcome_acc_heldout" in r and r["actor_grad_norm"] > 0, r
     # step 1's update starts from the PRM's reference: q = 0, sigmoid(0) = 1/2 for every response, loss ln 2
     assert m[0]["prm/loss"] == pytest.approx(math.log(2), abs=1e-6)

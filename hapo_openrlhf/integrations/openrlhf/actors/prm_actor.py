@@ -13,7 +13,9 @@ resume). Each actor holds, as the recipe's PRM worker does (verl ``recipe/prime/
   optimizer step per ``prm.mini_batch_size`` responses (null: the whole rollout batch) through
   DeepSpeed's gradient accumulation over the experience maker's micro-batches
   (``openrlhf.micro_rollout_batch_size`` rows: the PRM trains on the micro-batches it scores;
-  ``prm.micro_batch_size`` is the embedded trainer's);
+  ``prm.micro_batch_size`` is the embedded trainer's); a non-finite gradient skips the step (the
+  policy's guard, ``nonfinite.py``: weights, moments and schedule untouched, ``prm/skipped_steps``,
+  ``optim.max_consecutive_skips`` in a row stop the run), as the embedded PRM skips it;
 * its frozen reference (``prm.ref_path``, null: phi's starting weights), a DeepSpeed eval engine.
 
 q = log pi_phi(y_t) - log pi_ref(y_t) per response token (``algos.prime.implicit_q``); the loss is
@@ -37,6 +39,7 @@ from openrlhf.utils.deepspeed.deepspeed_utils import offload_deepspeed_states, r
 from ....algos import prime as prime_algo
 from ....config import transported
 from ....config.prm import openrlhf_prm_batches
+from .nonfinite import DeepSpeedGradGuard
 
 CKPT_DIR = "_critic"  # OpenRLHF's critic checkpoint directory: its save and resume paths, unchanged
 
@@ -97,6 +100,8 @@ class HapoPRMActor(BaseModelActor):
                      lr_scheduler="constant", lr_warmup_ratio=0.0, min_lr_ratio=1.0, max_norm=p.grad_clip,
                      scheduler_steps=max_steps)
         self.model, self.optim, self.scheduler = strategy.prepare((phi, optim))
+        # a non-finite gradient skips the PRM's step, as the policy's (nonfinite.py) and the embedded PRM's
+        self.grad_guard = DeepSpeedGradGuard(self.model.model, cfg.optim.max_consecutive_skips)
         self.ref = strategy.prepare(build(p.ref_path or cfg.prm.path or pretrain,
                                           strategy.get_ds_eval_config(offload=args.ref.offload)))
         self.ref.eval()
@@ -152,16 +157,18 @@ class HapoPRMActor(BaseModelActor):
             mask = e.action_mask.to(device).bool()
             loss = prime_algo.prm_loss(q, outcome, mask, beta=self.beta)
             self.strategy.backward(loss, self.model, self.optim)
-            self.strategy.optimizer_step(self.optim, self.model, self.scheduler, name="prm")
+            self.grad_guard.step()  # the strategy's optimizer_step (engine.step()), skipping a non-finite one
             if (n + 1) % gas == 0:
-                norms.append(self.strategy.get_grad_norm(self.model))
+                norms.append(self.grad_guard.norm)
             losses.append(float(loss.detach()))
             q_host, mask_host = q.detach().float().cpu(), mask.cpu()  # one copy per micro-batch, not per row
             for j, row in enumerate(e.index):
                 seen[int(row)] = q_host[j][mask_host[j]]
         self.buffer = []
         status = {"prm/loss": sum(losses) / max(len(losses), 1), "prm/grad_norm": norms[-1] if norms else 0.0}
-        return {"status": self.strategy.all_reduce(status), "rows": seen}
+        status = self.strategy.all_reduce(status)
+        status["prm/skipped_steps"] = float(self.grad_guard.skipped)  # DeepSpeed's count: in the PRM's checkpoint
+        return {"status": status, "rows": seen}
 
     # OpenRLHF's PPO step calls the critic's append and fit after the experience is made: PRIME's PRM
     # has trained by then (prm.update before / after) or never trains (none)
