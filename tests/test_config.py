@@ -127,10 +127,12 @@ def test_baseline_configs_select_their_algorithms():
     assert got["cpu_tiny_rsi_s"].loss_params == {"lower": 0.1, "upper": 10.0, "eps_low": 0.2, "eps_high": 0.28}
     for name in ("cpu_tiny_paec", "cpu_tiny_rsi_s"):
         assert "ours" in (REPO / "configs" / f"{name}.yaml").read_text()
-    # PRIME at its recipe's settings (run_prime_qwen.sh, prime_trainer.yaml)
+    # PRIME at its recipe's settings (run_prime_qwen.sh, prime_trainer.yaml) but beta, scaled to the
+    # embedded default's response length (the config says so, with its measurements)
     p = got["cpu_tiny_prime"]
+    assert "Ours, measured: beta 4" in (REPO / "configs" / "cpu_tiny_prime.yaml").read_text()
     assert p.estimator == "prime" and dict(p.estimator_params) == {
-        "beta": 0.05, "lam": 0.0, "granularity": "token", "norm": "batch_norm", "reward_dpo_coef": 5.0,
+        "beta": 4.0, "lam": 0.0, "granularity": "token", "norm": "batch_norm", "reward_dpo_coef": 5.0,
         "reward_gt_coef": 5.0}
     f = p.accuracy_filter
     assert (f.enable, f.lower, f.upper, f.oversample, f.drop_truncated) == (True, 0.2, 0.8, 4.0, True)
