@@ -65,6 +65,11 @@ def loss_from_config(cfg: RunConfig) -> HapoPolicyLoss:
                           norm_constant=float(cfg.rollout.max_new_tokens), is_correction=isc)
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The global RNG's seed for RL step ``step`` of a run seeded ``seed`` (the same after a resume)."""
+    return (int(seed) * 1_000_003 + int(step)) % (2 ** 63)
+
+
 class BehaviourEntropyStore:
     """The behaviour entropy of each old-log-prob micro-batch -- and, under a top-p rollout,
     its log P(nucleus) per token -- kept on the policy actor until the experience maker
@@ -152,6 +157,10 @@ class HapoPolicyModelActorImpl(BehaviourEntropyStore, LossStateSink, PolicyModel
         self.strategy.optimizer_step, self.strategy.get_grad_norm = optimizer_step, get_grad_norm
 
     def fit(self, kl_ctl: float = 0):
+        # upstream's ppo_train shuffles the replay buffer from this process's global RNG, whose state a
+        # resume does not restore: seeded from the run's seed and the step, the resumed step's micro-
+        # batches are the uninterrupted step's (found resuming PRIME bitwise, issue 59)
+        torch.manual_seed(step_seed(self.strategy.args.train.seed, self._steps_done))
         status = super().fit(kl_ctl)
         self._steps_done += 1
         status["actor_skipped_steps"] = float(self.grad_guard.skipped)  # DeepSpeed's count, checkpointed

@@ -39,6 +39,36 @@ def seed_prompt_order(loader, seed: int) -> None:
     generator.manual_seed(int(seed))
 
 
+def dispatch_order(generator) -> None:
+    """A ``SamplesGenerator``'s rollout in the order its prompts were sent, not the order the
+    engines finished them. OpenRLHF's ``_generate_vllm`` collects each prompt's responses as its
+    request completes (``ray.wait(..., num_returns=1)``), so the batch's row order -- which rows
+    share a micro-batch, the order gradients are summed in, the order of a group's responses that
+    LESS's clustering reads -- changed from launch to launch, and a resumed step could not equal
+    the uninterrupted one (found resuming PRIME, issue 59). Each call's accepted responses are
+    sorted, stably, by their prompt's place in the calls' dispatch order (replacements sent by
+    dynamic filtering come after the batch's prompts, in the order they were sent); a prompt's own
+    responses keep the order its engine returned them in. A prompt sent twice in one call keeps
+    its groups in completion order (they cannot be told apart)."""
+    dispatch, generate = generator._dispatch_prompts_to_vllm, generator._generate_vllm
+    sent: list = []
+
+    def dispatch_recorded(prompts, labels, **kwargs):
+        sent.extend(prompts)
+        return dispatch(prompts, labels, **kwargs)
+
+    def generate_in_dispatch_order(*args, **kwargs):
+        sent.clear()
+        experiences, consumed, exhausted = generate(*args, **kwargs)
+        place: dict = {}
+        for i, prompt in enumerate(sent):
+            place.setdefault(prompt, i)
+        experiences = sorted(experiences, key=lambda e: place.get(e.prompts[0], len(sent)))
+        return experiences, consumed, exhausted
+
+    generator._dispatch_prompts_to_vllm, generator._generate_vllm = dispatch_recorded, generate_in_dispatch_order
+
+
 class StepLimit:
     """``trainer.steps`` for OpenRLHF's loop, which has no max-steps flag: once ``step``
     (the global step, one per rollout batch) reaches ``limit``, the wrapped
@@ -202,6 +232,7 @@ class HapoPPOTrainerImpl(HapoControllerMixin, PPOTrainer.__ray_actor_class__):
         super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                          reference_model_group, vllm_engines, **generate_kwargs)
         seed_prompt_order(self.prompts_dataloader, self.args.train.seed)
+        dispatch_order(self.samples_generator)
         self._hapo_setup()
         if routes.enabled(self.cfg):
             routes.carry_routes(self.samples_generator)

@@ -43,7 +43,7 @@ from ray.util.queue import Empty, Queue
 
 from ....config import transported
 from ..actors import routes
-from .trainer import HapoControllerMixin, seed_prompt_order
+from .trainer import HapoControllerMixin, dispatch_order, seed_prompt_order
 
 
 @ray.remote(num_cpus=0)
@@ -87,6 +87,7 @@ class HapoGenerateSamplesActorImpl(pta.GenerateSamplesActor.__ray_actor_class__)
         super().__init__(pretrain, strategy, vllm_engines, vllm_lock=vllm_lock, rollout_queue=rollout_queue,
                          rollout_slots=rollout_slots, **generate_kwargs)
         seed_prompt_order(self.prompts_dataloader, self.args.train.seed)
+        dispatch_order(self.samples_generator)
         self.hapo_state = hapo_state
         if routes.enabled(transported(self.args.hapo)):
             routes.carry_routes(self.samples_generator)
