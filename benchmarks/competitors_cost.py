@@ -143,8 +143,8 @@ def main() -> None:
     out["paec_head_signals"] = {}
     for V in a.vocab:
         hs = _head_signal_times(a.head_tokens, a.hidden, V, max(2, a.repeat // 5))
-        row = {"head_ms": hs["head"] * 1e3, "signals_ms": hs["signals"] * 1e3, "ratio_to_head": hs["signals"] / hs["head"],
-               "sorted_ratio_to_head": hs["signals_sorted"] / hs["head"],
+        row = {"head_ms": hs["head"] * 1e3, "signals_ms": hs["signals"] * 1e3,
+               "ratio_to_head": hs["signals"] / hs["head"], "sorted_ratio_to_head": hs["signals_sorted"] / hs["head"],
                "flat_ratio_to_head": hs["flat_signals"] / hs["flat_head"], "shape": [a.head_tokens, a.hidden, V]}
         out["paec_head_signals"][str(V)] = row
         print(f"paec head signals ({a.head_tokens} x {a.hidden} x {V}), rows like a trained model's: "

@@ -64,7 +64,10 @@ def _host_by_scan(segments: list[Segment], n: int) -> int:
                  if om != m and len(otoks) >= len(toks) and text in _text(otoks)), -1)
 
 
-def _clusters(segments: list[Segment], hosts: list[int], min_len: int) -> dict[tuple[int, ...], tuple[set[int], dict[int, range]]]:
+Clusters = dict[tuple[int, ...], tuple[set[int], dict[int, range]]]  # key -> (members, member -> positions)
+
+
+def _clusters(segments: list[Segment], hosts: list[int], min_len: int) -> Clusters:
     """Step 3 for one group: key -> (members, member -> positions), in the reference's order.
 
     ``hosts[n]``: the index of segment n's host (its first segment of another response holding
@@ -78,7 +81,7 @@ def _clusters(segments: list[Segment], hosts: list[int], min_len: int) -> dict[t
     if not segments:
         return {}
     k = max(1, min(min_len, min(len(t) for _, t, _ in segments)))
-    clusters: dict[tuple[int, ...], tuple[set[int], dict[int, range]]] = {}
+    clusters: Clusters = {}
     order: dict[tuple[int, ...], int] = {}  # key -> its place in the dict's order
     places = itertools.count()
     by_first: dict[tuple[int, ...], set] = {}  # a key's first window -> keys

@@ -350,10 +350,8 @@ def check_output_dir(cfg: RunConfig, out: str | None = None) -> list[Check]:
     n = model_params(cfg)
     if n is None:
         return [Check("output_dir", OK, f"{d} writable, {free / 2**30:.0f} GiB free (checkpoint size unknown)")]
-    from ..algos import ESTIMATORS
-
     # PRIME's implicit PRM is checkpointed beside the policy: its fp32 weights, its reference's, AdamW's moments
-    per_param = CKPT_BYTES_PER_PARAM + (PRM_BYTES_PER_PARAM if ESTIMATORS.get(cfg.algorithm.estimator).trains_prm else 0)
+    per_param = CKPT_BYTES_PER_PARAM + (PRM_BYTES_PER_PARAM if cfg.trains_prm else 0)
     need = (cfg.trainer.keep_last + 1) * n * per_param  # +1: the one being written
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
     msg = (f"{d}: {free / 2**30:.1f} GiB free; {cfg.trainer.keep_last} checkpoints + the one in flight of "

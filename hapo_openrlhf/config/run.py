@@ -65,6 +65,13 @@ class RunConfig:
                  "(vLLM's own log-probs enter through algorithm.is_correction)")
 
     @property
+    def trains_prm(self) -> bool:
+        """The estimator trains an implicit process reward model beside the policy (PRIME: ``prm``)."""
+        from ..algos import ESTIMATORS
+
+        return ESTIMATORS.get(self.algorithm.estimator).trains_prm
+
+    @property
     def routing_replay(self) -> bool:
         """Rollout routing replay is on: the Megatron actor replays the rollout's routed experts."""
         return self.backend == "megatron" and self.megatron.moe.routing_replay == "r3"

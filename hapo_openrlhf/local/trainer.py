@@ -209,12 +209,12 @@ class LocalTrainer:
 
     @property
     def trains_prm(self) -> bool:
-        return algos.ESTIMATORS.get(self.cfg.algorithm.estimator).trains_prm
+        return self.cfg.trains_prm
 
     def _build_prm(self) -> ImplicitPRM:
         a, m = self.cfg.algorithm, self.cfg.model
-        return ImplicitPRM(self.cfg.prm, self.model, beta=prime_beta(a.estimator, a.estimator_params), chunk_size=a.entropy_chunk_size, fused=m.fused_head,
-                           packing=m.packing)
+        return ImplicitPRM(self.cfg.prm, self.model, beta=prime_beta(a.estimator, a.estimator_params),
+                           chunk_size=a.entropy_chunk_size, fused=m.fused_head, packing=m.packing)
 
     def _restore_prm(self, ckpt: Path, shard: dict, old: dict) -> None:
         """The implicit PRM a checkpoint holds, for a run whose estimator trains one; each other case named."""

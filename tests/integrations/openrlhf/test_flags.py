@@ -445,7 +445,8 @@ def test_prime_on_openrlhf_checks_its_prm_models_before_anything_starts(tmp_path
         (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": vocab}))
         return str(d)
 
-    policy, same, other, empty = model("policy", 151_936), model("same", 151_936), model("other", 152_064), tmp_path / "e"
+    policy, same, other = model("policy", 151_936), model("same", 151_936), model("other", 152_064)
+    empty = tmp_path / "e"
     empty.mkdir()
     base = REPO / "configs/qwen25_math_7b_prime.yaml"
 

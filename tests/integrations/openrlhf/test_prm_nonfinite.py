@@ -1,8 +1,8 @@
 """A non-finite gradient in PRIME's PRM on OpenRLHF skips the PRM's step (issue 59), as the
 policy's does (``nonfinite.py``) and the embedded PRM's does: ``HapoPRMActor.prm_update`` (the
-actor's own method, unwrapped from Ray) on a real DeepSpeed engine (OpenRLHF's ZeRO-2 config,
-fp32 here, where DeepSpeed itself never checks), one gloo rank, two micro-batches per step. The
-second update's backward carries a NaN (from an activation, as an overflow would): its step is skipped -- phi's weights and Adam moments
+actor's own method, unwrapped from Ray) on a real DeepSpeed engine (OpenRLHF's ZeRO-2 config in
+fp32), one gloo rank, two micro-batches per step. The second update's backward carries a NaN (from
+an activation, as an overflow would): its step is skipped -- phi's weights and Adam moments
 untouched, ``prm/grad_norm`` nan, ``prm/skipped_steps`` 1 (DeepSpeed's count) -- and the next,
 finite update steps again."""
 

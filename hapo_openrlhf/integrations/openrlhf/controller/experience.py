@@ -179,8 +179,7 @@ class HapoExperienceMaker(RemoteExperienceMaker):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.critic_model_group is not None and algos.ESTIMATORS.get(
-                transported(self.args.hapo).algorithm.estimator).trains_prm:
+        if self.critic_model_group is not None and transported(self.args.hapo).trains_prm:
             self.prm_group, self.critic_model_group = self.critic_model_group, None
 
     def make_experience(self, samples_list):

@@ -195,10 +195,8 @@ def _check_prm_group(cfg: RunConfig, dp: int) -> None:
     """PRIME's PRM group (``actors/prm_actor.py``) before Ray starts: its batches cut evenly over its
     ``dp`` data-parallel actors (placed as the policy's), and no dynamic batch (which re-cuts its
     micro-batches)."""
-    from ....algos import ESTIMATORS
-
     o = cfg.openrlhf
-    if not ESTIMATORS.get(cfg.algorithm.estimator).trains_prm:
+    if not cfg.trains_prm:
         return
     if o.dynamic_batch:
         raise ValueError("openrlhf.dynamic_batch with PRIME: the PRM group trains on the experience maker's "

@@ -117,13 +117,11 @@ def installed(backend: str = "openrlhf", logprobs_mode: str | None = None, route
 def train_with_hapo(args, cfg: RunConfig, out: str | Path | None = None) -> None:
     import openrlhf.cli.train_ppo_ray as cli
 
-    from .... import algos
-
     if args.critic.model_name_or_path:
         raise ValueError("hapo estimators are critic-free; OpenRLHF was asked for a critic")
     from .flags import engine_logprobs_mode
 
-    prm = algos.ESTIMATORS.get(cfg.algorithm.estimator).trains_prm
+    prm = cfg.trains_prm
     if prm:  # PRIME's implicit PRM: OpenRLHF's critic group, placed as the policy's actors (prm_actor.py)
         args.critic.model_name_or_path = args.actor.model_name_or_path
         args.critic.num_nodes, args.critic.num_gpus_per_node = args.actor.num_nodes, args.actor.num_gpus_per_node
@@ -163,9 +161,7 @@ def check_prm_models(cfg: RunConfig) -> None:
     trainer checks them (``local/prm.py``): a path that names a directory must exist and hold a
     model whose vocabulary is the policy's -- q is a difference of log-probs of the policy's tokens.
     A hub id (not a path on this machine) is left to the actors' download, as for the policy."""
-    from .... import algos
-
-    if not algos.ESTIMATORS.get(cfg.algorithm.estimator).trains_prm:
+    if not cfg.trains_prm:
         return
     policy = Path(cfg.model.path).expanduser() if cfg.model.path else None
     want = _vocab(policy, "the policy's config") if policy and (policy / "config.json").is_file() else None
