@@ -16,14 +16,17 @@ leaves only a ``.tmp`` directory, which ``latest`` ignores. Before the rename ra
 writes ``hapo_manifest.json``: every file's size, and the CRC-32 of each file up to
 64 MiB (Megatron's metadata and common state; the large tensor shards are sized, not
 read back). ``latest`` returns the newest directory that matches its manifest, warning
-about newer ones that do not (a truncated shard, a missing file).
+about newer ones that do not (a truncated shard, a missing file). A save is synchronous and starts
+no process of its own (:func:`_in_process_results_queue`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 from pathlib import Path
@@ -178,6 +181,29 @@ def _sharded(model, optimizer, trainer_state: dict[str, Any] | None, *, is_loadi
     return out
 
 
+@contextlib.contextmanager
+def _in_process_results_queue():
+    """megatron-core's writer (``FileSystemWriterAsync``, its writer for synchronous saves too) takes
+    its results queue from a ``Manager`` of the ``spawn`` context it starts on a rank's first save: a
+    fresh interpreter per rank (measured 1.8-2.3 s of CPU each under the tests' ranks), which re-imports
+    the rank's ``__main__``, for a queue a synchronous save fills and empties in the saving process
+    itself (``AsyncRequest.execute_sync`` runs ``write_preloaded_data_multiproc`` here, then
+    ``retrieve_write_results`` reads it here). For the duration of this (synchronous) save an
+    in-process queue stands in; the module's ``None`` is put back after, so an asynchronous save
+    anyone makes later still gets its Manager. Left as is where megatron-core made one already or
+    keeps no such module global (0.16.1-0.19.2 all keep ``_results_queue``)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is not None:
+        yield
+        return
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = None
+
+
 def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict[str, Any] | None = None) -> Path:
     """Write ``root/step_{step}`` from every rank of the job (a collective call): the model
     stage, ``optimizer`` (a ``ddp.MegatronOptimizer``: its fp32 masters and moments) and
@@ -191,7 +217,8 @@ def save(root: str | Path, step: int, model, optimizer=None, trainer_state: dict
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(model, optimizer, trainer_state, is_loading=False), str(tmp))
+    with _in_process_results_queue():
+        dist_checkpointing.save(_sharded(model, optimizer, trainer_state, is_loading=False), str(tmp))
     layout = _layout(optimizer)
     dist.barrier()
     if dist.get_rank() == 0:

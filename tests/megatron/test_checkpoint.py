@@ -58,7 +58,14 @@ def _worker(rank, ckpt_root, phase, out, tp=TP):
         opt.step()
         losses.append(float(stats[0]["loss"]))
     if phase == "first":
+        import multiprocessing
+
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
         checkpoint.save(ckpt_root, 2, ddp, opt, {"step": 2, "losses": losses})
+        # the save started no process that outlives it (megatron-core's writer would leave a spawned
+        # Manager behind for its results queue), and left megatron-core's module state as it found it
+        assert multiprocessing.active_children() == [] and filesystem_async._results_queue is None
     if phase != "first":
         inner = opt.torch_optimizers[0]
         torch.save({"losses": losses, "weights": {k: v.clone() for k, v in model.state_dict().items()
