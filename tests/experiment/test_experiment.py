@@ -278,6 +278,68 @@ def test_league_is_the_chain_task_with_its_named_comparisons_and_fresh_seeds():
                                            {"a": "pepo", "b": "grpo"}]
 
 
+def test_league2_arms_differ_only_as_its_file_declares():
+    """configs/experiments/league2.yaml (issue 60), frozen: the credit-only arms share one rollout setting
+    (T 1.0 / top-p 0.95, G 8, 16 prompts, no dynamic sampling, no overlong penalty, no accuracy filter) and
+    differ from each other only in the algorithm's estimator and loss, each the method's own config's;
+    each paper-setting pair (the method, GRPO) differs only in estimator and loss, at that paper's
+    sampling; 20 warm starts of two RL seeds each, none used by the pilot, the league or the decisive
+    experiments; the ten comparisons; 60 steps."""
+    from hapo_openrlhf.config import load_config
+
+    l2 = load_experiment(REPO / "configs/experiments/league2.yaml")
+    pilot = load_experiment(REPO / "configs/experiments/league2_pilot.yaml")
+    earlier = set()
+    for name in ("decisive", "decisive_followup", "league"):
+        e = load_experiment(REPO / f"configs/experiments/{name}.yaml")
+        earlier |= set(e.seeds) | {j.config["seed"] for j in e.warm_jobs()}
+    earlier |= set(pilot.seeds) | set(pilot.nested.values()) | {101, 102, 103, 150, 151, 200, 300, 301}
+    warm = set(l2.nested.values())
+    assert len(warm) == 20 and len(l2.seeds) == 40 and not (set(l2.seeds) | warm) & earlier
+    assert all(sum(1 for w in l2.nested.values() if w == x) == 2 for x in warm)
+    cfg = {v: l2.runs[(v, l2.seeds[0])].config for v in (*l2.suites["credit"], *l2.suites["paper_settings"])}
+    algo_only = {"estimator", "estimator_params", "loss", "loss_params", "aggregation", "kl_coef"}
+
+    def same_but_algorithm(a, b):
+        strip = ("output_dir", "run_name", "prm")  # the PRM's settings are read by PRIME alone
+        return ({k: x for k, x in a.items() if k not in (*strip, "algorithm")}
+                == {k: x for k, x in b.items() if k not in (*strip, "algorithm")}
+                and {k: x for k, x in a["algorithm"].items() if k not in algo_only}
+                == {k: x for k, x in b["algorithm"].items() if k not in algo_only})
+
+    credit = l2.suites["credit"]
+    assert credit == ("grpo", "hapo", "eapo_entropic", "stare", "pepo", "less", "prime")
+    base = cfg["grpo"]
+    assert (base["rollout"]["temperature"], base["rollout"]["top_p"], base["rollout"]["samples_per_prompt"],
+            base["rollout"]["prompts_per_step"]) == (1.0, 0.95, 8, 16)
+    assert not base["algorithm"]["dynamic_sampling"] and not base["algorithm"]["overlong"]["enable"]
+    assert not base["algorithm"]["accuracy_filter"]["enable"] and base["trainer"]["steps"] == 60
+    for v in credit:
+        assert same_but_algorithm(cfg[v], base), v
+        own = load_config(REPO / f"configs/cpu_tiny{'' if v == 'hapo' else '_' + v}.yaml").to_dict()["algorithm"]
+        got = {k: cfg[v]["algorithm"][k] for k in algo_only}
+        want = {k: own[k] for k in algo_only}
+        if v == "prime":  # beta x length: the recipe's 0.05 x 3,072 tokens / 80 (the file's comment)
+            assert got["estimator_params"].pop("beta") == 2.0 and want["estimator_params"].pop("beta") == 4.0
+        assert got == want, v
+    pairs = {"eapo_entropic_paper": ("grpo_eapo_setting", {"top_p": 1.0}, {"overlong": True, "dynamic": False}),
+             "pepo_paper": ("grpo_pepo_setting", {"temperature": 0.6, "top_p": 0.6},
+                            {"overlong": False, "dynamic": False}),
+             "stare_paper": ("grpo_stare_setting", {"top_p": 1.0}, {"overlong": False, "dynamic": True})}
+    for method, (grpo, sampling, algo) in pairs.items():
+        assert same_but_algorithm(cfg[method], cfg[grpo]), method
+        ours, theirs = ((cfg[x]["algorithm"]["estimator"], cfg[x]["algorithm"]["loss"]) for x in (method, grpo))
+        assert theirs == ("grpo", "ppo") and ours != theirs, method
+        assert all(cfg[method]["rollout"][k] == x for k, x in sampling.items()), method
+        assert cfg[method]["algorithm"]["overlong"]["enable"] == algo["overlong"], method
+        assert cfg[method]["algorithm"]["dynamic_sampling"] == algo["dynamic"], method
+    assert l2.familywise_alpha == 0.05 and len(l2.comparisons) == 10
+    assert [(c["a"], c["b"]) for c in l2.comparisons] == [
+        ("hapo", "grpo"), ("eapo_entropic", "hapo"), ("eapo_entropic", "grpo"), ("stare", "grpo"), ("pepo", "grpo"),
+        ("less", "grpo"), ("prime", "grpo"), ("eapo_entropic_paper", "grpo_eapo_setting"),
+        ("pepo_paper", "grpo_pepo_setting"), ("stare_paper", "grpo_stare_setting")]
+
+
 def test_decisive_experiment_smoke(tmp_path):
     """The decisive experiment reduced (two seeds, two RL steps, a tiny evaluation): every
     method of every seed runs from the one shared warm start, whose evaluation is each run's
