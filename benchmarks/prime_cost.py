@@ -48,7 +48,7 @@ def _policy_side(tr: LocalTrainer, batch) -> None:
     ro = batch.rollout
     old_logp, ent = tr._behaviour(ro)
     q = None
-    if tr.trains_prm:
+    if tr.cfg.trains_prm:
         q, _ = tr.prm.step(ro, batch.correct, batch.group_index)
     inputs = algos.AdvantageInputs(rewards=batch.rewards, response_mask=ro.response_mask_BR, entropy=ent,
                                    group_index=batch.group_index, old_logprobs=old_logp, correct=batch.correct,

@@ -207,10 +207,6 @@ class LocalTrainer:
         set_rng_state(shard["rng"])
         log.info("resumed from %s (step %d)", ckpt, self.state.step)
 
-    @property
-    def trains_prm(self) -> bool:
-        return self.cfg.trains_prm
-
     def _build_prm(self) -> ImplicitPRM:
         a, m = self.cfg.algorithm, self.cfg.model
         return ImplicitPRM(self.cfg.prm, self.model, beta=prime_beta(a.estimator, a.estimator_params),
@@ -219,7 +215,7 @@ class LocalTrainer:
     def _restore_prm(self, ckpt: Path, shard: dict, old: dict) -> None:
         """The implicit PRM a checkpoint holds, for a run whose estimator trains one; each other case named."""
         held = "prm" in shard
-        if held and self.trains_prm:
+        if held and self.cfg.trains_prm:
             moved = [f"prm.{k}: {old.get('prm', {}).get(k)!r} -> {getattr(self.cfg.prm, k)!r}"
                      for k in ("path", "ref_path") if old.get("prm", {}).get(k) != getattr(self.cfg.prm, k)]
             if moved:
@@ -231,7 +227,7 @@ class LocalTrainer:
         elif held:
             log.warning("resuming %s: it holds an implicit PRM, which algorithm.estimator %s does not use: dropped",
                         ckpt, self.cfg.algorithm.estimator)
-        elif self.trains_prm and self.state.step > 0:
+        elif self.cfg.trains_prm and self.state.step > 0:
             log.warning("resuming %s: it holds no implicit PRM (saved under algorithm.estimator %s); the PRM starts "
                         "from the policy's weights at step %d", ckpt, old.get("algorithm", {}).get("estimator"),
                         self.state.step)
@@ -395,7 +391,7 @@ class LocalTrainer:
         if logmass:  # top-p rollouts: the mean log P(nucleus) over response tokens (docs/method.md 6b)
             metrics["rollout/nucleus_logmass"] = float(logmass[0].sum() / mask.sum().clamp(min=1))
         process_q = None
-        if self.trains_prm:  # PRIME: the implicit PRM's update and q, in prm.update's order (local/prm.py)
+        if self.cfg.trains_prm:  # PRIME: the implicit PRM's update and q, in prm.update's order (local/prm.py)
             if self.prm is None:
                 self.prm = self._build_prm()
             process_q, prm_metrics = self.prm.step(ro, batch.correct, batch.group_index)
