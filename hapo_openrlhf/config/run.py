@@ -59,6 +59,10 @@ class RunConfig:
             require(not self.algorithm.accuracy_filter.enable,
                     f"algorithm.accuracy_filter runs in the embedded trainer (backend local); backend {self.backend} "
                     f"filters with algorithm.dynamic_sampling")
+        require(self.backend == "local" or self.trainer.entropy_change_every <= 1,
+                f"trainer.entropy_change_every: {self.trainer.entropy_change_every} sets how often the embedded trainer "
+                f"(backend local) re-scores a step's tokens after its update; backend {self.backend} does not re-score "
+                "(no actor/entropy_after or quadrant/Q/entropy_delta, docs/openrlhf.md): leave it at 1, or 0")
         require(self.backend == "local" or self.rollout.old_logprobs != "sampler",
                  f"rollout.old_logprobs: sampler is the embedded trainer's (backend local); backend {self.backend} "
                  "recomputes old log-probs with the actor, as OpenRLHF does: set rollout.old_logprobs: auto or forward "

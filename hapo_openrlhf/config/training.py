@@ -42,6 +42,9 @@ class TrainerConfig:
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     sample_every: int = 10  # dump token-level samples (token-credit view) every N steps; 0: never
     sample_count: int = 16
+    # the embedded trainer's re-scoring of the step's tokens after the update (one no-grad forward):
+    # actor/entropy_after and quadrant/Q/entropy_delta on RL steps 1, 1 + N, ...; 0: never
+    entropy_change_every: int = 1
 
     def __post_init__(self):
         require(self.steps >= 0, "trainer.steps must be >= 0")
@@ -50,6 +53,8 @@ class TrainerConfig:
         require(self.threads >= 0, f"trainer.threads must be >= 0 (0: torch's default), got {self.threads}")
         require(self.sample_every >= 0, f"trainer.sample_every must be >= 0 (0: never), got {self.sample_every}")
         require(self.sample_count >= 0, f"trainer.sample_count must be >= 0, got {self.sample_count}")
+        require(self.entropy_change_every >= 0,
+                f"trainer.entropy_change_every must be >= 0 (0: never), got {self.entropy_change_every}")
 
 
 # samples per problem (Avg@k / Pass@k): the papers use k <= 64; more is a typo that would

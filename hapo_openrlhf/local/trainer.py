@@ -414,8 +414,11 @@ class LocalTrainer:
         metrics.update(update)
         # ... and after the update, a loss that learns from it (PAEC's anchor) records what it saw
         self.state.loss_state = after_update(a, self.state.loss_state, update)
-        _, ent_after = self._behaviour(ro)
-        metrics.update(algos.quadrant_entropy_change(qmasks, ent, ent_after))
+        every = cfg.trainer.entropy_change_every  # the re-scoring after the update, on steps 1, 1 + N, ...
+        ent_after = None
+        if every and self.state.step % every == 0:
+            _, ent_after = self._behaviour(ro)
+            metrics.update(algos.quadrant_entropy_change(qmasks, ent, ent_after))
         metrics.update(self._rollout_metrics(batch, ent, ent_after, step.advantages))
         self.state.step += 1
         t = cfg.trainer
@@ -500,7 +503,7 @@ class LocalTrainer:
             "response/tokens": float(lengths.sum()),
             "response/truncated_frac": float(batch.rollout.truncated_B.float().mean()),
             "actor/entropy": float(ent[mask].mean()),
-            "actor/entropy_after": float(ent_after[mask].mean()),
+            **({} if ent_after is None else {"actor/entropy_after": float(ent_after[mask].mean())}),
             "adv/abs_mean": float(adv.abs()[mask].mean()),
             "adv/nonzero_frac": float((adv[mask] != 0).float().mean()),
         }

@@ -409,6 +409,36 @@ def test_a_non_finite_gradient_skips_the_step_and_n_in_a_row_stop(tmp_path, bad)
         t.train_step()
 
 
+def test_the_entropy_change_runs_every_n_steps_and_changes_nothing_else(tmp_path):
+    """trainer.entropy_change_every=2: steps 1 and 3 re-score after the update (actor/entropy_after,
+    quadrant/Q/entropy_delta), step 2 does not, and 0 never does; every other metric and the weights
+    are those of the run that re-scores every step (the re-scoring is a no-grad forward: no RNG, no
+    state), and the equal steps' values are equal."""
+    keys = ["actor/entropy_after", *(f"quadrant/{q}/entropy_delta" for q in ("PHR", "PLR", "NHR", "NLR"))]
+    runs = {}
+    for every in (1, 2, 0):
+        t = _trainer(tmp_path / str(every), [f"trainer.entropy_change_every={every}"])
+        runs[every] = ([t.train_step() for _ in range(3)], {k: v.clone() for k, v in t.model.state_dict().items()})
+    assert [all(k in m for k in keys) for m in runs[2][0]] == [True, False, True]
+    assert not any(k in m for m in runs[0][0] for k in keys)
+    (full, w_full) = runs[1]
+    for every in (2, 0):
+        got, w = runs[every]
+        for a, b in zip(full, got, strict=True):
+            for k, v in b.items():
+                if not k.startswith("time/"):
+                    assert v == a[k], (every, k)
+            assert set(a) - set(b) <= set(keys)
+        assert all(torch.equal(w_full[k], w[k]) for k in w_full)
+
+
+def test_entropy_change_every_is_refused_where_it_cannot_act():
+    with pytest.raises(ValueError, match=r"trainer.entropy_change_every must be >= 0 \(0: never\), got -1"):
+        load_config(CONFIG, ["trainer.entropy_change_every=-1"])
+    with pytest.raises(ValueError, match=r"trainer.entropy_change_every: 5 .* backend openrlhf does not re-score"):
+        load_config(REPO / "configs" / "qwen25_math_7b_hapo.yaml", ["trainer.entropy_change_every=5"])
+
+
 def test_the_nucleus_metric_runs_every_n_steps(tmp_path):
     """rollout.nucleus_metric_every=2 under top-p < 1: steps 1 and 3 log it, step 2 does not."""
     t = _trainer(tmp_path, ["rollout.top_p=0.9", "rollout.nucleus_metric_every=2"])
