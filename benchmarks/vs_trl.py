@@ -16,7 +16,10 @@ Both trainers are graded alike: TRL's reward function hands the verifier the sam
 embedded trainer grades against (issue 60: it used to get ``str(answer)`` of a tuple, which
 never matched, so TRL trained on all-zero rewards). Each run prints both trainers' per-step
 mean rewards, and a run where either is constant gives no ratio. ``--runs`` interleaved runs
-(ours, TRL, ours, TRL, ...) from one saved warm start; the median ratio and the range.
+(ours, TRL, ours with the re-scoring, ours, TRL, ...) from one saved warm start; the median ratio
+and the range. "The same work": the embedded trainer without its re-scoring forward after each
+update (``trainer.entropy_change_every: 0``: the per-quadrant entropy change, a diagnostic TRL
+does not compute; tested to change nothing else); the ratio with it is printed beside.
 
     pip install trl==1.16.0
     python benchmarks/vs_trl.py [--runs 5 --steps 8 --prompts 16 --group 8 --max-new-tokens 40]
@@ -64,14 +67,17 @@ def warm_start(cfg, out: Path):
     return problems
 
 
-def run_ours(cfg, out: Path, steps: int, run: int) -> dict:
-    """The embedded trainer from the warm model (no warm-up of its own), ``steps`` RL steps."""
+def run_ours(cfg, out: Path, steps: int, run: int, rescore: bool = True) -> dict:
+    """The embedded trainer from the warm model (no warm-up of its own), ``steps`` RL steps.
+    ``rescore=False``: without the re-scoring forward after each update (``trainer.entropy_change_every:
+    0``; the per-quadrant entropy change, a diagnostic TRL does not compute): the same work as TRL's step."""
     from dataclasses import replace
 
     from hapo_openrlhf.local.trainer import LocalTrainer
 
-    c = replace(cfg, model=replace(cfg.model, path=str(out / "warm")), warmup=replace(cfg.warmup, steps=0))
-    t = LocalTrainer(c, out / f"ours_{run}")
+    c = replace(cfg, model=replace(cfg.model, path=str(out / "warm")), warmup=replace(cfg.warmup, steps=0),
+                trainer=replace(cfg.trainer, entropy_change_every=1 if rescore else 0))
+    t = LocalTrainer(c, out / f"ours_{run}_{'rescore' if rescore else 'same_work'}")
     rows, rewards = [], []
     for _ in range(steps):
         m = t.train_step()
@@ -171,19 +177,25 @@ def main() -> None:
         sys.exit("benchmarks/vs_trl.py needs TRL: pip install trl==1.16.0")
     torch.set_num_threads(args.threads)
     cfg = _cfg(args)
-    ratios, per_run = [], []
+    ratios, ratios_rescore, per_run = [], [], []
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         problems = warm_start(cfg, out)
         for run in range(args.runs):  # interleaved: drift on a noisy machine hits both trainers alike
-            ours = run_ours(cfg, out, args.steps, run)
+            ours = run_ours(cfg, out, args.steps, run, rescore=False)
             theirs = run_trl(cfg, out, args.steps, problems, run)
-            a = _summary("hapo-openrlhf (embedded)", ours["rows"])
+            full = run_ours(cfg, out, args.steps, run, rescore=True)
+            a = _summary("hapo-openrlhf (embedded, the same work as TRL's step)", ours["rows"])
             b = _summary(f"trl {trl.__version__} GRPOTrainer", theirs["rows"])
+            c = _summary("hapo-openrlhf (embedded, + the re-scoring after each update)", full["rows"])
+            if full["rewards"] != ours["rewards"]:  # the re-scoring is a no-grad forward: nothing else may move
+                raise SystemExit(f"run {run + 1}: the embedded trainer's rewards differ with and without the "
+                                 f"re-scoring: {full['rewards']} vs {ours['rewards']}")
             print(f"run {run + 1}: per-step reward, ours {[round(x, 3) for x in ours['rewards']]}; "
                   f"TRL {[round(x, 3) for x in theirs['rewards']]}", flush=True)
             bad = [n for n, r in (("ours", ours["rewards"]), ("TRL", theirs["rewards"])) if constant(r)]
             row = {"run": run + 1, "ours_tokens_per_s": a["tokens_per_s"], "trl_tokens_per_s": b["tokens_per_s"],
+                   "ours_with_rescoring_tokens_per_s": c["tokens_per_s"],
                    "ours_rewards": ours["rewards"], "trl_rewards": theirs["rewards"],
                    "ours_mean_response_len": a["mean_response_len"], "trl_mean_response_len": b["mean_response_len"]}
             if bad:
@@ -191,16 +203,22 @@ def main() -> None:
                 print(f"run {run + 1}: {row['refused']}", flush=True)
             else:
                 row["ratio_ours_vs_trl"] = a["tokens_per_s"] / b["tokens_per_s"]
+                row["ratio_with_rescoring_vs_trl"] = c["tokens_per_s"] / b["tokens_per_s"]
                 ratios.append(row["ratio_ours_vs_trl"])
+                ratios_rescore.append(row["ratio_with_rescoring_vs_trl"])
                 print(f"run {run + 1}: ours {a['tokens_per_s']:.0f} tokens/s, TRL {b['tokens_per_s']:.0f} tokens/s: "
-                      f"x{row['ratio_ours_vs_trl']:.2f}", flush=True)
+                      f"x{row['ratio_ours_vs_trl']:.2f} (ours with the re-scoring {c['tokens_per_s']:.0f} tokens/s: "
+                      f"x{row['ratio_with_rescoring_vs_trl']:.2f})", flush=True)
             per_run.append(row)
     summary = {"runs": per_run, "steps": args.steps, "batch": args.prompts * args.group, "group": args.group,
                "ratios": ratios}
     if ratios:
-        summary.update(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios))
-        print(f"median ratio over {len(ratios)} runs: x{summary['median_ratio']:.2f} "
-              f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+        summary.update(median_ratio=statistics.median(ratios), min_ratio=min(ratios), max_ratio=max(ratios),
+                       median_ratio_with_rescoring=statistics.median(ratios_rescore))
+        print(f"median ratio over {len(ratios)} runs (the same work): x{summary['median_ratio']:.2f} "
+              f"(range {min(ratios):.2f}-{max(ratios):.2f}); with the embedded trainer's re-scoring after each "
+              f"update: x{summary['median_ratio_with_rescoring']:.2f} "
+              f"(range {min(ratios_rescore):.2f}-{max(ratios_rescore):.2f})")
     else:
         summary["median_ratio"] = None
         print("no ratio: every run had a trainer with a constant reward")
