@@ -141,7 +141,9 @@ def register(previous: dict[str, Any], exp, variants: list[str], path: Path,
     reg = previous.get("registration")
     if reg is None:
         reg = {"at": t, "comparisons": comps, "seeds": list(exp.seeds), "settings": settings, "warm_start": warm,
-               "code": code, "familywise_alpha": exp.familywise_alpha}
+               "code": code, "familywise_alpha": exp.familywise_alpha,
+               # the file's seeds, for the later invocations that run the ones --seeds left out
+               "planned_seeds": list(exp.file_seeds or exp.seeds)}
         before = sorted(n for n in finished if not n.startswith("warm_start"))
         if previous.get("jobs") or before:  # runs exist already: this registration follows them
             reg["recorded_after_runs"] = True

@@ -299,6 +299,12 @@ def _comparison_sections(manifest: dict, registered: list, added: list, register
                   "read them as exploratory.", ""]
         lines += verdict_table(late, k) + [""]
     late_seeds, late_variants = manifest.get("seeds_added") or {}, manifest.get("variants_added") or {}
+    planned = {str(x) for x in (manifest.get("registration") or {}).get("planned_seeds") or []}
+    later = {s: t for s, t in late_seeds.items() if s in planned}
+    late_seeds = {s: t for s, t in late_seeds.items() if s not in planned}
+    if registered_at and later:
+        lines += [f"Run after the registration, as the experiment file named them when it was registered: "
+                  f"{len(later)} seed(s) ({_seed_span(later)}).", ""]
     if registered_at and (late_seeds or late_variants):
         lines += ["Added after the registration: " + "; ".join(
             [f"seed {s} ({t})" for s, t in late_seeds.items()] + [f"variant {v} ({t})" for v, t in late_variants.items()])
@@ -434,3 +440,10 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
     md = out / "experiment.md"
     md.write_text("\n".join(lines) + "\n")
     return md
+
+
+def _seed_span(seeds: dict[str, str]) -> str:
+    """'721, 722, ... first run 2026-12-06T07:45:46Z' -- the seeds and the earliest time they were added."""
+    names = sorted(seeds, key=lambda x: int(x) if x.lstrip("-").isdigit() else 0)
+    shown = ", ".join(names[:6]) + (f", ... {names[-1]}" if len(names) > 6 else "")
+    return f"{shown}; first run from {min(seeds.values())}"

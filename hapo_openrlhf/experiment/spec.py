@@ -62,6 +62,8 @@ class Experiment:
     # several warm starts, each RL seed nested in one: RL seed -> its warm start's seed (``warm_starts``);
     # empty: one shared warm start (``warm_start_seed``) or a warm start per seed
     nested: dict[int, int] = field(default_factory=dict)
+    # every RL seed the file names, whichever ``--seeds`` picked: the registration records them as planned
+    file_seeds: tuple[int, ...] = ()
 
     def warm_jobs(self) -> list[Job]:
         """The distinct warm-start jobs, in seed order."""
@@ -356,7 +358,18 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
             cfg["model"]["path"] = str(root / warm[s].out.relative_to(out) / "final_model")
             runs[(v, s)] = Job(v, s, run_out, cfg)
     return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons), shared, float(alpha),
-                      {s: nested[s] for s in seeds} if nested else {})
+                      {s: nested[s] for s in seeds} if nested else {}, file_seeds=_file_seeds(path, raw, seeds))
+
+
+def _file_seeds(path: Path, raw: dict, seeds: tuple[int, ...]) -> tuple[int, ...]:
+    """The RL seeds the file itself names (``seeds``, else those ``warm_starts`` nests), with the
+    command line's added: what an invocation with ``--seeds`` leaves for later ones."""
+    named: list[int] = []
+    if isinstance(raw.get("seeds"), list):
+        named = [x for x in raw["seeds"] if _is_int(x)]
+    elif isinstance(raw.get("warm_starts"), dict):
+        named = [x for rl in raw["warm_starts"].values() if isinstance(rl, list) for x in rl if _is_int(x)]
+    return tuple(dict.fromkeys([*named, *seeds]))
 
 
 def _with(cfg: dict[str, Any], **top: Any) -> dict[str, Any]:

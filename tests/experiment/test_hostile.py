@@ -209,6 +209,31 @@ def test_preregistration_is_recorded_enforced_and_late_comparisons_are_reported_
     assert comparison_sets({"comparisons": [{"a": "a", "b": "b"}], **late}) == ([{"a": "a", "b": "b"}], [], None)
 
 
+def test_seeds_the_file_named_at_registration_are_reported_apart_from_added_ones(tmp_path):
+    """An invocation with ``--seeds`` (a few of the file's) registers the file's whole seed list as
+    planned; a later invocation's seeds from that list are reported as run later, as planned, and
+    only a seed the file did not name then as added after the registration."""
+    from hapo_openrlhf.experiment.report import _comparison_sections
+
+    def exp(seeds, cli=None):
+        body = {"variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]}, "comparisons": [{"a": "a", "b": "b"}],
+                "seeds": list(seeds)}
+        return load_experiment(_exp(tmp_path, body), seeds=cli, output_dir=str(tmp_path / "o"))
+
+    path = tmp_path / "o" / "experiment.json"
+    first = register({}, exp((1, 2, 3, 4), cli=[1, 2]), ["a", "b"], path)
+    assert first["registration"]["seeds"] == [1, 2] and first["registration"]["planned_seeds"] == [1, 2, 3, 4]
+    later = register(first, exp((1, 2, 3, 4, 9)), ["a", "b"], path)  # 3, 4 as planned; 9 a new one
+    assert set(later["seeds_added"]) == {"3", "4", "9"}
+    text = "\n".join(_comparison_sections(later, [], [], first["registration"]["at"], [], [], 8))
+    assert "as the experiment file named them when it was registered: 2 seed(s) (3, 4;" in text
+    assert "Added after the registration: seed 9 (" in text and "seed 3 (" not in text
+    # a registration from before planned_seeds existed: every later seed is reported as added
+    old = {**later, "registration": {k: v for k, v in later["registration"].items() if k != "planned_seeds"}}
+    text = "\n".join(_comparison_sections(old, [], [], first["registration"]["at"], [], [], 8))
+    assert "seed 3 (" in text and "seed 9 (" in text and "as the experiment file named" not in text
+
+
 def test_other_code_than_the_registered_is_refused_unless_named_and_the_report_prints_it(tmp_path):
     """Issue 60: the registration records the code (package sources, torch, transformers, the commit);
     a later invocation whose sources or libraries differ is refused by name; ``--code-change REASON``
