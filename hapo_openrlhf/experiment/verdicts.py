@@ -112,19 +112,22 @@ def check_alpha(alpha: Any, where: str) -> float:
 
 def holm(rows: list[dict[str, Any]], alpha: float) -> list[dict[str, Any]]:
     """Holm's step-down verdicts over ``rows`` (one family; each with ``p`` and ``diff``): each row
-    gets ``holm`` (a > b / a < b / unresolved) and ``holm_threshold`` (alpha / (m - rank)). Rows
-    without a p-value (fewer than two seeds) are unresolved and count in m."""
+    gets ``holm`` (a > b / a < b / unresolved), ``holm_threshold`` (alpha / (m - rank)) and
+    ``holm_why`` (the reason, for the report: ``p <= t``, ``p > t``, ``stopped at a smaller p``, ``no
+    p-value``). Rows without a p-value (fewer than two seeds) are unresolved and count in m."""
     m = len(rows)
     order = sorted(range(m), key=lambda i: (math.isnan(rows[i]["p"]), rows[i]["p"]))
     stopped = False
     for rank, i in enumerate(order):
         r = rows[i]
-        r["holm_threshold"] = alpha / (m - rank)
-        if not stopped and not math.isnan(r["p"]) and r["p"] <= r["holm_threshold"] and r["diff"] != 0:
-            r["holm"] = A_WINS if r["diff"] > 0 else B_WINS
+        t = r["holm_threshold"] = alpha / (m - rank)
+        if not stopped and not math.isnan(r["p"]) and r["p"] <= t and r["diff"] != 0:
+            r["holm"], r["holm_why"] = (A_WINS if r["diff"] > 0 else B_WINS), f"p <= {t:.4f}"
         else:
-            stopped = True
             r["holm"] = UNRESOLVED
+            r["holm_why"] = ("no p-value" if math.isnan(r["p"]) else
+                             "stopped at a smaller p" if stopped else f"p > {t:.4f}" if r["p"] > t else "a - b = 0")
+            stopped = True
     return rows
 
 
@@ -198,7 +201,7 @@ def markdown(rows: list[dict[str, Any]], k: int, alpha: float | None = None) -> 
         ci = "n/a" if math.isnan(r["ci95"][0]) else f"[{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}]"
         se = "n/a" if math.isnan(r["se"]) else f"{r['se']:.4f}"
         p = "n/a" if math.isnan(r["p"]) else f"{r['p']:.4f}"
-        hv = (f"{r['holm']} (p <= {r['holm_threshold']:.4f}?) | " if holm_col else "")
+        hv = (f"{r['holm']} ({r['holm_why']}) | " if holm_col else "")
         n = f"{r['n']} warm starts x {r['seeds']} seeds" if r.get("unit") == "warm start" else r["n"]
         lines.append(f"| {r['a']} | {r['b']} | {n} | {r['mean_a']:.4f} | {r['mean_b']:.4f} | "
                      f"{r['diff']:+.4f} | {se} | {ci} | {p} | {r['verdict']} | {hv}"

@@ -203,7 +203,11 @@ def test_holm_step_down_hand_computed():
     nan = holm([row("x", float("nan"), 0.1), row("y", 0.01, 0.1)], 0.05)
     assert [r["holm"] for r in nan] == [UNRESOLVED, A_WINS] and nan[1]["holm_threshold"] == 0.025
     md = "\n".join(markdown(rows, 4, 0.05))
-    assert "Holm (family-wise 0.05)" in md and "| x | grpo | 10 |" in md and "a > b (p <= 0.0167?)" in md
+    assert "Holm (family-wise 0.05)" in md and "| x | grpo | 10 |" in md and "a > b (p <= 0.0167) |" in md
+    # each unresolved row says why: its own p over its threshold, or the step-down stopped before it
+    assert [r["holm_why"] for r in rows] == ["p <= 0.0167", "stopped at a smaller p", "p > 0.0250", "p <= 0.0125"]
+    assert "unresolved (p > 0.0250) |" in md and "unresolved (stopped at a smaller p) |" in md
+    assert nan[0]["holm_why"] == "no p-value"
 
 
 def test_several_warm_starts_make_a_two_level_mean_hand_computed():
