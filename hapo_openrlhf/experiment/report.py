@@ -443,7 +443,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
 
 
 def _seed_span(seeds: dict[str, str]) -> str:
-    """'721, 722, ... first run 2026-12-06T07:45:46Z' -- the seeds and the earliest time they were added."""
+    """'721, 722, ... 892; first run from 2026-12-06T07:45:46Z': the seeds and the earliest time one was added."""
     names = sorted(seeds, key=lambda x: int(x) if x.lstrip("-").isdigit() else 0)
     shown = ", ".join(names[:6]) + (f", ... {names[-1]}" if len(names) > 6 else "")
     return f"{shown}; first run from {min(seeds.values())}"
