@@ -306,9 +306,10 @@ def _comparison_sections(manifest: dict, registered: list, added: list, register
         lines += [f"Run after the registration, as the experiment file named them when it was registered: "
                   f"{len(later)} seed(s) ({_seed_span(later)}).", ""]
     if registered_at and (late_seeds or late_variants):
+        seeds = ([f"{len(late_seeds)} seeds ({_seed_span(late_seeds)})"] if len(late_seeds) > 6 else
+                 [f"seed {s} ({t})" for s, t in late_seeds.items()])
         lines += ["Added after the registration: " + "; ".join(
-            [f"seed {s} ({t})" for s, t in late_seeds.items()] + [f"variant {v} ({t})" for v, t in late_variants.items()])
-            + ".", ""]
+            seeds + [f"variant {v} ({t})" for v, t in late_variants.items()]) + ".", ""]
     return lines
 
 

@@ -206,5 +206,10 @@ def markdown(rows: list[dict[str, Any]], k: int, alpha: float | None = None) -> 
         lines.append(f"| {r['a']} | {r['b']} | {n} | {r['mean_a']:.4f} | {r['mean_b']:.4f} | "
                      f"{r['diff']:+.4f} | {se} | {ci} | {p} | {r['verdict']} | {hv}"
                      f"{r['seeds_needed'] if r['seeds_needed'] is not None else 'n/a'}"
-                     f"{' warm starts' if r.get('unit') == 'warm start' and r['seeds_needed'] is not None else ''} |")
+                     f"{_warm_starts(r['seeds_needed']) if r.get('unit') == 'warm start' else ''} |")
     return lines
+
+
+def _warm_starts(n: int | None) -> str:
+    """The unit after a warm-start count: ' warm start' / ' warm starts' (nothing without a count)."""
+    return "" if n is None else " warm start" if n == 1 else " warm starts"

@@ -228,6 +228,10 @@ def test_seeds_the_file_named_at_registration_are_reported_apart_from_added_ones
     text = "\n".join(_comparison_sections(later, [], [], first["registration"]["at"], [], [], 8))
     assert "as the experiment file named them when it was registered: 2 seed(s) (3, 4;" in text
     assert "Added after the registration: seed 9 (" in text and "seed 3 (" not in text
+    # many added seeds: one line that counts and spans them
+    many = register(first, exp((1, 2, 3, 4, *range(9, 17))), ["a", "b"], path)
+    text = "\n".join(_comparison_sections(many, [], [], first["registration"]["at"], [], [], 8))
+    assert "Added after the registration: 8 seeds (9, 10, 11, 12, 13, 14, ... 16; first run from 20" in text
     # a registration from before planned_seeds existed: every later seed is reported as added
     old = {**later, "registration": {k: v for k, v in later["registration"].items() if k != "planned_seeds"}}
     text = "\n".join(_comparison_sections(old, [], [], first["registration"]["at"], [], [], 8))

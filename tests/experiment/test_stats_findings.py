@@ -226,6 +226,7 @@ def test_several_warm_starts_make_a_two_level_mean_hand_computed():
     assert r["p"] == pytest.approx(t_two_sided_p(2.0, 1)) and r["ci95"] == pytest.approx([0.02 - 0.12706, 0.02 + 0.12706])
     assert r["verdict"] == UNRESOLVED and r["seeds_needed"] == math.ceil((2 * 0.01 * math.sqrt(2) / 0.02) ** 2)
     assert "| a | b | 2 warm starts x 4 seeds |" in "\n".join(markdown([r], 4)) and " warm starts |" in markdown([r], 4)[-1]
+    assert markdown([{**r, "seeds_needed": 1}], 4)[-1].endswith("| 1 warm start |")
     (one,) = compare(runs, [{"a": "a", "b": "b"}], clusters={s: 99 for s in (1, 2, 3, 4)})
     assert one["unit"] == "seed" and one["n"] == 4 and one["diff"] == pytest.approx(0.02)
     (own,) = compare(runs, [{"a": "a", "b": "b"}], clusters={s: s for s in (1, 2, 3, 4)})  # a warm start per seed
