@@ -413,8 +413,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
         f"{_f(job_s / 60, 1)} min of run time over all runs, including earlier invocations).", "",
     ]
     lines += _code_lines(manifest)
-    if missing:
-        lines += [f"**Missing runs** (not finished): {', '.join(missing)}", ""]
+    lines += _missing_lines(missing, len(runs))
     if manifest.get("failed"):
         lines += [f"**Failed runs**: {', '.join(manifest['failed'])} (see experiment.json)", ""]
     lines += _suite_tables(suites, table, k)
@@ -448,3 +447,18 @@ def _seed_span(seeds: dict[str, str]) -> str:
     names = sorted(seeds, key=lambda x: int(x) if x.lstrip("-").isdigit() else 0)
     shown = ", ".join(names[:6]) + (f", ... {names[-1]}" if len(names) > 6 else "")
     return f"{shown}; first run from {min(seeds.values())}"
+
+
+def _missing_lines(missing: list[str], finished: int) -> list[str]:
+    """The runs not finished: listed when few; counted per variant when many, under a banner that
+    says every table and verdict below is of the finished runs only (a partial experiment)."""
+    if not missing:
+        return []
+    if len(missing) <= 20:
+        return [f"**Missing runs** (not finished): {', '.join(missing)}", ""]
+    per: dict[str, int] = {}
+    for name in missing:
+        per[name.split("/")[0]] = per.get(name.split("/")[0], 0) + 1
+    return [f"**Partial: {finished} of {finished + len(missing)} runs finished.** Every table and verdict below "
+            f"is computed on the finished runs alone, not the experiment as registered. Missing per variant: "
+            + ", ".join(f"{v} {n}" for v, n in per.items()) + f" (first: {', '.join(missing[:4])}, ...).", ""]

@@ -534,3 +534,15 @@ def test_a_runner_killed_with_sigkill_takes_its_workers_with_it(tmp_path):
             pytest.fail(f"the worker {pid} outlived its runner")
     finally:
         runner.kill()
+
+
+def test_missing_runs_are_listed_when_few_and_a_partial_experiment_says_so_when_many():
+    from hapo_openrlhf.experiment.report import _missing_lines
+
+    assert _missing_lines([], 5) == []
+    assert _missing_lines(["a/seed_2", "b/seed_2"], 2) == ["**Missing runs** (not finished): a/seed_2, b/seed_2", ""]
+    many = [f"{v}/seed_{s}" for s in range(3, 23) for v in ("a", "b")]  # 40 missing of 44
+    (line, _) = _missing_lines(many, 4)
+    assert line.startswith("**Partial: 4 of 44 runs finished.** Every table and verdict below is computed on the "
+                           "finished runs alone")
+    assert "Missing per variant: a 20, b 20 (first: a/seed_3, b/seed_3, a/seed_4, b/seed_4, ...)." in line
