@@ -7,8 +7,9 @@ sources, and the runner refuses another checkout's code by name (or takes ``--co
 Once this checkout has moved on, the registered experiment is run from the registered commit:
 this script checks it out into a git worktree (``.cache/registered/COMMIT``, reused while it
 stays clean), points the worktree's copy of OUTPUT_DIR's top directory at this checkout's (so
-the runs land where they are, under the same relative paths the manifest holds), checks that
-the worktree's package sources, torch and transformers are the registered ones, and runs
+the runs land where they are, under the same relative paths the manifest holds), checks, with
+the registered commit's own ``code_difference``, that the worktree's code is the registered
+code (its package sources, torch and transformers), and runs
 ``hapo experiment`` there (``python -m hapo_openrlhf`` with the worktree first on PYTHONPATH).
 The report is built from this checkout as usual (``hapo report OUTPUT_DIR --results FILE``).
 
@@ -28,9 +29,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-IDENTITY = ("import json; from hapo_openrlhf.experiment.registration import code_identity; "
-            "print(json.dumps(code_identity()))")
-KEYS = ("sources_sha256", "torch", "transformers")  # registration.CODE_KEYS, without importing the package here
+# run in the worktree: its code identity, and its own comparison with the registered (read from stdin), so
+# "the same code" means what the registered commit's registration.code_difference says it means
+IDENTITY = ("import json, sys; from hapo_openrlhf.experiment.registration import code_identity, code_difference; "
+            "got = code_identity(); print(json.dumps({'identity': got, "
+            "'difference': code_difference(json.load(sys.stdin), got)}))")
 
 
 def _git(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -102,15 +105,15 @@ def link_output(tree: Path, output_dir: Path) -> Path:
 
 def check_identity(tree: Path, code: dict, env: dict) -> dict:
     """The worktree's code identity, refused where it differs from the registered."""
-    p = subprocess.run([sys.executable, "-c", IDENTITY], cwd=tree, env=env, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", IDENTITY], cwd=tree, env=env, input=json.dumps(code),
+                       capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"run_registered: the worktree's package does not import: {p.stderr.strip()[-800:]}")
-    got = json.loads(p.stdout.strip().splitlines()[-1])
-    diff = [f"{k}: registered {code[k]}, worktree {got.get(k)}" for k in KEYS if k in code and got.get(k) != code[k]]
-    if diff:
-        raise SystemExit("run_registered: the worktree is not the registered code (" + "; ".join(diff) + "): the "
-                         "libraries must be the registered versions too")
-    return got
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    if out["difference"]:
+        raise SystemExit("run_registered: the worktree is not the registered code (registered -> worktree: "
+                         + "; ".join(out["difference"]) + "): the libraries must be the registered versions too")
+    return out["identity"]
 
 
 def main(argv: list[str] | None = None) -> int:
