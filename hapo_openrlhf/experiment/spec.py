@@ -358,17 +358,14 @@ def load_experiment(path: str | Path, *, seeds: list[int] | None = None, output_
             cfg["model"]["path"] = str(root / warm[s].out.relative_to(out) / "final_model")
             runs[(v, s)] = Job(v, s, run_out, cfg)
     return Experiment(path, out, seeds, workers, threads, suites, warm, runs, tuple(comparisons), shared, float(alpha),
-                      {s: nested[s] for s in seeds} if nested else {}, file_seeds=_file_seeds(path, raw, seeds))
+                      {s: nested[s] for s in seeds} if nested else {}, file_seeds=_file_seeds(raw, nested, seeds))
 
 
-def _file_seeds(path: Path, raw: dict, seeds: tuple[int, ...]) -> tuple[int, ...]:
-    """The RL seeds the file itself names (``seeds``, else those ``warm_starts`` nests), with the
-    command line's added: what an invocation with ``--seeds`` leaves for later ones."""
-    named: list[int] = []
-    if isinstance(raw.get("seeds"), list):
-        named = [x for x in raw["seeds"] if _is_int(x)]
-    elif isinstance(raw.get("warm_starts"), dict):
-        named = [x for rl in raw["warm_starts"].values() if isinstance(rl, list) for x in rl if _is_int(x)]
+def _file_seeds(raw: dict, nested: dict[int, int], seeds: tuple[int, ...]) -> tuple[int, ...]:
+    """The RL seeds the file itself names (``seeds``, else those ``warm_starts`` nests: ``nested``,
+    every one of them, as :func:`_read_warm_starts` read them), with the command line's added: what
+    an invocation with ``--seeds`` leaves for later ones."""
+    named = [x for x in raw["seeds"] if _is_int(x)] if isinstance(raw.get("seeds"), list) else list(nested)
     return tuple(dict.fromkeys([*named, *seeds]))
 
 
