@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import sys
 import tempfile
 import time
@@ -84,9 +83,10 @@ def _rank(rank: int, world: int, port: int, method: str, args, out: str, keep: b
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port outside the ephemeral range, free now (cluster/ports.py: what rank 0 announces)."""
+    from hapo_openrlhf.cluster.ports import rendezvous_port
+
+    return rendezvous_port("127.0.0.1")
 
 
 def run(method: str, length: int, args, out: str, keep: bool) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import getpass
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -29,9 +28,10 @@ def available() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port outside the ephemeral range, free now (cluster/ports.py: what rank 0 announces)."""
+    from hapo_openrlhf.cluster.ports import rendezvous_port
+
+    return rendezvous_port("127.0.0.1")
 
 
 def _exe(name: str) -> str:

@@ -169,11 +169,13 @@ def test_megatron_kl_reference_is_a_megatron_group(tmp_path):
     assert args.algo.kl.init_coef == 0.01 and args.algo.kl.use_loss and args.algo.kl.estimator == "k3"
     assert (args.ref.num_nodes, args.ref.num_gpus_per_node) == (args.actor.num_nodes, args.actor.num_gpus_per_node)
     assert args.ds.tensor_parallel_size == cfg.megatron.model_parallel_size  # the reference's duplicate factor too
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_reference import HapoReferenceModelActor
+
     before = cli.ReferenceModelActor
     with installed("megatron"):
         assert cli.ReferenceModelActor is MegatronReferenceActor
     with installed("openrlhf"):
-        assert cli.ReferenceModelActor is before
+        assert cli.ReferenceModelActor is HapoReferenceModelActor
     assert cli.ReferenceModelActor is before
     up = ReferenceModelActor.__ray_actor_class__
     for m in ("forward", "init_model_from_pretrained"):
@@ -462,3 +464,24 @@ def test_prime_on_openrlhf_checks_its_prm_models_before_anything_starts(tmp_path
         with pytest.raises(ValueError, match=msg):
             check(*sets)
     check_prm_models(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", [f"prm.path={tmp_path / 'gone'}"]))
+
+
+def test_every_hapo_actor_announces_a_port_outside_the_ephemeral_range():
+    """Rank 0 of each actor group hapo installs (policy, KL reference, PRM; DeepSpeed and Megatron)
+    picks its ``MASTER_PORT`` through cluster/ports.py, not upstream's ``bind(port 0)``: the CI run
+    that failed with EADDRINUSE on a Megatron actor's TCPStore drew an ephemeral port."""
+    from openrlhf.trainer.ray.launcher import BaseDistributedActor
+
+    from hapo_openrlhf.cluster.ports import OutsideEphemeralPort, ephemeral_range
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_actor import HapoPolicyModelActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.deepspeed_reference import HapoReferenceModelActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_actor import MegatronPolicyActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.megatron_reference import MegatronReferenceActorImpl
+    from hapo_openrlhf.integrations.openrlhf.actors.prm_actor import HapoPRMActor
+
+    lo, hi = ephemeral_range()
+    for cls in (HapoPolicyModelActorImpl, HapoReferenceModelActorImpl, MegatronPolicyActorImpl,
+                MegatronReferenceActorImpl, HapoPRMActor.__ray_actor_class__):
+        assert issubclass(cls, BaseDistributedActor), cls
+        assert cls._get_free_port is OutsideEphemeralPort._get_free_port, cls
+        assert not lo <= cls._get_free_port() <= hi, cls

@@ -22,7 +22,6 @@ The args are OpenRLHF's own: ``flags.build_argv`` through OpenRLHF's real parser
 
 import importlib.util
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,9 +39,10 @@ P, A, B = 6, 8, 4  # prompt width (left-padded), response width (right-padded), 
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port outside the ephemeral range, free now (cluster/ports.py: what rank 0 announces)."""
+    from hapo_openrlhf.cluster.ports import rendezvous_port
+
+    return rendezvous_port("127.0.0.1")
 
 
 def _tiny_model_dir(path: Path, tied: bool, family: str = "qwen2") -> Path:

@@ -15,6 +15,7 @@ a Ray ``runtime_env``; see docs/openrlhf.md).
   kept in a FIFO on the actor and fetched by the experience maker with
   ``pop_behaviour`` (same micro-batch dispatch, so the same order); each entry
   carries a fingerprint of its sequences and a mismatch is an error.
+* rank 0's ``MASTER_PORT`` lies outside the kernel's ephemeral range (``cluster/ports.py``);
 * a non-finite gradient skips the optimizer step (``nonfinite.py``), counted as
   ``actor_skipped_steps`` in ``fit``'s status;
 * ``init_model_from_pretrained`` builds the upstream actor, swaps the policy
@@ -38,6 +39,7 @@ import torch
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from ....algos.entropy import entropy_from_logits
+from ....cluster.ports import OutsideEphemeralPort
 from ....config import RunConfig, transported
 from ....algos.nucleus import metric_due, sharded_nucleus_logmass, sharded_nucleus_stats
 from .fused_head import install_fused_head
@@ -102,7 +104,8 @@ class BehaviourEntropyStore:
         return self.pop_behaviour(fingerprint)[0]
 
 
-class HapoPolicyModelActorImpl(BehaviourEntropyStore, LossStateSink, PolicyModelActor.__ray_actor_class__):
+class HapoPolicyModelActorImpl(OutsideEphemeralPort, BehaviourEntropyStore, LossStateSink,
+                               PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         from ....cluster.netif import check_process_env
 

@@ -72,6 +72,7 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from ....algos.losses import LOSSES
 from ....config import transported
 from ....algos.grad_guard import SkipGuard
+from ....cluster.ports import OutsideEphemeralPort
 from .deepspeed_actor import BehaviourEntropyStore, loss_from_config
 from .loss import DUMP_ENV, LossStateSink
 from .megatron_io import (VLLM_DTYPE, MegatronWeightsIO, SafetensorsDir, check_tp_peers_share_a_node,  # noqa: F401
@@ -96,7 +97,8 @@ def left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (width - t.shape[1], 0))
 
 
-class MegatronPolicyActorImpl(MegatronWeightsIO, BehaviourEntropyStore, LossStateSink, BaseModelActor):
+class MegatronPolicyActorImpl(OutsideEphemeralPort, MegatronWeightsIO, BehaviourEntropyStore, LossStateSink,
+                              BaseModelActor):
     r3 = False  # rollout routing replay (the policy under megatron.moe.routing_replay: r3; never the reference)
     _rollout_route_stats: dict | None = None
     # ------------------------------------------------------------------ setup

@@ -37,6 +37,7 @@ from openrlhf.trainer.ray.launcher import BaseModelActor
 from openrlhf.utils.deepspeed.deepspeed_utils import offload_deepspeed_states, reload_deepspeed_states
 
 from ....algos import prime as prime_algo
+from ....cluster.ports import OutsideEphemeralPort
 from ....config import transported
 from ....config.prm import openrlhf_prm_batches
 from .nonfinite import DeepSpeedGradGuard
@@ -64,7 +65,7 @@ def resume_tag(ckpt_root: str) -> str:
 
 
 @ray.remote(num_gpus=1)
-class HapoPRMActor(BaseModelActor):
+class HapoPRMActor(OutsideEphemeralPort, BaseModelActor):
     """phi, its reference and its optimizer on one rank of the PRM group (module docstring)."""
 
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None):

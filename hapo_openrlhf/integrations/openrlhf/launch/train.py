@@ -12,7 +12,8 @@
    config to ``args.hapo`` (it travels to every Ray actor inside the strategy),
    points ``train_ppo_ray.PolicyModelActor`` at hapo's policy actor (the DeepSpeed
    subclass, or the Megatron actor for ``backend: megatron``, whose KL reference is then
-   ``megatron_reference.MegatronReferenceActor``) and
+   ``megatron_reference.MegatronReferenceActor``, else ``deepspeed_reference``'s subclass of
+   upstream's) and
    ``ppo_trainer.PPOTrainer`` / ``ppo_trainer_async.PPOTrainerAsync`` at hapo's
    controllers (``openrlhf.async`` picks which one OpenRLHF builds), and calls
    OpenRLHF's own ``train``.
@@ -97,6 +98,10 @@ def installed(backend: str = "openrlhf", logprobs_mode: str | None = None, route
         from ..actors.megatron_reference import MegatronReferenceActor
 
         cli.ReferenceModelActor = MegatronReferenceActor
+    else:  # upstream's, with rank 0's port outside the ephemeral range (cluster/ports.py)
+        from ..actors.deepspeed_reference import HapoReferenceModelActor
+
+        cli.ReferenceModelActor = HapoReferenceModelActor
     if prm:
         from ..actors.prm_actor import HapoPRMActor
 
