@@ -30,11 +30,15 @@ def peak(fn):
     return out, (torch.cuda.max_memory_allocated() - base) / 2**20, time.perf_counter() - t0
 
 
-def one_rank_child(log: Path, code: str, port: int) -> tuple[int | None, dict]:
-    """Run ``code`` in a child Python as rank 0 of a one-rank job; it prints one JSON line last.
+def one_rank_child(log: Path, code: str) -> tuple[int | None, dict]:
+    """Run ``code`` in a child Python as rank 0 of a one-rank job (its ``MASTER_PORT`` from
+    ``cluster.ports.rendezvous_port``: no fixed port to collide with another job on the node); it
+    prints one JSON line last.
     (exit code, that object), or (None, a failure naming the log) when no JSON came back."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
+    from ..cluster.ports import rendezvous_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rendezvous_port("127.0.0.1")), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     rc = run([sys.executable, "-c", code], log, timeout=600, env=env)
     lines = log.read_text().strip().splitlines() if log.exists() else []
     try:
@@ -63,7 +67,7 @@ def one_rank_job(device: str, cp: int = 1) -> bool:
     return cuda
 
 
-def check_in_child(work: Path, check: str, port: int, needs: tuple[str, ...]) -> dict:
+def check_in_child(work: Path, check: str, needs: tuple[str, ...]) -> dict:
     """``gpu_smoke.<check>('cuda')`` in a child Python as a one-rank job on one GPU (its log
     ``work/<check>.log``); skipped, saying so, without the packages in ``needs``."""
     import importlib.util
@@ -71,18 +75,22 @@ def check_in_child(work: Path, check: str, port: int, needs: tuple[str, ...]) ->
     if any(importlib.util.find_spec(m) is None for m in needs):
         return {"ok": True, "skipped": f"needs {' and '.join(needs)}"}
     code = f"import json; from hapo_openrlhf.gpu_smoke import {check}; print(json.dumps({check}('cuda')))"
-    rc, res = one_rank_child(work / f"{check}.log", code, port=port)
+    rc, res = one_rank_child(work / f"{check}.log", code)
     if rc is None:
         return res
     return {**res, "ok": rc == 0 and res["ok"]}
 
 
-def ranks_child(work: Path, name: str, code: str, *, world: int, port: int) -> tuple[list[int], dict]:
-    """Run ``code`` in ``world`` child Pythons, one GPU each (RANK / LOCAL_RANK / WORLD_SIZE set, logs
+def ranks_child(work: Path, name: str, code: str, *, world: int) -> tuple[list[int], dict]:
+    """Run ``code`` in ``world`` child Pythons, one GPU each (RANK / LOCAL_RANK / WORLD_SIZE set, a
+    ``MASTER_PORT`` from ``cluster.ports.rendezvous_port``, logs
     ``work/<name>_rank<r>.log``); rank 0 prints one JSON line last. (exit codes, that object)."""
     import subprocess
 
+    from ..cluster.ports import rendezvous_port
+
     procs, logs = [], [work / f"{name}_rank{r}.log" for r in range(world)]
+    port = rendezvous_port("127.0.0.1")
     for rank, log in enumerate(logs):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}

@@ -105,7 +105,7 @@ def smoke_openrlhf_loop(work: Path, backend: str = "openrlhf") -> dict:
 def smoke_vllm_routes(work: Path) -> dict:
     """Rollout routing replay's engine side on the installed vLLM (docs/megatron.md, "Rollout
     routing replay"): :func:`vllm_routes_check` in a child process (vLLM holds its GPU memory)."""
-    return check_in_child(work, "vllm_routes_check", 29545, ("vllm",))
+    return check_in_child(work, "vllm_routes_check", ("vllm",))
 
 
 def vllm_routes_check(device: str = "cuda") -> dict:

@@ -12,7 +12,7 @@ from .common import check_in_child, one_rank_job, ranks_child
 def smoke_te_spec(work: Path) -> dict:
     """Transformer Engine's layer spec on the real TE (docs/megatron.md, "Transformer Engine";
     on CPU only a stand-in of TE is tested): :func:`te_spec_check` in a child process on one GPU."""
-    return check_in_child(work, "te_spec_check", 29543, ("megatron", "transformer_engine"))
+    return check_in_child(work, "te_spec_check", ("megatron", "transformer_engine"))
 
 
 def smoke_context_parallel(work: Path) -> dict:
@@ -29,7 +29,7 @@ def smoke_context_parallel(work: Path) -> dict:
     if torch.cuda.device_count() < 2:
         return {"ok": True, "skipped": "needs two GPUs (context parallelism splits a sequence over ranks)"}
     code = "import json; from hapo_openrlhf.gpu_smoke import te_spec_check; print(json.dumps(te_spec_check('cuda', 2)))"
-    rcs, res = ranks_child(work, "context_parallel", code, world=2, port=29546)
+    rcs, res = ranks_child(work, "context_parallel", code, world=2)
     return {**res, "ok": not any(rcs) and res.get("ok", False)}
 
 
@@ -89,7 +89,7 @@ def te_spec_check(device: str = "cuda", cp: int = 1) -> dict:
 def smoke_moe(work: Path) -> dict:
     """A mixture of experts on megatron-core's CUDA path (docs/megatron.md, "Mixture of experts"):
     :func:`moe_check` in a child process on one GPU."""
-    return check_in_child(work, "moe_check", 29544, ("megatron",))
+    return check_in_child(work, "moe_check", ("megatron",))
 
 
 def moe_check(device: str = "cuda") -> dict:

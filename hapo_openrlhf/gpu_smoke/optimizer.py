@@ -27,8 +27,7 @@ def smoke_distributed_optimizer(work: Path) -> dict:
     runs = {}
     for overlap in (True, False):
         code = f"from hapo_openrlhf.gpu_smoke import ddp_step_child; ddp_step_child({overlap})"
-        rcs, runs[overlap] = ranks_child(work, f"distributed_optimizer_overlap{int(overlap)}", code, world=world,
-                                         port=29533 + int(overlap))
+        rcs, runs[overlap] = ranks_child(work, f"distributed_optimizer_overlap{int(overlap)}", code, world=world)
         if any(rcs) or "error" in runs[overlap]:
             return {"ok": False, "error": runs[overlap].get("error", f"exit {rcs}; see the logs in {work}")}
     on, off = runs[True], runs[False]
@@ -48,7 +47,7 @@ def smoke_optimizer_resume(work: Path) -> dict:
     if importlib.util.find_spec("megatron") is None:
         return {"ok": True, "skipped": "needs megatron-core (the megatron extra)"}
     code = f"from hapo_openrlhf.gpu_smoke import optimizer_resume_child; optimizer_resume_child({str(work)!r})"
-    rc, res = one_rank_child(work / "optimizer_resume.log", code, port=29541)
+    rc, res = one_rank_child(work / "optimizer_resume.log", code)
     if rc is None:
         return res
     return {"ok": rc == 0 and all(r["bitwise"] for r in res.values()), **res}

@@ -61,3 +61,17 @@ def test_no_port_outside_the_range_falls_back_to_the_kernels_choice(tmp_path):
     assert candidate_ports(ephemeral_range(f)) == []
     port = rendezvous_port(range_file=f)
     assert 0 < port <= 65535
+
+
+def test_gpu_smoke_children_get_one_port_per_job_outside_the_range(tmp_path):
+    """`hapo doctor --gpu-smoke`'s child jobs: no fixed port (one that another job on the node may
+    hold), every rank of a job the same rendezvous port."""
+    from hapo_openrlhf.gpu_smoke.common import one_rank_child, ranks_child
+
+    lo, hi = ephemeral_range()
+    code = "import json, os; print(json.dumps({'port': int(os.environ['MASTER_PORT']), 'rank': os.environ['RANK']}))"
+    rc, res = one_rank_child(tmp_path / "one.log", code)
+    assert rc == 0 and res["rank"] == "0" and not lo <= res["port"] <= hi
+    rcs, res0 = ranks_child(tmp_path, "two", code, world=2)
+    assert rcs == [0, 0] and not lo <= res0["port"] <= hi
+    assert f'"port": {res0["port"]}, "rank": "1"' in (tmp_path / "two_rank1.log").read_text()
