@@ -1,6 +1,7 @@
 """The generated OpenRLHF argv, checked by OpenRLHF 0.11.2's real parser and validation."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -466,7 +467,7 @@ def test_prime_on_openrlhf_checks_its_prm_models_before_anything_starts(tmp_path
     check_prm_models(load_config(REPO / "configs/qwen25_math_7b_hapo.yaml", [f"prm.path={tmp_path / 'gone'}"]))
 
 
-def test_every_hapo_actor_announces_a_port_outside_the_ephemeral_range():
+def test_every_hapo_actor_announces_a_port_outside_the_ephemeral_range(monkeypatch):
     """Rank 0 of each actor group hapo installs (policy, KL reference, PRM; DeepSpeed and Megatron)
     picks its ``MASTER_PORT`` through cluster/ports.py, not upstream's ``bind(port 0)``: the CI run
     that failed with EADDRINUSE on a Megatron actor's TCPStore drew an ephemeral port."""
@@ -485,3 +486,8 @@ def test_every_hapo_actor_announces_a_port_outside_the_ephemeral_range():
         assert issubclass(cls, BaseDistributedActor), cls
         assert cls._get_free_port is OutsideEphemeralPort._get_free_port, cls
         assert not lo <= cls._get_free_port() <= hi, cls
+        for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):  # upstream's __init__ sets them
+            monkeypatch.setenv(k, "")
+        rank0 = cls(1, 0, "127.0.0.1", None)  # upstream's constructor: rank 0 draws the group's port
+        addr, port = rank0.get_master_addr_port()
+        assert addr == "127.0.0.1" and not lo <= port <= hi and os.environ["MASTER_PORT"] == str(port), cls
