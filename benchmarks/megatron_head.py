@@ -82,20 +82,15 @@ def _rank(rank: int, world: int, port: int, method: str, args, out: str, keep: b
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    """A loopback port outside the ephemeral range, free now (cluster/ports.py: what rank 0 announces)."""
-    from hapo_openrlhf.cluster.ports import rendezvous_port
-
-    return rendezvous_port("127.0.0.1")
-
-
 def run(method: str, length: int, args, out: str, keep: bool) -> dict:
     """One method at one length on ``--tp`` gloo ranks; the slower / larger rank's figures."""
     import torch
     import torch.multiprocessing as mp
 
+    from hapo_openrlhf.cluster.ports import rendezvous_port
+
     args.length = length
-    mp.spawn(_rank, args=(args.tp, _free_port(), method, args, out, keep), nprocs=args.tp, join=True)
+    mp.spawn(_rank, args=(args.tp, rendezvous_port("127.0.0.1"), method, args, out, keep), nprocs=args.tp, join=True)
     per = [torch.load(f"{out}.{r}")["res"] for r in range(args.tp)]
     return {"method": method, "tokens": length, "time_s": max(p["time_s"] for p in per),
             "peak_extra_mb": max(p["peak_extra_mb"] for p in per)}

@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from hapo_openrlhf.cluster.ports import rendezvous_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
 
 
@@ -25,13 +27,6 @@ def available() -> str | None:
     if os.geteuid() != 0:
         return "the test Slurm cluster must run as root"
     return None
-
-
-def _free_port() -> int:
-    """A loopback port outside the ephemeral range, free now (cluster/ports.py: what rank 0 announces)."""
-    from hapo_openrlhf.cluster.ports import rendezvous_port
-
-    return rendezvous_port("127.0.0.1")
 
 
 def _exe(name: str) -> str:
@@ -64,7 +59,7 @@ class SlurmCluster:
              f"--log-file={r / 'log' / 'munged.log'}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         user = getpass.getuser()
-        ctl_port = _free_port()
+        ctl_port = rendezvous_port("127.0.0.1")
         lines = [
             "ClusterName=hapotest", "SlurmctldHost=localhost", f"SlurmctldPort={ctl_port}",
             f"SlurmUser={user}", f"SlurmdUser={user}", "AuthType=auth/munge", "CredType=cred/munge",
@@ -80,7 +75,7 @@ class SlurmCluster:
             "SuspendTime=600", "ResumeTimeout=600", f"SuspendExcNodes={','.join(self.nodes)}",
         ]
         for n in self.nodes:
-            lines.append(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()} "
+            lines.append(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={rendezvous_port('127.0.0.1')} "
                          f"CPUs={self.cpus} RealMemory=4000 State=UNKNOWN")
         lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
                      f"OverSubscribe=YES")
