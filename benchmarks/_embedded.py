@@ -23,7 +23,8 @@ def grpo_step_batches(steps: int, warmup: int = 50) -> Iterator[tuple[algos.Adva
                                                 "trainer.save_every=0", "trainer.sample_every=0",
                                                 "algorithm.estimator=grpo", "algorithm.estimator_params={}",
                                                 "algorithm.dynamic_sampling=false"])
-    tr = LocalTrainer(cfg, tempfile.mkdtemp())
+    run_dir = tempfile.TemporaryDirectory(prefix="hapo_bench_")
+    tr = LocalTrainer(cfg, run_dir.name)
     tr.run_warmup()
     captured = []
     # the trainer reaches the estimator through the algorithm's step (algos/step.py)
@@ -43,6 +44,7 @@ def grpo_step_batches(steps: int, warmup: int = 50) -> Iterator[tuple[algos.Adva
                 yield captured[-1], m["time/step_s"]
     finally:
         step.run_estimator = orig
+        run_dir.cleanup()
 
 
 def best_of(fn: Callable[[], object], repeat: int) -> float:

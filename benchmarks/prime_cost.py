@@ -68,7 +68,8 @@ def main() -> None:
     common = [f"warmup.steps={a.warmup}", "trainer.steps=0", "trainer.save_every=0", "trainer.sample_every=0",
               f"rollout.prompts_per_step={a.prompts}", "algorithm.accuracy_filter.oversample=1.0"]
     cfg = load_config("configs/cpu_tiny_prime.yaml", common)
-    tr = LocalTrainer(cfg, tempfile.mkdtemp())
+    run_dir = tempfile.TemporaryDirectory(prefix="hapo_bench_")  # removed at exit
+    tr = LocalTrainer(cfg, run_dir.name)
     tr.run_warmup()
     t0 = time.perf_counter()
     batch, _ = tr.collect()

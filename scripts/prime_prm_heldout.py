@@ -34,7 +34,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(2)
     cfg = load_config("configs/cpu_tiny_prime.yaml", ["trainer.steps=0", "trainer.save_every=0", *a.set])
-    t = LocalTrainer(cfg, tempfile.mkdtemp())
+    run_dir = tempfile.TemporaryDirectory(prefix="hapo_prm_heldout_")  # removed at exit
+    t = LocalTrainer(cfg, run_dir.name)
     t.run_warmup()
     held = [t.collect()[0] for _ in range(a.heldout)]
     t.prm = t._build_prm()

@@ -1,8 +1,10 @@
+import atexit
 import contextlib
 import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # the CPU torch), or this interpreter if it has vLLM. Decided here, before any import stub of
 # vLLM goes on the path. HAPO_REQUIRE_VLLM=1 (set by .ci/run) makes a missing one a failure.
 VLLM_PYTHON = os.environ.get("HAPO_VLLM_PYTHON") or (sys.executable if importlib.util.find_spec("vllm") else None)
+# vLLM names its ZeroMQ sockets ipc://$VLLM_RPC_BASE_PATH/<uuid4> (default: the temp directory) and
+# leaves the files behind when its engine goes down with its Ray actor: 28 in /tmp per run of the suite,
+# counted. Every process this run starts inherits the environment, so its vLLM engines put them in one
+# directory, removed when the process that made it exits (the controller, under xdist: its workers
+# inherit the variable).
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="hapo-vllm-rpc-")
+    atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], ignore_errors=True)
 # vLLM's CPU back end on a shared 2-core machine: a 1 GiB KV cache (not a share of RAM), no thread pinning
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
