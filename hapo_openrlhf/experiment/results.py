@@ -4,11 +4,11 @@ The run directories are large and git-ignored; ``results.json`` is what a regist
 leaves behind: the manifest's record (seeds, suites, comparisons, the registration with its code
 identity and family-wise level, the warm starts the seeds nest in, later additions and code
 changes) and, per finished run, what the report's tables read (:class:`~.stats.RunStats`: the
-held-out Avg@k / Pass@k at each evaluation, the behaviour entropy and the four quadrants' curves
-per step, the wall time) with the run's config fingerprint. ``hapo report results.json`` rebuilds
-every table and figure of the experiment report from it alone, in a fresh clone; the token-credit
-table (which reads each run's dumped token samples) is the one part it cannot rebuild, and it
-says so.
+held-out Avg@k / Pass@k at each evaluation, the behaviour entropy and the four quadrants' token
+share and entropy per step, the wall time) with the run's config fingerprint. ``hapo report
+results.json`` rebuilds every table and figure of the experiment report from it alone, in a fresh
+clone; the token-credit table (which reads each run's dumped token samples) is the one part it
+cannot rebuild, and it says so.
 
 The runner writes ``OUTPUT/results.json`` after every job; ``hapo report EXPERIMENT_DIR
 --results FILE`` writes one where you want it (e.g. ``results/league2.json``, committed).
@@ -22,14 +22,13 @@ from typing import Any
 
 from ..algos.quadrants import QUADRANTS
 from ..rundir.jsonfile import read_json_object
-from .stats import RunStats
+from .stats import QUADRANT_STATS, RunStats
 
 FORMAT = "hapo-experiment-results/1"
 # the manifest's fields the report reads (the run directories' paths are left out: they are not kept)
 MANIFEST_KEYS = ("experiment", "seeds", "suites", "suites_run", "workers", "threads_per_worker", "comparisons",
                  "warm_start_seed", "warm_start_of_seed", "familywise_alpha", "registration", "comparisons_added",
                  "seeds_added", "variants_added", "code_changes", "failed", "wall_s_this_invocation")
-STATS = ("token_frac", "entropy_mean", "adv_abs_mean", "entropy_delta")
 
 
 def _r(x: Any) -> Any:
@@ -51,8 +50,8 @@ def export(manifest: dict, runs: list[RunStats], fingerprints: dict[str, str] | 
         out_runs.append({
             "variant": r.variant, "seed": r.seed, "k": r.k, "steps": r.steps, "wall_s": _r(r.wall_s),
             "eval_steps": r.eval_steps, "avg": r.avg, "pass": r.pass_, "train_steps": r.train_steps,
-            "entropy": _r(r.entropy), "quadrant": {q: {s: _r(r.quadrant.get(q, {}).get(s, [])) for s in STATS}
-                                                  for q in QUADRANTS},
+            "entropy": _r(r.entropy),
+            "quadrant": {q: {s: _r(r.quadrant.get(q, {}).get(s, [])) for s in QUADRANT_STATS} for q in QUADRANTS},
             "status": (jobs.get(name) or {}).get("status", "done"),
             **({"config_sha256": fingerprints[name]} if fingerprints and name in fingerprints else {}),
         })
@@ -99,7 +98,7 @@ def load(path: str | Path) -> tuple[dict, list[RunStats]]:
     runs = []
     for i, r in enumerate(rows):
         try:
-            quad = {q: {s: [None if x is None else _num(x) for x in r["quadrant"][q][s]] for s in STATS}
+            quad = {q: {s: [None if x is None else _num(x) for x in r["quadrant"][q][s]] for s in QUADRANT_STATS}
                     for q in QUADRANTS}  # a step without the quadrant stays None, as the metrics file has it
             runs.append(RunStats(variant=str(r["variant"]), seed=int(r["seed"]), k=int(r["k"]), steps=int(r["steps"]),
                                  eval_steps=[int(x) for x in r["eval_steps"]], avg=[_num(x) for x in r["avg"]],

@@ -15,6 +15,9 @@ from ..algos.quadrants import QUADRANTS
 from ..rundir.logger import read_metrics
 
 WINDOW = 10  # steps averaged for "entropy at the start / end"
+# each quadrant's per-step metrics the report reads (its share and entropy tables and plots); the
+# results file keeps these and no others
+QUADRANT_STATS = ("token_frac", "entropy_mean")
 
 
 @dataclass
@@ -114,7 +117,7 @@ def load_run(run_dir: str | Path, variant: str, seed: int, wall_s: float | None 
     k = int(next(re.match(r"eval/avg@(\d+)", key).group(1) for key in evals[0] if key.startswith("eval/avg@")))
     train = [r for r in recs if "reward/mean" in r]
     quad = {q: {stat: [r.get(f"quadrant/{q}/{stat}") for r in train]
-                for stat in ("token_frac", "entropy_mean", "adv_abs_mean", "entropy_delta")} for q in QUADRANTS}
+                for stat in QUADRANT_STATS} for q in QUADRANTS}
     return RunStats(
         variant=variant, seed=seed, k=k, steps=max((r["step"] for r in recs), default=0),
         eval_steps=[r["step"] for r in evals], avg=[r[f"eval/avg@{k}"] for r in evals],
