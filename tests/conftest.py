@@ -71,7 +71,11 @@ LONGEST_FIRST = ("test_e2e.py::", "test_e2e_async.py::", "test_e2e_megatron.py::
                  "test_sigkill_then_resume", "test_one_dp2_megatron_step_across_two_hosts",
                  "test_tp2_checkpoint_resumes_exactly",
                  "test_a_second_runner_is_refused_and_a_killed_worker",
-                 "test_a_stopped_eapo_run_with_kappa_decay", "test_decisive_experiment_smoke")
+                 "test_a_stopped_eapo_run_with_kappa_decay", "test_decisive_experiment_smoke",
+                 # 15-45 s each, collected last (tests/*.py after tests/*/): left to the end they
+                 # kept one worker busy for a minute after the others had finished
+                 "test_megatron_attention_script", "test_resume_applies_an_optimizer_override",
+                 "test_chain_cost_script", "test_every_case_the_py312_leg_deselects")
 
 
 def _long_rank(nodeid: str) -> int:

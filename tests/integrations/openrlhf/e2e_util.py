@@ -143,26 +143,46 @@ def check_engine_holds_final(dump, final_dir, n_syncs, engine="cpu", seed=7):
     them updated, in the engines' bf16); after the last one: the saved final model, rounded.
     The CPU engine records Hugging Face tensors; vLLM's worker records its own layout."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     final = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).state_dict()
+    check_engine_holds(dump, final, final_dir, n_syncs, engine, seed)
+
+
+def check_engine_holds(dump, weights, config_dir, n_syncs, engine="cpu", seed=7):
+    """:func:`check_engine_holds_final` against ``weights`` (a Hugging Face state dict: the final
+    model's, or a DeepSpeed checkpoint's module, :func:`checkpoint_module`) of the model in
+    ``config_dir``: the ``n_syncs`` syncs recorded, every tensor updated in each, the last one
+    holding ``weights`` in bf16, and the last differing from the first."""
+    import torch
+    from transformers import AutoConfig
+
     prefix = "vllm_engine" if engine == "vllm" else "engine"
     syncs = sorted(Path(dump).glob(f"{prefix}{seed}_sync*.pt"))
     assert [s.name for s in syncs] == [f"{prefix}{seed}_sync{i}.pt" for i in range(1, n_syncs + 1)]
     first, last = (torch.load(s) for s in (syncs[0], syncs[-1]))
     if engine == "vllm":
-        cfg = AutoConfig.from_pretrained(final_dir)
+        cfg = AutoConfig.from_pretrained(config_dir)
         first["weights"], last["weights"] = (vllm_to_hf(r["weights"], cfg) for r in (first, last))
-    hf_names = {k for k in final if k != "lm_head.weight"} | ({"lm_head.weight"} if "lm_head.weight" in
-                                                                 first["updated"] else set())
+    hf_names = {k for k in weights if k != "lm_head.weight"} | ({"lm_head.weight"} if "lm_head.weight" in
+                                                                   first["updated"] else set())
     # a mixture of experts is synced per expert (the checkpoint's names) into fused tensors
     assert {fused_expert_name(n) for n in first["updated"]} == {fused_expert_name(n) for n in last["updated"]} \
         == hf_names
-    for k, v in final.items():
+    for k, v in weights.items():
         if engine == "vllm":
             assert last["weights"][k].dtype == torch.bfloat16, k
         assert torch.equal(last["weights"][k].float(), v.to(torch.bfloat16).float()), k
-    assert any(not torch.equal(first["weights"][k], last["weights"][k]) for k in final)  # step 2 synced new weights
+    assert any(not torch.equal(first["weights"][k], last["weights"][k]) for k in weights)  # later steps synced new weights
+
+
+def checkpoint_module(out, tag):
+    """The DeepSpeed actor's weights in OpenRLHF's checkpoint ``out/ckpt/_actor/TAG`` (ZeRO-2
+    keeps the whole module, in the actor's bf16, under Hugging Face's names), as float32."""
+    import torch
+
+    states = torch.load(Path(out) / "ckpt" / "_actor" / tag / "mp_rank_00_model_states.pt", weights_only=False)
+    return {k: v.float() for k, v in states["module"].items()}
 
 
 CORRECTION = "algorithm.is_correction={level: token, mode: clip, gating: ratio, threshold: [0.0, 2.0]}"
@@ -254,34 +274,50 @@ def check_rollout_logprobs_are_the_engines(dump, engine, n_rows):
     return rows
 
 
-def check_preempt_then_resume(run, out, tmp_path, warm_model):
-    """After a 2-step run (save_every 2): with the stop flag present (what the Slurm job
-    writes on SIGUSR1) the relaunch resumes from global_step2, finishes global step 3,
-    forces its checkpoint and exits 85; the requeued launch resumes from global_step3,
-    and the step limit (trainer.steps 4) ends it after global step 4 with the final model
-    saved (three episodes would give 6 steps). ``run(out, dump, *sets)`` launches the e2e
-    config. Returns the metrics rows."""
-    from hapo_openrlhf.rundir.preemption import EXIT_PREEMPTED, request_flag
+STOP_AT_3 = {"HAPO_SHIM_STOP_AT_STEP": "3"}  # the stop flag appears during global step 3 (the shim's item 7)
 
-    def ckpts():
-        return {d.name for d in (out / "ckpt" / "_actor").iterdir()}
 
-    request_flag(out).touch()
-    p = run(out, tmp_path / "dump2", f"model.path={warm_model}", "openrlhf.num_episodes=2")
+def check_preempted_at_step3(p, out):
+    """A launch over two episodes (4 global steps of 4 prompts, save_every 2) whose stop flag
+    appeared while global step 3 trained (:data:`STOP_AT_3`; what the Slurm job writes on
+    SIGUSR1): step 2's checkpoint is the periodic one, step 3's is forced (3 % 2 != 0), the
+    run exits 85 before step 4 and writes no final model. Returns the launch's log."""
+    from hapo_openrlhf.rundir.preemption import EXIT_PREEMPTED
+
     log = p.stdout + p.stderr
     assert p.returncode == EXIT_PREEMPTED, log[-6000:]
-    assert "Loading the checkpoint" in log and "Global step 1:" not in log and "Global step 3:" in log
-    assert "Global step 4:" not in log and [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2, 3]
-    assert "global_step3" in ckpts()  # forced: 3 % 2 != 0
+    assert "Global step 3:" in log and "Global step 4:" not in log
+    assert [r["step"] for r in jsonl(Path(out) / "metrics.jsonl")] == [1, 2, 3]
+    tags = {d.name for d in (Path(out) / "ckpt" / "_actor").iterdir()}
+    assert {"global_step2", "global_step3"} <= tags and "global_step1" not in tags  # save_every 2; 3 forced
+    assert not (Path(out) / "final").exists()
+    return log
+
+
+def check_resume_after_preemption(run, out, tmp_path, warm_model):
+    """The requeued launch of a run preempted at global step 3 (:func:`check_preempted_at_step3`;
+    the stop flag removed, as the Slurm job does when it requeues) resumes from global_step3
+    (OpenRLHF's own resume path), and the step limit (trainer.steps 4) ends it after global step
+    4 with the final model saved (three episodes would give 6 steps); the final model is the
+    actor's weights of that step (its DeepSpeed checkpoint's module, rounded alike).
+    ``run(out, dump, *sets)`` launches the e2e config. Returns the metrics rows."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hapo_openrlhf.rundir.preemption import request_flag
 
     request_flag(out).unlink()
-    (out / "final" / "config.json").unlink()
-    p = run(out, tmp_path / "dump3", f"model.path={warm_model}", "openrlhf.num_episodes=3", "trainer.steps=4")
+    p = run(out, tmp_path / "dump_resumed", f"model.path={warm_model}", "openrlhf.num_episodes=3", "trainer.steps=4")
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-6000:]
-    assert "Loading the checkpoint" in log and "Global step 3:" not in log and "Global step 4:" in log
+    assert "Loading the checkpoint" in log and "Global step 1:" not in log and "Global step 3:" not in log
+    assert "Global step 4:" in log and "Global step 5:" not in log
     m = jsonl(out / "metrics.jsonl")
-    assert "Global step 5:" not in log and [r["step"] for r in m] == [1, 2, 3, 4]
-    assert (out / "final" / "config.json").exists()
-    assert "global_step4" in ckpts()
+    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    assert (out / "final" / "config.json").exists() and json.loads((out / "final" / "hapo.json").read_text())
+    assert "global_step4" in {d.name for d in (out / "ckpt" / "_actor").iterdir()}
+    final = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).state_dict()
+    module = checkpoint_module(out, "global_step4")
+    assert set(final) == set(module)
+    assert all(torch.equal(v.to(torch.bfloat16).float(), module[k]) for k, v in final.items())
     return m

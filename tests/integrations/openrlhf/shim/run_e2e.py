@@ -50,7 +50,7 @@ def main() -> int:
                                   os.environ.get("PYTHONPATH", "")])
     env = {k: os.environ[k] for k in ("HAPO_OPENRLHF_DUMP_DIR", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE",
                                       "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS", "HAPO_SHIM_MEGATRON",
-                                      "HAPO_SHIM_ROUTE_BIAS")
+                                      "HAPO_SHIM_ROUTE_BIAS", "HAPO_SHIM_STOP_AT_STEP")
            if k in os.environ}
     env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")})  # vLLM's CPU back end
     env.update(PYTHONPATH=pythonpath, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false",
