@@ -11,11 +11,12 @@ coverage.py through ``coverage.process_startup()``: a ``.pth`` file put in this 
 site-packages for the run and removed after, acting only where ``COVERAGE_PROCESS_START`` is set.
 Data is written at exit, on SIGTERM and before ``os._exit`` (``[run] sigterm``, ``patch = _exit``);
 a process killed with SIGKILL writes none (Ray's workers at shutdown can be), so the figures are a
-lower bound -- alike for both commits. Files are matched by their path inside the package; a process
-that imports the package from another checkout (the editable install's, found beside the worktree in
-some of the OpenRLHF launches' processes) is named in the output: its lines are that checkout's, so
-the comparison is exact only where both commits' package code equals it (a tests-only change) or no
-such process is named. Prints, per commit, the covered lines and statements, then
+lower bound -- alike for both commits. Files are matched by their path inside the package. A process
+that ran the package from another checkout (the editable install's) is named in the output: its lines
+are that checkout's, so the comparison is exact only where none is named or both commits' package code
+equals that checkout's. (Ray's helper processes, whose PYTHONPATH is Ray's own, find the package
+through the editable install and import none of it: coverage.py lists those files with no line run,
+which is not such a process.) Prints, per commit, the covered lines and statements, then
 the lines covered by the first commit's run and not the second's (file:line), and a JSON line last.
 Exit 1 when the second covers less than the first.
 """
@@ -65,7 +66,9 @@ def covered(rev: str, workers: int, pytest_args: list[str]) -> tuple[dict[str, s
         statements, elsewhere = {}, set()
         for f, v in files.items():
             root, inside = str(Path(f).resolve()).split("/hapo_openrlhf/", 1)
-            if Path(root) != tree:  # a process that imported the package from another checkout
+            # a process that ran the package from another checkout (a file of it listed with no line
+            # run is coverage.py reporting a source package a process found but never imported)
+            if Path(root) != tree and v["executed_lines"]:
                 elsewhere.add(root)
             rel = "hapo_openrlhf/" + inside
             lines.setdefault(rel, set()).update(v["executed_lines"])
@@ -96,7 +99,7 @@ def main() -> int:
         print(f"{info['rev']}: {n} lines of hapo_openrlhf/ covered of {statements} statements "
               f"({100 * n / max(statements, 1):.2f}%); pytest: {info['summary']}")
         if info["other_roots"]:
-            print(f"{info['rev']}: some processes imported hapo_openrlhf from {info['other_roots']}, not the "
+            print(f"{info['rev']}: some processes ran hapo_openrlhf from {info['other_roots']}, not the "
                   "worktree (counted by path inside the package)")
         out.append({**info, "covered": n, "statements": statements})
     (before, _, _), (after, _, _) = runs
