@@ -88,6 +88,11 @@ def main() -> int:
     a = ap.parse_args()
     if len(a.rev) != 2:
         ap.error("--rev twice: the commit before, then the one after")
+    for rev in a.rev:  # a commit, resolved before any worktree (a value like "--x" is refused, not run by git)
+        ok = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", "--end-of-options",
+                             f"{rev}^{{commit}}"], capture_output=True, text=True)
+        if ok.returncode != 0:
+            ap.error(f"--rev {rev!r}: not a commit of this repository")
     try:
         import coverage  # noqa: F401
     except ImportError:
