@@ -63,7 +63,28 @@ def run_e2e(out, dump, sets, engine="cpu", **env):
     for s in sets:
         args += ["--set", s]
     with e2e_slot():
-        return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1200)
+        p = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1200)
+    # every Ray worker came from the launch's fork server, none from a fresh interpreter behind it
+    assert "starts as a fresh interpreter" not in p.stderr, p.stderr[-6000:]
+    return p
+
+
+def zygote_forks(p) -> int | None:
+    """How many Ray workers of launch ``p`` the fork server forked (``shim/ray_zygote.py``), or
+    None when it is switched off (``HAPO_SHIM_ZYGOTE=0``, or under coverage)."""
+    import re
+    import sys
+
+    sys.path.insert(0, str(HERE / "shim"))
+    try:
+        import ray_zygote
+    finally:
+        sys.path.remove(str(HERE / "shim"))
+    if not ray_zygote.enabled():
+        return None
+    counts = re.findall(r"ray_zygote: (\d+) Ray workers forked", p.stderr)
+    assert len(counts) == 1, p.stderr[-6000:]
+    return int(counts[0])
 
 
 def jsonl(path):

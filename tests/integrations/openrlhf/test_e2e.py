@@ -16,7 +16,8 @@ from tests.integrations.openrlhf.e2e_util import (CORRECTION, STOP_AT_3, check_e
                                                   check_nucleus_logmass_metric, check_preempted_at_step3,
                                                   check_registry_advantages_reached_loss,
                                                   check_resume_after_preemption, check_rollout_logprobs_are_the_engines,
-                                                  checkpoint_module, first_step_logratio, jsonl, run_e2e)
+                                                  checkpoint_module, first_step_logratio, jsonl, run_e2e,
+                                                  zygote_forks)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 ENGINE = "vllm" if VLLM_PYTHON else "cpu"
@@ -38,6 +39,8 @@ def test_openrlhf_loop_with_hapo_then_resume(tmp_path, warm_model):
     # step 3 trains: steps 1-3 ran, step 2's checkpoint is the periodic one (save_every 2), step 3's
     # forced, exit 85 (e2e_util.check_preempted_at_step3)
     p = _run(out, dump, f"model.path={warm_model}", "openrlhf.num_episodes=2", **STOP_AT_3)
+    forks = zygote_forks(p)  # every Ray worker forked from the launch's server (shim/ray_zygote.py):
+    assert forks is None or forks >= 3, forks  # the controller, the policy and the engine
     log = check_preempted_at_step3(p, out)
     m = jsonl(out / "metrics.jsonl")
     assert all("quadrant/threshold" in r and "policy_loss" in r for r in m)  # hapo metrics via experience.info

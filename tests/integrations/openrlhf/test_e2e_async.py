@@ -13,7 +13,7 @@ from tests.conftest import VLLM_PYTHON
 from tests.integrations.openrlhf.e2e_util import (CORRECTION, STOP_AT_3, check_engine_holds, check_preempted_at_step3,
                                                   check_registry_advantages_reached_loss,
                                                   check_resume_after_preemption, check_rollout_logprobs_are_the_engines,
-                                                  checkpoint_module, jsonl, run_e2e)
+                                                  checkpoint_module, jsonl, run_e2e, zygote_forks)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 ENGINE = "vllm" if VLLM_PYTHON else "cpu"
@@ -35,6 +35,10 @@ def test_async_trainer_with_partial_rollouts_under_hapo(tmp_path, warm_model):
     # preemption under async: the stop flag appears while global step 3 trains; the trainer forces
     # step 3's checkpoint and stops (the generator, a batch ahead, is stopped with it; exit 85)
     p = _run(out, dump, f"model.path={warm_model}", "openrlhf.num_episodes=2", **STOP_AT_3)
+    # every Ray worker forked from the launch's server (shim/ray_zygote.py): the controller, its
+    # generator and trainer actors, the policy, the engine, two queues, the lock and the state
+    forks = zygote_forks(p)
+    assert forks is None or forks >= 9, forks
     check_preempted_at_step3(p, out)
     assert "--train.async_enable" in (out / "openrlhf_argv.json").read_text()
 

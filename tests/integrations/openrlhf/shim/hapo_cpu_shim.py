@@ -59,9 +59,16 @@ def stub_path() -> list[str]:
     return [str(STUBS / m) for m in ("vllm", "flash_attn") if importlib.util.find_spec(m) is None]
 
 
-for _p in reversed(stub_path()):  # before anything imports openrlhf (it imports vllm / flash_attn)
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+def stubs_first() -> None:
+    """The stubs of the missing packages first on ``sys.path``: on import, before anything imports
+    openrlhf (it imports vllm / flash_attn); again in a worker forked from ``ray_zygote``'s server,
+    whose path is rebuilt as its own interpreter's would be."""
+    for p in reversed(stub_path()):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+stubs_first()
 
 
 def _cuda_shim() -> None:
@@ -230,12 +237,20 @@ class _AfterImport:
         return spec
 
 
+_worker_installed = False
+
+
 def install_worker() -> None:
     """Ray ``worker_process_setup_hook``: items 1-4, 6 and 7 above, each applied when its module is first
     imported -- now, if it already is. A worker that never imports them (OpenRLHF's queue, lock
     and state actors of the asynchronous trainer) never pays for torch, DeepSpeed and OpenRLHF:
     importing them in every worker cost ~6 s of CPU each, 11 such actors in the async test's three
-    launches (issue 57)."""
+    launches (issue 57). Once per process: a worker forked from ``ray_zygote``'s server, which
+    installed it before its imports, keeps that installation."""
+    global _worker_installed
+    if _worker_installed:
+        return
+    _worker_installed = True
     later, patches = {}, _patches()
     if os.environ.get("HAPO_SHIM_STOP_AT_STEP"):
         patches["hapo_openrlhf.integrations.openrlhf.controller.trainer"] = _patch_stop_at_step

@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parents[3]))  # the repository root (tests.megatron.cuda_shim)
 
 import hapo_cpu_shim  # noqa: E402
+import ray_zygote  # noqa: E402
 
 
 def main() -> int:
@@ -55,12 +56,18 @@ def main() -> int:
     env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")})  # vLLM's CPU back end
     env.update(PYTHONPATH=pythonpath, DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false",
                RAY_ENABLE_ZERO_COPY_TORCH_TENSORS="1")
-    ray.init(address="local", num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": env, "worker_process_setup_hook": "hapo_cpu_shim.install_worker"})
-    try:  # the same entry point as `hapo train --backend openrlhf` (exit 85: preempted)
-        return train_main(["--config", a.config, "--output-dir", a.out, *[x for kv in a.set for x in ("--set", kv)]])
-    finally:
-        ray.shutdown()
+    runtime_env = {"env_vars": env, "worker_process_setup_hook": "hapo_cpu_shim.install_worker"}
+    with ray_zygote.started(env) as zygote:  # the workers forked from one that imported upstream once
+        if zygote is not None:
+            runtime_env.update(py_executable=zygote.py_executable)
+            env.update(zygote.env)
+        ray.init(address="local", num_cpus=4, num_gpus=a.gpus, include_dashboard=False, log_to_driver=True,
+                 runtime_env=runtime_env)
+        try:  # the same entry point as `hapo train --backend openrlhf` (exit 85: preempted)
+            return train_main(["--config", a.config, "--output-dir", a.out,
+                               *[x for kv in a.set for x in ("--set", kv)]])
+        finally:
+            ray.shutdown()
 
 
 if __name__ == "__main__":
