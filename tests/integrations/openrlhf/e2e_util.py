@@ -73,13 +73,9 @@ def zygote_forks(p) -> int | None:
     """How many Ray workers of launch ``p`` the fork server forked (``shim/ray_zygote.py``), or
     None when it is switched off (``HAPO_SHIM_ZYGOTE=0``, or under coverage)."""
     import re
-    import sys
 
-    sys.path.insert(0, str(HERE / "shim"))
-    try:
-        import ray_zygote
-    finally:
-        sys.path.remove(str(HERE / "shim"))
+    import ray_zygote  # the shim directory is on the path (this directory's conftest.py)
+
     if not ray_zygote.enabled():
         return None
     counts = re.findall(r"ray_zygote: (\d+) Ray workers forked", p.stderr)
