@@ -65,23 +65,57 @@ def token_classes(tokens: list[str]) -> list[str]:
     return out
 
 
-def credit_by_class(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per class: token share, share of the credit-shift mass, mean |A^h|/|A| (where A != 0)."""
-    n = {c: 0 for c in CLASSES}
-    shift = {c: 0.0 for c in CLASSES}
-    ratio = {c: [0.0, 0] for c in CLASSES}
+def credit_counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per class, what the table is built from, additive over runs: ``tokens`` (count), ``shift``
+    (sum of ``| |A^h| - |A| |``), ``scale_sum`` and ``scale_n`` (sum and count of ``|A^h| / |A|``
+    where ``A != 0``). A run's counts are what its results-file row keeps (issue 60)."""
+    out = {c: {"tokens": 0, "shift": 0.0, "scale_sum": 0.0, "scale_n": 0} for c in CLASSES}
     for r in rows:
         for cls, a, b in zip(token_classes(r["tokens"]), r["advantage"], r["base_advantage"]):
-            n[cls] += 1
-            shift[cls] += abs(abs(a) - abs(b))
+            o = out[cls]
+            o["tokens"] += 1
+            o["shift"] += abs(abs(a) - abs(b))
             if b:
-                ratio[cls][0] += abs(a) / abs(b)
-                ratio[cls][1] += 1
-    tot_n, tot_s = sum(n.values()), sum(shift.values())
-    return {c: {"token_share": n[c] / tot_n if tot_n else math.nan,
-                "shift_share": shift[c] / tot_s if tot_s > 0 else math.nan,
-                "mean_scale": ratio[c][0] / ratio[c][1] if ratio[c][1] else math.nan,
-                "tokens": n[c]} for c in CLASSES}
+                o["scale_sum"] += abs(a) / abs(b)
+                o["scale_n"] += 1
+    return out
+
+
+def credit_from_counts(counts: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per class: token share, share of the credit-shift mass, mean |A^h|/|A| (where A != 0), of
+    several runs' :func:`credit_counts` pooled (summed in the order given)."""
+    tot = {c: {k: sum(x[c][k] for x in counts) for k in ("tokens", "shift", "scale_sum", "scale_n")}
+           for c in CLASSES}
+    tot_n, tot_s = sum(t["tokens"] for t in tot.values()), sum(t["shift"] for t in tot.values())
+    return {c: {"token_share": t["tokens"] / tot_n if tot_n else math.nan,
+                "shift_share": t["shift"] / tot_s if tot_s > 0 else math.nan,
+                "mean_scale": t["scale_sum"] / t["scale_n"] if t["scale_n"] else math.nan,
+                "tokens": t["tokens"]} for c, t in tot.items()}
+
+
+def credit_by_class(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per class: token share, share of the credit-shift mass, mean |A^h|/|A| (where A != 0)."""
+    return credit_from_counts([credit_counts(rows)])
+
+
+def check_counts(x: Any, where: str) -> dict[str, dict[str, float]]:
+    """A results file's per-run credit counts, every field checked by name (a damaged file is an error)."""
+    if not isinstance(x, dict) or set(x) != set(CLASSES):
+        raise ValueError(f"{where}: credit must map each of {', '.join(CLASSES)} to its counts")
+    out = {}
+    for c in CLASSES:
+        v = x[c]
+        if not isinstance(v, dict) or set(v) != {"tokens", "shift", "scale_sum", "scale_n"}:
+            raise ValueError(f"{where}: credit[{c!r}] must hold tokens, shift, scale_sum and scale_n")
+        for k in ("tokens", "scale_n"):
+            if isinstance(v[k], bool) or not isinstance(v[k], int) or v[k] < 0:
+                raise ValueError(f"{where}: credit[{c!r}][{k!r}] must be a count, got {v[k]!r:.40}")
+        for k in ("shift", "scale_sum"):
+            if isinstance(v[k], bool) or not isinstance(v[k], (int, float)) or not v[k] >= 0 or math.isinf(v[k]):
+                raise ValueError(f"{where}: credit[{c!r}][{k!r}] must be a finite number >= 0, got {v[k]!r:.40}")
+        out[c] = {"tokens": v["tokens"], "shift": float(v["shift"]), "scale_sum": float(v["scale_sum"]),
+                  "scale_n": v["scale_n"]}
+    return out
 
 
 def run_samples(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..algos.quadrants import QUADRANTS
 from ..rundir.jsonfile import read_json_object
 from ..report.plots import moving_average, save_png
-from .credit import credit_by_class, run_samples
+from .credit import credit_from_counts
 from .registration import check_jobs
 from .credit import markdown as credit_markdown
 from .findings import evaluate_findings
@@ -131,18 +131,15 @@ def comparison_sets(manifest: dict) -> tuple[list[dict], list[dict], str | None]
     return registered, added, reg["at"]
 
 
-def credit_table(manifest: dict, variants: list[str]) -> dict[str, dict]:
-    """variant -> :func:`~.credit.credit_by_class` over the token samples of all its seeds'
-    finished runs (variants without samples are left out)."""
+def credit_table(runs: list[RunStats], variants: list[str]) -> dict[str, dict]:
+    """variant -> :func:`~.credit.credit_from_counts` of its finished runs' token-credit counts, all
+    seeds pooled (variants none of whose runs has them are left out). The same from the run
+    directories and from a results file, which keeps each run's counts."""
     out = {}
     for v in dict.fromkeys(variants):
-        rows = []
-        for seed in manifest["seeds"]:
-            d = Path(manifest["runs"][f"{v}/seed_{seed}"])
-            if (d / "summary.json").exists():
-                rows += run_samples(d)
-        if rows:
-            out[v] = credit_by_class(rows)
+        counts = [r.credit for r in runs if r.variant == v and r.credit is not None]
+        if counts:
+            out[v] = credit_from_counts(counts)
     return out
 
 
@@ -353,14 +350,16 @@ def _warm_start_design(manifest: dict) -> str:
             "model".format(ws) if ws is not None else "each seed's runs share one warm start")
 
 
-def _credit_section(manifest: dict, variants: list[str], out: Path, results_file: str | None) -> list[str]:
-    """The token-credit table from the runs' dumped samples; from a results file, the line saying why not."""
-    if results_file is not None:
-        return [f"(Built from the results file `{results_file}` alone: the token-credit table reads each run's "
-                f"dumped token samples, which the results file does not keep.)", ""]
-    credit = credit_table(manifest, variants)
+def _credit_section(runs: list[RunStats], variants: list[str], out: Path, results_file: str | None) -> list[str]:
+    """The token-credit table from the runs' token-credit counts (their dumped samples, or the results
+    file's copy of them); a results file that keeps none says so."""
+    credit = credit_table(runs, variants)
     if not credit:
-        return []
+        if results_file is None:
+            return []
+        return [f"(Built from the results file `{results_file}` alone: it keeps no run's token-credit counts -- "
+                f"written before results files kept them, or by runs that dumped no token samples -- so there is "
+                f"no token-credit table.)", ""]
     (out / "credit.json").write_text(json.dumps(credit, indent=1))
     return ["## Token credit: where the advantage moved", "",
             "From every run's dumped token samples (all seeds pooled): each response token is a *fork* "
@@ -373,7 +372,7 @@ def _credit_section(manifest: dict, variants: list[str], out: Path, results_file
 
 def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """The report of an experiment directory, or of a results file alone (``results.json``: every
-    table and figure but the token-credit table, which reads the runs' token samples)."""
+    table and figure; the token-credit table from the counts the file keeps per run)."""
     from .results import is_results_file
 
     exp_dir = Path(exp_dir)
@@ -418,7 +417,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
         lines += [f"**Failed runs**: {', '.join(manifest['failed'])} (see experiment.json)", ""]
     lines += _suite_tables(suites, table, k)
     lines += _comparison_sections(manifest, registered, added, registered_at, comparisons, late, k)
-    lines += _credit_section(manifest, variants, out, exp_dir.name if from_file else None)
+    lines += _credit_section(runs, variants, out, exp_dir.name if from_file else None)
     lines += ["## Per-quadrant entropy at the end (mean of the last 10 steps)", "",
               "| variant | " + " | ".join(QUADRANTS) + " |", "|---|" + "---|" * len(QUADRANTS)]
     for v, t in table.items():

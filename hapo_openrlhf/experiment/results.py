@@ -5,10 +5,12 @@ leaves behind: the manifest's record (seeds, suites, comparisons, the registrati
 identity and family-wise level, the warm starts the seeds nest in, later additions and code
 changes) and, per finished run, what the report's tables read (:class:`~.stats.RunStats`: the
 held-out Avg@k / Pass@k at each evaluation, the behaviour entropy and the four quadrants' token
-share and entropy per step, the wall time) with the run's config fingerprint. ``hapo report
-results.json`` rebuilds every table and figure of the experiment report from it alone, in a fresh
-clone; the token-credit table (which reads each run's dumped token samples) is the one part it
-cannot rebuild, and it says so.
+share and entropy per step, the wall time, and the token-credit counts of its dumped token samples,
+exactly: ``credit.credit_counts``) with the run's config fingerprint. ``hapo report results.json``
+rebuilds every table and figure of the experiment report from it alone, in a fresh clone, the
+token-credit table included. A file written before the credit counts were kept (League 2's
+``results/league2.json``, whose run directories are gone) loads, and its report says it has no
+token-credit table.
 
 The runner writes ``OUTPUT/results.json`` after every job; ``hapo report EXPERIMENT_DIR
 --results FILE`` writes one where you want it (e.g. ``results/league2.json``, committed).
@@ -22,6 +24,7 @@ from typing import Any
 
 from ..algos.quadrants import QUADRANTS
 from ..rundir.jsonfile import read_json_object
+from .credit import check_counts
 from .stats import QUADRANT_STATS, RunStats
 
 FORMAT = "hapo-experiment-results/1"
@@ -53,6 +56,7 @@ def export(manifest: dict, runs: list[RunStats], fingerprints: dict[str, str] | 
             "entropy": _r(r.entropy),
             "quadrant": {q: {s: _r(r.quadrant.get(q, {}).get(s, [])) for s in QUADRANT_STATS} for q in QUADRANTS},
             "status": (jobs.get(name) or {}).get("status", "done"),
+            **({"credit": r.credit} if r.credit is not None else {}),  # exact: counts and sums, 12 numbers
             **({"config_sha256": fingerprints[name]} if fingerprints and name in fingerprints else {}),
         })
     return {"format": FORMAT, "manifest": {k: manifest[k] for k in MANIFEST_KEYS if k in manifest},
@@ -104,7 +108,8 @@ def load(path: str | Path) -> tuple[dict, list[RunStats]]:
                                  eval_steps=[int(x) for x in r["eval_steps"]], avg=[_num(x) for x in r["avg"]],
                                  pass_=[_num(x) for x in r["pass"]], train_steps=[int(x) for x in r["train_steps"]],
                                  entropy=[_num(x) for x in r["entropy"]], quadrant=quad,
-                                 wall_s=None if r.get("wall_s") is None else float(r["wall_s"])))
+                                 wall_s=None if r.get("wall_s") is None else float(r["wall_s"]),
+                                 credit=check_counts(r["credit"], f"{path}: runs[{i}]") if "credit" in r else None))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: runs[{i}] is damaged ({type(e).__name__}: {e})") from None
         if not runs[-1].avg or len(runs[-1].avg) != len(runs[-1].eval_steps):

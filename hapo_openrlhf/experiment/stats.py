@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..algos.quadrants import QUADRANTS
 from ..rundir.logger import read_metrics
+from .credit import credit_counts, run_samples
 
 WINDOW = 10  # steps averaged for "entropy at the start / end"
 # each quadrant's per-step metrics the report reads (its share and entropy tables and plots); the
@@ -33,6 +34,8 @@ class RunStats:
     entropy: list[float]  # behaviour entropy of each step's rollout batch
     quadrant: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # q -> stat -> per step
     wall_s: float | None = None
+    # the token-credit counts of its dumped samples (credit.credit_counts); None: no samples dumped or kept
+    credit: dict[str, dict[str, float]] | None = None
 
     # ---- derived scalars (the report's columns)
     @property
@@ -123,6 +126,7 @@ def load_run(run_dir: str | Path, variant: str, seed: int, wall_s: float | None 
         eval_steps=[r["step"] for r in evals], avg=[r[f"eval/avg@{k}"] for r in evals],
         pass_=[r[f"eval/pass@{k}"] for r in evals], train_steps=[r["step"] for r in train],
         entropy=[r["actor/entropy"] for r in train], quadrant=quad, wall_s=wall_s,
+        credit=credit_counts(samples) if (samples := run_samples(run_dir)) else None,
     )
 
 

@@ -344,11 +344,24 @@ def test_a_damaged_results_file_is_named(tmp_path):
     f.write_text(json.dumps(good))
     m, runs = load(f)
     assert runs[0].final == 0.6 and runs[0].quadrant["PHR"]["entropy_mean"] == [0.1, None] and m["suites_run"] == ["s"]
+    assert runs[0].credit is None  # a file from before the credit counts were kept loads without them
+    credit = {c: {"tokens": 4, "shift": 0.5, "scale_sum": 4.5, "scale_n": 4} for c in ("fork", "result", "routine")}
+    f.write_text(json.dumps({**good, "runs": [{**run, "credit": credit}]}))
+    assert load(f)[1][0].credit == credit
     for bad, named in (({**good, "format": "x"}, "not a results file of this format"),
                        ({**good, "runs": [{**run, "avg": [0.5]}]}, "avg and eval_steps differ"),
                        ({**good, "runs": [{**run, "avg": [0.5, "x"]}]}, r"runs\[0\] is damaged"),
                        ({**good, "runs": [{k: v for k, v in run.items() if k != "entropy"}]}, r"runs\[0\] is damaged"),
-                       ({k: v for k, v in good.items() if k != "manifest"}, "'manifest' must be an object")):
+                       ({k: v for k, v in good.items() if k != "manifest"}, "'manifest' must be an object"),
+                       # the token-credit counts (issue 60): each class, each field, counts and finite sums
+                       ({**good, "runs": [{**run, "credit": {"fork": credit["fork"]}}]},
+                        r"runs\[0\]: credit must map each of fork, result, routine"),
+                       ({**good, "runs": [{**run, "credit": {**credit, "result": {"tokens": 3}}}]},
+                        r"credit\['result'\] must hold tokens, shift, scale_sum and scale_n"),
+                       ({**good, "runs": [{**run, "credit": {**credit, "fork": {**credit["fork"], "tokens": 1.5}}}]},
+                        r"credit\['fork'\]\['tokens'\] must be a count"),
+                       ({**good, "runs": [{**run, "credit": {**credit, "fork": {**credit["fork"], "shift": -1.0}}}]},
+                        r"credit\['fork'\]\['shift'\] must be a finite number >= 0")):
         f.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=named):
             load(f)

@@ -303,6 +303,25 @@ def test_token_classes_and_credit_shares_hand_computed(tmp_path):
     assert t["fork"]["token_share"] == 0.5 and t["fork"]["shift_share"] == 1.0 and t["routine"]["shift_share"] == 0.0
     assert t["fork"]["mean_scale"] == 2.5 and t["routine"]["mean_scale"] == 1.0
     assert math.isnan(credit_by_class([{**row, "advantage": [1.0] * 4}])["fork"]["shift_share"])  # GRPO: no shift
+    # a run's counts are additive (issue 60: the results file keeps them per run): two runs' counts pooled
+    # equal the table of their rows pooled; the report's section from counts, or the line saying there are none
+    from hapo_openrlhf.experiment.credit import credit_counts, credit_from_counts
+    from hapo_openrlhf.experiment.report import _credit_section
+    from hapo_openrlhf.experiment.stats import RunStats
+
+    other = {"tokens": list("12=3"), "advantage": [-0.5, -1.0, -3.0, -1.0], "base_advantage": [-1.0] * 4}
+    assert credit_counts([row])["fork"] == {"tokens": 2, "shift": 3.0, "scale_sum": 5.0, "scale_n": 2}
+    assert credit_from_counts([credit_counts([row]), credit_counts([other])]) == credit_by_class([row, other])
+    pooled = credit_by_class([row, other])
+    assert pooled["fork"]["shift_share"] == pytest.approx((1 + 2 + 0.5) / (1 + 2 + 0.5 + 2))
+    runs = [RunStats("h", s, 4, 2, [0, 2], [0.5, 0.6], [0.7, 0.8], [1, 2], [1.0, 0.9], credit=credit_counts([r]))
+            for s, r in ((1, row), (2, other))]
+    section = _credit_section(runs, ["h"], tmp_path, "r.json")
+    assert section[0] == "## Token credit: where the advantage moved" and "| h | 8 | " in "\n".join(section)
+    assert json.loads((tmp_path / "credit.json").read_text())["h"]["fork"]["mean_scale"] == pytest.approx(5.5 / 3)
+    none = [RunStats("h", 1, 4, 2, [0, 2], [0.5, 0.6], [0.7, 0.8], [1, 2], [1.0, 0.9])]
+    assert "keeps no run's token-credit counts" in _credit_section(none, ["h"], tmp_path, "r.json")[0]
+    assert _credit_section(none, ["h"], tmp_path, None) == []  # run directories without samples: no section
     (tmp_path / "samples").mkdir()
     (tmp_path / "samples" / "step_00000001.jsonl").write_text(json.dumps(row) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"step_00000001.jsonl:2: not a JSON token sample"):
