@@ -92,9 +92,9 @@ def generate(model, tokenizer, prompts: list[str], *, n: int, temperature: float
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
     resp_mask = (~after_eos).long()
     truncated = ~is_eos.any(-1)
-    texts = [
-        tokenizer.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(resp, resp_mask)
-    ]
+    # the mask is a prefix (through the first EOS): each row's valid ids are its first n, decoded from lists
+    texts = tokenizer.batch_decode([r[:n] for r, n in zip(resp.tolist(), resp_mask.sum(-1).tolist())],
+                                   skip_special_tokens=True)
     attn = torch.cat([rows["attention_mask"], resp_mask], dim=1)
     scores = (None,) * 3 if scores is None else tuple(t * resp_mask for t in scores)
     return Rollout(out, attn, resp_mask, P, texts, truncated, *scores)

@@ -18,9 +18,9 @@ per distinct prompt and shared by its ``repeats`` rows; a decode step is ``Decod
 projections plus attention as two batched matrix products against the preallocated cache,
 the query heads grouped by their key/value head (no ``repeat_kv`` copy of the cache); rows
 that have ended leave the batch (the caches compacted when a quarter of the rows has ended);
-the draw is an inverse-CDF draw over the top-p set found with ``topk`` (a full sort only when
-the nucleus is larger than its k) instead of a sort of the vocabulary and
-``torch.multinomial``.
+the draw is an inverse-CDF draw over the top-p set found with ``topk`` (a full sort of the
+rows whose nucleus is larger than its k, those rows only) instead of a sort of the vocabulary
+and ``torch.multinomial``.
 
 The random stream: one ``torch.rand(B)`` a step from the global generator, for every row
 (ended rows included), so a row's tokens depend on its own uniforms and logits only: they do
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .decoder import Decoder, unsupported
 
-TOPK = 16  # the top-p set is searched among this many tokens first (a full sort if it is larger)
+TOPK = 16  # the top-p set is searched among this many tokens first (a row whose nucleus is larger: sorted whole)
 COMPACT = 3 / 4  # the caches drop ended rows when at most this fraction of them is left
 
 
@@ -91,7 +91,9 @@ class KVSampler:
     def draw(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float):
         """(token, log p_T(token), entropy of p_T, log p_T(top-p set)) per row of ``logits
         [b, V]`` for uniforms ``u [b]`` in [0, 1): the inverse-CDF draw over the top-p set in
-        descending probability order."""
+        descending probability order. The set is searched among each row's ``TOPK`` most
+        probable tokens; only the rows whose nucleus may reach past them are sorted whole, so a
+        row's draw depends on its own logits and uniform alone."""
         z = logits / temperature if temperature != 1.0 else logits
         lse = torch.logsumexp(z, -1, keepdim=True)
         logp = z - lse
@@ -99,22 +101,30 @@ class KVSampler:
         entropy = -(p_all * logp).sum(-1)
         if top_p < 1.0:
             k = min(TOPK, z.shape[-1])
-            top, idx = z.topk(k, -1)
-            p = (top - lse).exp()
-            c = p.cumsum(-1)
-            if k < z.shape[-1] and bool((c[:, -1] < top_p).any()):  # the nucleus may reach past k
-                top, idx = z.sort(-1, descending=True)
-                p = (top - lse).exp()
-                c = p.cumsum(-1)
-            p = p.masked_fill(c - p >= top_p, 0.0)  # mass above a token already >= top-p: dropped
+            tok, logmass, short = KVSampler._nucleus(*z.topk(k, -1), lse, u, top_p)
+            if k < z.shape[-1] and bool(short.any()):  # these rows' nuclei may reach past k: sort them whole
+                r = short.nonzero().squeeze(1)
+                tok[r], logmass[r], _ = KVSampler._nucleus(*z[r].sort(-1, descending=True), lse[r], u[r], top_p)
         else:
-            p, idx = p_all, None
+            c = p_all.cumsum(-1)
+            mass = c[:, -1]
+            tok = (c <= (u * mass).unsqueeze(-1)).sum(-1).clamp_(max=p_all.shape[-1] - 1)
+            logmass = torch.zeros_like(mass)
+        return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), entropy, logmass
+
+    @staticmethod
+    def _nucleus(top: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor, u: torch.Tensor, top_p: float):
+        """(token, log p_T(top-p set), short) for rows whose candidates ``top`` (descending logits
+        at T, ids ``idx``) hold their nucleus; ``short``: the candidates' mass is under top-p, so
+        a row's nucleus may hold tokens past them (the caller sorts those rows whole)."""
+        p = (top - lse).exp()
+        c = p.cumsum(-1)
+        short = c[:, -1] < top_p
+        p = p.masked_fill(c - p >= top_p, 0.0)  # mass above a token already >= top-p: dropped
         c = p.cumsum(-1)
         mass = c[:, -1]
         j = (c <= (u * mass).unsqueeze(-1)).sum(-1, keepdim=True).clamp_(max=p.shape[-1] - 1)
-        tok = (idx.gather(-1, j) if idx is not None else j).squeeze(-1)
-        logmass = mass.log() if idx is not None else torch.zeros_like(mass)
-        return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), entropy, logmass
+        return idx.gather(-1, j).squeeze(-1), mass.log(), short
 
     @torch.no_grad()
     def sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float, top_p: float,
@@ -149,7 +159,7 @@ class KVSampler:
             caches.append((kc, vc))
         # a generated token's position: the prompt's length plus its index (generate's rule)
         pos = valid.sum(-1, keepdim=True) + torch.arange(max_new_tokens, device=dev)
-        cos, sin = dec.rope(pos.repeat_interleave(repeats, 0))
+        cos, sin = (t.repeat_interleave(repeats, 0) for t in dec.rope(pos))  # a prompt's rows share positions
         logits = F.linear(h[:, -1], *self._head()).float().repeat_interleave(repeats, 0)  # h is normed
         rows = torch.arange(B, device=dev)  # the batch's rows, as indices into the B outputs
         bias = torch.zeros(B, 1, L, device=dev, dtype=emb.dtype)

@@ -177,6 +177,31 @@ def test_the_draw_follows_the_top_p_distribution(case):
                             * N) > ALPHA
 
 
+def test_a_rows_draw_depends_on_its_own_logits_and_uniform_alone():
+    """Rows whose nucleus lies within the top-k candidates and rows whose nucleus reaches past
+    them (sorted whole), in one batch: each row draws exactly what it draws alone -- token,
+    log-prob, entropy and nucleus mass -- whichever other rows share its batch. Rows of tied
+    logits are among them: which of equal tokens a row takes must not depend on whether some
+    other row needed the full sort."""
+    from hapo_openrlhf.generation.sampler import TOPK
+
+    g = torch.Generator().manual_seed(11)
+    V, B = 259, 48
+    scale = torch.where(torch.arange(B) % 3 == 0, 0.3, 6.0)[:, None]  # flat rows (nucleus past k) and peaked
+    logits = torch.randn(B, V, generator=g) * scale
+    logits[1] = 8.0 * (torch.arange(V) < 10)  # ten tied tokens hold the nucleus, within k
+    logits[2] = 2.0 * (torch.arange(V) % 7 == 0) - 1.0  # 37 tied tokens: a nucleus past k
+    u = torch.rand(B, generator=g)
+    for T, top_p in ((1.0, 0.95), (0.6, 0.8)):
+        z = logits / T
+        within = z.softmax(-1).topk(TOPK, -1).values.sum(-1) >= top_p
+        assert 0 < int(within.sum()) < B  # both kinds of row in the batch
+        batch = KVSampler.draw(logits, u, T, top_p)
+        alone = [KVSampler.draw(logits[i:i + 1], u[i:i + 1], T, top_p) for i in range(B)]
+        for j in range(4):
+            assert torch.equal(batch[j], torch.cat([a[j] for a in alone])), (T, top_p, j)
+
+
 def _chi2_pvalue(observed, expected, min_expected=5.0):
     """Pearson's chi-square goodness of fit; cells with expected count < ``min_expected``
     pooled into one. ``torch.special.gammaincc`` is the chi-square survival function."""
