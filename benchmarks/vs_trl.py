@@ -1,7 +1,7 @@
 """Embedded trainer vs TRL's GRPOTrainer: end-to-end tokens/s on the same work.
 
-Same tiny Qwen2 (the embedded default's architecture and char tokenizer, warm-started
-by the embedded SFT warm-up, then saved and loaded by both), same training prompts
+Same tiny Qwen2 (the embedded default's architecture and char tokenizer, or ``--config``'s,
+warm-started by the embedded SFT warm-up, then saved and loaded by both), same training prompts
 (templated identically), same group size, batch, sampling (T 1.0, top-p 0.95) and
 response budget, same PPO-clip loss (eps 0.2 / 0.28, token-mean, no KL, one update
 per batch), one optimizer step per rollout batch, both on this CPU with the same
@@ -23,6 +23,7 @@ does not compute; tested to change nothing else); the ratio with it is printed b
 
     pip install trl==1.16.0
     python benchmarks/vs_trl.py [--runs 5 --steps 8 --prompts 16 --group 8 --max-new-tokens 40]
+    python benchmarks/vs_trl.py --config configs/cpu_tiny_chain.yaml --warmup-steps 1000 --max-new-tokens 80
 
 Last line: one JSON object with ``median_ratio`` and every run's rewards and ratio.
 """
@@ -45,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _cfg(args):
     from hapo_openrlhf.config import load_config
 
-    return load_config(REPO / "configs" / "cpu_tiny.yaml", [
+    return load_config(args.config, [
         f"warmup.steps={args.warmup_steps}", f"rollout.prompts_per_step={args.prompts}",
         f"rollout.samples_per_prompt={args.group}", f"rollout.max_new_tokens={args.max_new_tokens}",
         "algorithm.estimator=grpo", "algorithm.estimator_params={}", "algorithm.dynamic_sampling=false",
@@ -163,6 +164,9 @@ def constant(rewards: list[float]) -> bool:
 def main() -> None:
     global ARGS
     ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=str(REPO / "configs" / "cpu_tiny.yaml"),
+                    help="the run config whose model, task, template and sampling both trainers use (the embedded "
+                         "default's; configs/cpu_tiny_chain.yaml: the leagues' testbed)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--runs", type=int, default=5, help="interleaved runs of both trainers (ours, TRL, ours, ...)")
     ap.add_argument("--prompts", type=int, default=16)
