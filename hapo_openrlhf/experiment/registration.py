@@ -111,6 +111,13 @@ def code_identity() -> dict[str, Any]:
 
 # what makes two invocations "the same code": the package's sources and the libraries its numbers depend on
 CODE_KEYS = ("sources_sha256", "torch", "transformers")
+# what each run records of the code it ran with (the runner, experiment.json's jobs; the results file)
+RUN_CODE_KEYS = ("sources_sha256", "git_commit", "git_dirty", "torch", "transformers")
+
+
+def run_code(code: dict[str, Any]) -> dict[str, Any]:
+    """The part of :func:`code_identity` a finished run keeps."""
+    return {k: code[k] for k in RUN_CODE_KEYS if k in code}
 
 
 def code_difference(registered: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -126,14 +133,16 @@ def _stamp(t: str) -> float:
 
 
 def register(previous: dict[str, Any], exp, variants: list[str], path: Path,
-             finished: dict[str, float] | None = None, code_change: str | None = None) -> dict[str, Any]:
+             finished: dict[str, float] | None = None, code_change: str | None = None,
+             code: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest fields that record the pre-registration (new, or checked and extended).
     ``finished``: each finished run's name -> when it finished (its summary's mtime): runs that
     finished before the registration mark it ``recorded_after_runs``. A later invocation from other
     code (:data:`CODE_KEYS`) is refused by name unless ``code_change`` gives the reason, which is
-    recorded (``code_changes``) and printed by the report."""
+    recorded (``code_changes``) and printed by the report. ``code``: this invocation's
+    :func:`code_identity` (computed here when not given)."""
     t = now()
-    code = code_identity()
+    code = code or code_identity()  # the runner passes the one it stamps this invocation's runs with
     finished = finished or {}
     settings = {v: fingerprint(exp.runs[(v, exp.seeds[0])].config) for v in variants}
     warm = fingerprint(exp.warm_jobs()[0].config)

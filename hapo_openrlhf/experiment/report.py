@@ -15,7 +15,7 @@ from ..algos.quadrants import QUADRANTS
 from ..rundir.jsonfile import read_json_object
 from ..report.plots import moving_average, save_png
 from .credit import credit_from_counts
-from .registration import check_jobs
+from .registration import check_jobs, code_difference
 from .credit import markdown as credit_markdown
 from .findings import evaluate_findings
 from .verdicts import compare
@@ -45,7 +45,9 @@ def load_experiment_runs(exp_dir: str | Path) -> tuple[dict, list[RunStats], lis
             if not (d / "summary.json").exists():
                 missing.append(name)
                 continue
-            runs.append(load_run(d, v, seed, manifest.get("jobs", {}).get(name, {}).get("wall_s")))
+            job = manifest.get("jobs", {}).get(name, {})
+            runs.append(load_run(d, v, seed, job.get("wall_s")))
+            runs[-1].code = job.get("code") if isinstance(job.get("code"), dict) else None
     return manifest, runs, missing
 
 
@@ -80,8 +82,9 @@ def read_manifest(path: Path) -> dict:
     return m
 
 
-def _code_lines(manifest: dict) -> list[str]:
-    """The code the experiment was registered with, and every later invocation's named change."""
+def _code_lines(manifest: dict, runs: list[RunStats] = ()) -> list[str]:
+    """The code the experiment was registered with, each run's against it, and every later
+    invocation's named change."""
     code = (manifest.get("registration") or {}).get("code")
     if not isinstance(code, dict):
         return []
@@ -90,11 +93,29 @@ def _code_lines(manifest: dict) -> list[str]:
              if isinstance(commit, str) else "no git checkout")
     lines = [f"Registered code: {where}; package sources sha256 {str(code.get('sources_sha256', '?'))[:16]}...; "
              f"torch {code.get('torch', '?')}, transformers {code.get('transformers', '?')}.", ""]
+    lines += _run_code_lines(code, runs, manifest.get("code_changes") or [])
     for c in manifest.get("code_changes") or []:
         if isinstance(c, dict):
             lines += [f"**Code changed after the registration** ({c.get('at')}; `--code-change`): "
                       f"{'; '.join(map(str, c.get('differences', [])))}. Reason given: {c.get('reason')!r}.", ""]
     return lines
+
+
+def _run_code_lines(registered: dict, runs: list[RunStats], changes: list) -> list[str]:
+    """Each finished run's recorded code against the registered (package sources, torch, transformers)."""
+    if not runs:
+        return []
+    other = [f"{r.variant}/seed_{r.seed}" for r in runs if r.code is not None and code_difference(registered, r.code)]
+    unrecorded = sum(r.code is None for r in runs)
+    same = len(runs) - len(other) - unrecorded
+    text = f"Each run's code: {same} of {len(runs)} finished runs recorded the registered code"
+    if other:
+        text += (f"; **{len(other)} ran from other code**: " + ", ".join(other[:6])
+                 + (f" and {len(other) - 6} more" if len(other) > 6 else ""))
+    if unrecorded:
+        text += (f"; {unrecorded} finished before runs recorded their code (each invocation that ran them was "
+                 f"checked against the registration: {len(changes)} code change(s) recorded)")
+    return [text + ".", ""]
 
 
 def warm_start_of_seed(manifest: dict) -> dict[int, int]:
@@ -411,7 +432,7 @@ def build_experiment_report(exp_dir: str | Path, out_dir: str | Path | None = No
         f"({manifest['workers']} workers x {manifest['threads_per_worker']} thread(s); "
         f"{_f(job_s / 60, 1)} min of run time over all runs, including earlier invocations).", "",
     ]
-    lines += _code_lines(manifest)
+    lines += _code_lines(manifest, runs)
     lines += _missing_lines(missing, len(runs))
     if manifest.get("failed"):
         lines += [f"**Failed runs**: {', '.join(manifest['failed'])} (see experiment.json)", ""]

@@ -6,7 +6,9 @@ identity and family-wise level, the warm starts the seeds nest in, later additio
 changes) and, per finished run, what the report's tables read (:class:`~.stats.RunStats`: the
 held-out Avg@k / Pass@k at each evaluation, the behaviour entropy and the four quadrants' token
 share and entropy per step, the wall time, and the token-credit counts of its dumped token samples,
-exactly: ``credit.credit_counts``) with the run's config fingerprint. ``hapo report results.json``
+exactly: ``credit.credit_counts``) with the run's config fingerprint and the code it ran with
+(``registration.run_code``: package sources sha256, git commit and whether the tree was dirty,
+torch and transformers; recorded by the runner since 2026-12-07). ``hapo report results.json``
 rebuilds every table and figure of the experiment report from it alone, in a fresh clone, the
 token-credit table included. A file written before the credit counts were kept (League 2's
 ``results/league2.json``, whose run directories are gone) loads, and its report says it has no
@@ -57,6 +59,7 @@ def export(manifest: dict, runs: list[RunStats], fingerprints: dict[str, str] | 
             "quadrant": {q: {s: _r(r.quadrant.get(q, {}).get(s, [])) for s in QUADRANT_STATS} for q in QUADRANTS},
             "status": (jobs.get(name) or {}).get("status", "done"),
             **({"credit": r.credit} if r.credit is not None else {}),  # exact: counts and sums, 12 numbers
+            **({"code": r.code} if r.code is not None else {}),  # the code the run ran with
             **({"config_sha256": fingerprints[name]} if fingerprints and name in fingerprints else {}),
         })
     return {"format": FORMAT, "manifest": {k: manifest[k] for k in MANIFEST_KEYS if k in manifest},
@@ -109,7 +112,8 @@ def load(path: str | Path) -> tuple[dict, list[RunStats]]:
                                  pass_=[_num(x) for x in r["pass"]], train_steps=[int(x) for x in r["train_steps"]],
                                  entropy=[_num(x) for x in r["entropy"]], quadrant=quad,
                                  wall_s=None if r.get("wall_s") is None else float(r["wall_s"]),
-                                 credit=check_counts(r["credit"], f"{path}: runs[{i}]") if "credit" in r else None))
+                                 credit=check_counts(r["credit"], f"{path}: runs[{i}]") if "credit" in r else None,
+                                 code=_code(r["code"], f"{path}: runs[{i}]") if "code" in r else None))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: runs[{i}] is damaged ({type(e).__name__}: {e})") from None
         if not runs[-1].avg or len(runs[-1].avg) != len(runs[-1].eval_steps):
@@ -120,6 +124,13 @@ def load(path: str | Path) -> tuple[dict, list[RunStats]]:
     m.setdefault("jobs", {})
     m["runs"] = {f"{r.variant}/seed_{r.seed}": "" for r in runs}
     return m, runs
+
+
+def _code(x: Any, where: str) -> dict:
+    """A run's recorded code identity: an object of strings and booleans (registration.run_code)."""
+    if not isinstance(x, dict) or not all(isinstance(k, str) and isinstance(v, (str, bool)) for k, v in x.items()):
+        raise ValueError(f"{where}: code must map names to strings or booleans, got {x!r:.80}")
+    return dict(x)
 
 
 def _num(x: Any) -> float:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..rundir.jsonfile import read_json_object
-from .registration import read_manifest_for_update, register
+from .registration import code_identity, read_manifest_for_update, register, run_code
 from .spec import Experiment, Job, config_matches
 
 
@@ -274,6 +274,15 @@ def run_experiment(exp: Experiment, suites: list[str],
         runlock.release(exp.output_dir)
 
 
+def _as_when_it_ran(r: dict, before: dict) -> dict:
+    """A reused run's record: its wall time when it ran, and the code it ran with (none recorded: it
+    finished before runs recorded theirs)."""
+    r["wall_s"] = before.get("wall_s", 0.0)
+    if "code" in before:
+        r["code"] = before["code"]
+    return r
+
+
 def _run_locked(exp: Experiment, suites: list[str], on_event, code_change: str | None = None) -> dict[str, Any]:
     variants = exp.variants_of(suites)
     warm = exp.warm_jobs()
@@ -292,7 +301,8 @@ def _run_locked(exp: Experiment, suites: list[str], on_event, code_change: str |
                 "jobs": previous.get("jobs", {})}
     finished = {name: (j.out / "summary.json").stat().st_mtime for j in warm + [j for js in runs.values() for j in js]
                 if (name := j.name) in results}
-    manifest.update(register(previous, exp, variants, manifest_path, finished, code_change))
+    manifest.update(register(previous, exp, variants, manifest_path, finished, code_change, code := code_identity()))
+    ran_with = run_code(code)  # each job this invocation runs records it (issue 60: the run's code identity)
     exp.output_dir.mkdir(parents=True, exist_ok=True)
     _write_json(manifest_path, manifest)  # the registration, before the first job starts
     t_start = time.perf_counter()
@@ -306,8 +316,7 @@ def _run_locked(exp: Experiment, suites: list[str], on_event, code_change: str |
         _write_json(manifest_path, manifest)
 
     for r in results.values():
-        r["wall_s"] = manifest["jobs"].get(r["name"], {}).get("wall_s", 0.0)  # its time when it ran
-        record(r)
+        record(_as_when_it_ran(r, manifest["jobs"].get(r["name"], {})))
         emit("reused", r)
     failed: list[str] = []
     queue: list[Job] = []
@@ -340,7 +349,7 @@ def _run_locked(exp: Experiment, suites: list[str], on_event, code_change: str |
             if not workers.busy:
                 break
             for job, r in workers.wait():
-                results[job.name] = r
+                results[job.name] = r = {**r, "code": ran_with}
                 record(r)
                 emit(r["status"], r)
                 if r["status"] != "done":

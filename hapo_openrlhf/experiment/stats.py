@@ -36,6 +36,8 @@ class RunStats:
     wall_s: float | None = None
     # the token-credit counts of its dumped samples (credit.credit_counts); None: no samples dumped or kept
     credit: dict[str, dict[str, float]] | None = None
+    # the code it ran with (registration.run_code; the runner's jobs record); None: not recorded (older runs)
+    code: dict | None = None
 
     # ---- derived scalars (the report's columns)
     @property

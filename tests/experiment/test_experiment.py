@@ -156,6 +156,13 @@ def test_experiment_cli_smoke(tmp_path):
     assert (out / "runs" / "forking" / "seed_1" / "summary.json").exists()
     rerun = json.loads((out / "experiment.json").read_text())["jobs"]
     assert rerun["hapo/seed_1"]["reused"] and rerun["hapo/seed_1"]["wall_s"] == manifest["jobs"]["hapo/seed_1"]["wall_s"]
+    # every run records the code it ran with (issue 60), the registered code here; a reused run keeps its record
+    registered = manifest["registration"]["code"]
+    for name, job in manifest["jobs"].items():
+        assert {k: job["code"][k] for k in ("sources_sha256", "torch", "transformers")} == \
+            {k: registered[k] for k in ("sources_sha256", "torch", "transformers")}, name
+    assert rerun["hapo/seed_1"]["code"] == manifest["jobs"]["hapo/seed_1"]["code"]
+    assert rerun["forking/seed_1"]["code"] == manifest["jobs"]["forking/seed_1"]["code"]  # run again, same code
 
     # a finished run made with another configuration is never overwritten
     res = cli_in_process(["experiment", "compare", "--config", str(TOY), "--seeds", "1,2", "--output-dir", str(out),
@@ -183,6 +190,9 @@ def test_experiment_cli_smoke(tmp_path):
         return [ln for ln in text.splitlines() if ln.startswith("|")]
 
     assert tables(alone_md) == tables(full) and len(tables(full)) > 40
+    assert "Each run's code: 34 of 34 finished runs recorded the registered code." in alone_md
+    assert all(r["code"] == rerun[f"{r['variant']}/seed_{r['seed']}"]["code"]
+               for r in json.loads(kept.read_text())["runs"])  # the results file keeps each run's code
     # these runs dump no token samples (trainer.sample_every=0): no credit table either way, and the file's
     # report says why (test_decisive_experiment_smoke rebuilds a credit table from its results file)
     assert "## Token credit" not in full and "keeps no run's token-credit counts" in alone_md

@@ -277,6 +277,22 @@ def test_other_code_than_the_registered_is_refused_unless_named_and_the_report_p
     text = "\n".join(_code_lines({**other, **went}))
     assert "package sources sha256 0000000000000000..." in text and "torch 2.0.0" in text
     assert "**Code changed after the registration**" in text and "'a docstring fix, numbers unchanged'" in text
+    # each run's recorded code against the registered: the same, other code (named), or not recorded
+    from hapo_openrlhf.experiment.registration import run_code
+    from hapo_openrlhf.experiment.stats import RunStats
+
+    def run(seed, code):
+        return RunStats("a", seed, 4, 2, [0, 2], [0.5, 0.6], [0.7, 0.8], [1, 2], [1.0, 0.9], code=code)
+
+    mine = run_code(code)
+    assert set(mine) <= {"sources_sha256", "git_commit", "git_dirty", "torch", "transformers"}
+    text = "\n".join(_code_lines(first, [run(1, mine), run(2, mine)]))
+    assert "Each run's code: 2 of 2 finished runs recorded the registered code." in text
+    text = "\n".join(_code_lines({**other, **went}, [run(1, {**mine, "sources_sha256": "0" * 64, "torch": "2.0.0"}), run(2, mine),
+                                                     run(3, None)]))
+    assert ("Each run's code: 1 of 3 finished runs recorded the registered code; **1 ran from other code**: a/seed_2; "
+            "1 finished before runs recorded their code (each invocation that ran them was checked against the "
+            "registration: 1 code change(s) recorded).") in text
 
 
 def test_the_report_shows_late_comparisons_apart(tmp_path):
@@ -361,7 +377,8 @@ def test_a_damaged_results_file_is_named(tmp_path):
                        ({**good, "runs": [{**run, "credit": {**credit, "fork": {**credit["fork"], "tokens": 1.5}}}]},
                         r"credit\['fork'\]\['tokens'\] must be a count"),
                        ({**good, "runs": [{**run, "credit": {**credit, "fork": {**credit["fork"], "shift": -1.0}}}]},
-                        r"credit\['fork'\]\['shift'\] must be a finite number >= 0")):
+                        r"credit\['fork'\]\['shift'\] must be a finite number >= 0"),
+                       ({**good, "runs": [{**run, "code": {"torch": 2.13}}]}, r"runs\[0\]: code must map names to")):
         f.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=named):
             load(f)
