@@ -46,8 +46,8 @@ def load_experiment_runs(exp_dir: str | Path) -> tuple[dict, list[RunStats], lis
                 missing.append(name)
                 continue
             job = manifest.get("jobs", {}).get(name, {})
-            runs.append(load_run(d, v, seed, job.get("wall_s")))
-            runs[-1].code = job.get("code") if isinstance(job.get("code"), dict) else None
+            code = job.get("code")
+            runs.append(load_run(d, v, seed, job.get("wall_s"), code if isinstance(code, dict) else None))
     return manifest, runs, missing
 
 

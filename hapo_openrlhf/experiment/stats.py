@@ -114,7 +114,8 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, float]:
     return {"diff": sp["mean"], "se": se, "n": sp["n"], "per_seed": d}
 
 
-def load_run(run_dir: str | Path, variant: str, seed: int, wall_s: float | None = None) -> RunStats:
+def load_run(run_dir: str | Path, variant: str, seed: int, wall_s: float | None = None,
+             code: dict | None = None) -> RunStats:
     recs = read_metrics(run_dir)
     evals = [r for r in recs if any(k.startswith("eval/avg@") for k in r)]
     if not evals:
@@ -129,6 +130,7 @@ def load_run(run_dir: str | Path, variant: str, seed: int, wall_s: float | None 
         pass_=[r[f"eval/pass@{k}"] for r in evals], train_steps=[r["step"] for r in train],
         entropy=[r["actor/entropy"] for r in train], quadrant=quad, wall_s=wall_s,
         credit=credit_counts(samples) if (samples := run_samples(run_dir)) else None,
+        code=code,
     )
 
 
