@@ -180,7 +180,10 @@ def main() -> None:
     except ImportError:
         sys.exit("benchmarks/vs_trl.py needs TRL: pip install trl==1.16.0")
     torch.set_num_threads(args.threads)
-    cfg = _cfg(args)
+    try:
+        cfg = _cfg(args)
+    except ValueError as e:  # a missing or bad --config: named in one line
+        sys.exit(f"benchmarks/vs_trl.py: {e}")
     ratios, ratios_rescore, per_run = [], [], []
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
