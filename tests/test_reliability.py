@@ -2,6 +2,7 @@
 the real `hapo` command (in this process; one case of each command in a subprocess) and must end with one `hapo: error:` line naming
 the key, file or option, a non-zero exit, and no traceback (reliability issue)."""
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -149,7 +150,7 @@ def test_bad_input_is_one_clear_line(tmp_path, args, match):
 
 @pytest.mark.parametrize("args, match", ENTRY_POINT_CASES, ids=[a[0] for a, _ in ENTRY_POINT_CASES])
 def test_bad_input_is_one_clear_line_through_the_entry_point(tmp_path, args, match):
-    _check_one_clear_line(tmp_path, args, match, run_cli)
+    _check_one_clear_line(tmp_path, args, match, functools.partial(run_cli, fresh=True))  # a fresh interpreter
 
 
 def _check_one_clear_line(tmp_path, args, match, run):

@@ -29,7 +29,7 @@ def test_extend_context_writes_yarn_and_links_the_weights(tiny_qwen3, tmp_path):
     from hapo_openrlhf.megatron.families import yarn_settings
 
     out = tmp_path / "yarn4"
-    p = run_cli(["extend-context", str(tiny_qwen3), str(out), "--factor", "4"])  # the installed entry point
+    p = run_cli(["extend-context", str(tiny_qwen3), str(out), "--factor", "4"], fresh=True)  # a fresh interpreter
     assert p.returncode == 0, p.stderr
     assert "YaRN x4" in p.stdout
     raw = json.loads((out / "config.json").read_text())

@@ -203,7 +203,7 @@ def test_old_logprobs_sampler_and_forward_agree_in_a_training_step(tmp_path):
 def test_cli_errors_are_one_clear_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(CONFIG).read_text().replace("prompts_per_step", "prompt_per_step"))
-    res = run_cli(["train", "--config", str(bad), "--output-dir", str(tmp_path / "o")])
+    res = run_cli(["train", "--config", str(bad), "--output-dir", str(tmp_path / "o")], fresh=True)
     assert res.returncode == 2
     assert "unknown config key 'rollout.prompt_per_step' (did you mean 'rollout.prompts_per_step'?)" in res.stderr
     # the loader's and the data's refusals, in this process (cli.main; issue 57)
