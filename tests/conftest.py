@@ -210,21 +210,21 @@ def repo() -> Path:
     return REPO
 
 
-def run_cli(args, cwd=REPO, timeout=600, fresh=False, **kw):
-    """The real `hapo` CLI in a subprocess (``python -m hapo_openrlhf ARGS``, the way a user runs it).
-    The process is a fork of this test process's server that has imported torch and transformers once
-    (``tests/fork_server.py``, issue 57): its own pid, exit code, signals, pipes, directory and
-    environment, ``hapo_openrlhf`` imported and run afresh as ``__main__``. ``fresh`` (the tests of the
-    entry point itself), any other ``subprocess.run`` argument (``kw``), ``HAPO_TEST_FORK_SERVER=0`` or
-    coverage: a fresh interpreter, nothing imported."""
+def run_cli(args, cwd=REPO, timeout=600, env=None, fresh=False, **kw):
+    """The real `hapo` CLI in a subprocess (``python -m hapo_openrlhf ARGS``, the way a user runs it),
+    in ``env`` (default: this process's environment). The process is a fork of this test process's
+    server that has imported torch and transformers once (``tests/fork_server.py``, issue 57): its own
+    pid, exit code, signals, pipes, directory and environment, ``hapo_openrlhf`` imported and run afresh
+    as ``__main__``. ``fresh`` (the tests of the entry point itself), any other ``subprocess.run``
+    argument (``kw``), ``HAPO_TEST_FORK_SERVER=0`` or coverage: a fresh interpreter, nothing imported."""
     import subprocess
 
     from tests import fork_server
 
-    argv, env = [sys.executable, "-m", "hapo_openrlhf", *map(str, args)], None
+    argv = [sys.executable, "-m", "hapo_openrlhf", *map(str, args)]
     server = None if fresh or kw else fork_server.cli_server()
     if server is not None:
-        argv, env = server.command(argv[1:]), server.env
+        argv, env = server.command(argv[1:]), server.launcher_env(env)
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
 
 

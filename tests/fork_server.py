@@ -308,8 +308,8 @@ def cli_enabled(environ=os.environ) -> bool:
 
 
 class CliServer:
-    """This test process's server for ``hapo`` runs: :meth:`command` is the launcher's argv, :attr:`env`
-    its environment."""
+    """This test process's server for ``hapo`` runs: :meth:`command` is the launcher's argv,
+    :meth:`launcher_env` its environment."""
 
     def __init__(self) -> None:
         import atexit
@@ -322,10 +322,10 @@ class CliServer:
                                       ",".join(CLI_PRELOAD)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         atexit.register(self.stop)
 
-    @property
-    def env(self) -> dict[str, str]:
-        """The launcher's: this process's environment now, and where the server is."""
-        return {**os.environ, CLI_SOCKET: self.sock, CLI_PID: str(self.proc.pid)}
+    def launcher_env(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """The launcher's environment: ``env`` (default: this process's now) and where the server is;
+        the child gets ``env``."""
+        return {**(os.environ if env is None else env), CLI_SOCKET: self.sock, CLI_PID: str(self.proc.pid)}
 
     def command(self, argv: list[str]) -> list[str]:
         return [sys.executable, "-S", os.path.abspath(__file__), *argv]

@@ -39,7 +39,7 @@ def _probe(tmp_path, *args, server=None, timeout=120, **env):
     if server is None:
         cmd, full_env = [sys.executable, *argv], {**os.environ, **env}
     else:
-        cmd, full_env = server.command(argv), {**server.env, **env}
+        cmd, full_env = server.command(argv), server.launcher_env({**os.environ, **env})
     return subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -65,7 +65,7 @@ def test_a_module_run_through_the_server_sees_what_python_dash_m_would(tmp_path)
 def test_a_timed_out_run_takes_its_forked_process_with_it(tmp_path):
     server = fork_server.cli_server()
     (tmp_path / "probe.py").write_text(PROBE)
-    p = subprocess.Popen(server.command(["-m", "probe", "sleep", "0"]), cwd=tmp_path, env=server.env,
+    p = subprocess.Popen(server.command(["-m", "probe", "sleep", "0"]), cwd=tmp_path, env=server.launcher_env(),
                          stdout=subprocess.PIPE, text=True)
     pid = json.loads(p.stdout.readline())["pid"]
     with pytest.raises(subprocess.TimeoutExpired):  # what subprocess.run does on its timeout: kill, wait
@@ -79,7 +79,13 @@ def test_a_timed_out_run_takes_its_forked_process_with_it(tmp_path):
 
 
 def test_hapo_through_run_cli_answers_as_a_fresh_interpreter(tmp_path, monkeypatch):
-    """The same refusal and the same doctor report, byte for byte, forked and fresh."""
+    """The same refusal and the same doctor report, byte for byte, forked and fresh (the disk's free
+    space aside: the other tests write beside these)."""
+    import re
+
+    def answer(p):
+        return p.returncode, *(re.sub(r"[\d.]+ GiB free", "N GiB free", t) for t in (p.stdout, p.stderr))
+
     cases = [["train", "--config", str(tmp_path / "missing.yaml")],
              ["doctor", "--config", "configs/cpu_tiny.yaml", "--output-dir", str(tmp_path / "o")]]
     for args in cases:
@@ -87,8 +93,10 @@ def test_hapo_through_run_cli_answers_as_a_fresh_interpreter(tmp_path, monkeypat
         monkeypatch.setenv("HAPO_TEST_FORK_SERVER", "0")
         fresh = run_cli(args)
         monkeypatch.delenv("HAPO_TEST_FORK_SERVER")
-        assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
-    assert run_cli(cases[0]).returncode != 0 and "missing.yaml" in run_cli(cases[0]).stderr
+        assert answer(forked) == answer(fresh)
+    # an environment of its own (the Slurm tests' form) goes through the server too
+    mine = run_cli(cases[0], env={**os.environ, "HAPO_PROBE": "1"})
+    assert (mine.returncode, mine.stderr) == (2, run_cli(cases[0], fresh=True).stderr) and "missing.yaml" in mine.stderr
 
 
 def test_switched_off_by_name_and_under_coverage():
