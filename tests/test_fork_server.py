@@ -78,6 +78,7 @@ def test_a_timed_out_run_takes_its_forked_process_with_it(tmp_path):
         time.sleep(0.05)
 
 
+@needs_server  # (with the server off both runs are fresh: nothing to compare)
 def test_hapo_through_run_cli_answers_as_a_fresh_interpreter(tmp_path, monkeypatch):
     """The same refusal and the same doctor report, byte for byte, forked and fresh (the disk's free
     space aside: the other tests write beside these)."""
