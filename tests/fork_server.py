@@ -331,16 +331,21 @@ class CliServer:
         return [sys.executable, "-S", os.path.abspath(__file__), *argv]
 
     def stop(self) -> None:
-        import shutil
-        import subprocess
+        stop(self.proc, self.home)
 
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.home, ignore_errors=True)
+
+def stop(proc, home: str) -> None:
+    """A server's end: SIGTERM (it leaves its loop), SIGKILL after 30 s, its socket's directory removed."""
+    import shutil
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(home, ignore_errors=True)
 
 
 _CLI: dict[int, CliServer] = {}

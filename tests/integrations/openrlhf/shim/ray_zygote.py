@@ -109,7 +109,6 @@ def started(worker_env: dict):
     if not enabled():
         yield None
         return
-    import shutil
     import subprocess
     import tempfile
 
@@ -120,13 +119,7 @@ def started(worker_env: dict):
     try:
         yield Zygote(sock_path, proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(home, ignore_errors=True)
+        _fork_server().stop(proc, home)
 
 
 if __name__ == "__main__":
