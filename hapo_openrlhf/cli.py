@@ -34,7 +34,7 @@ def _no_report(args) -> bool:
     value = os.environ.get(NO_REPORT_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{NO_REPORT_ENV} must be 0 or 1 (1: skip hapo train's report), got {value!r}")
-    return bool(getattr(args, "no_report", False)) or value == "1"
+    return args.no_report or value == "1"
 
 
 def _train(args) -> int:
