@@ -12,6 +12,11 @@ Tokens/s = generated response tokens (EOS included) / wall time of the step
 (generation + reward + old-log-prob/scoring forwards + update), step 1 excluded as
 warm-up. TRL's per-step count comes from its logged ``completions/mean_length``.
 
+Both trainers' verifiers are warmed before their first step (``MathVerifier.warm``): the math-verify
+worker starts on the first sample that needs symbolic grading, about 1 s once per run (an interpreter,
+sympy, the parser's first use), which had landed in the embedded trainer's step 16 of every
+``--steps 16`` run (a 0.7 s step among 0.15 s ones) and in TRL's wherever its first such sample fell.
+
 Both trainers are graded alike: TRL's reward function hands the verifier the same answers the
 embedded trainer grades against (issue 60: it used to get ``str(answer)`` of a tuple, which
 never matched, so TRL trained on all-zero rewards). Each run prints both trainers' per-step
@@ -79,6 +84,7 @@ def run_ours(cfg, out: Path, steps: int, run: int, rescore: bool = True) -> dict
     c = replace(cfg, model=replace(cfg.model, path=str(out / "warm")), warmup=replace(cfg.warmup, steps=0),
                 trainer=replace(cfg.trainer, entropy_change_every=1 if rescore else 0))
     t = LocalTrainer(c, out / f"ours_{run}_{'rescore' if rescore else 'same_work'}")
+    t.verifier.warm()  # the math-verify worker's start-up before the timed steps, as TRL's (run_trl)
     rows, rewards = [], []
     for _ in range(steps):
         m = t.train_step()
@@ -100,6 +106,7 @@ def run_trl(cfg, out: Path, steps: int, problems, run: int = 0) -> dict:
     tok = load_tokenizer(out / "warm")
     model = AutoModelForCausalLM.from_pretrained(out / "warm", dtype=torch.float32)
     verifier = MathVerifier()
+    verifier.warm()  # its worker's start-up (~1 s, once) in no timed step, as the embedded trainer's (run_ours)
     r = cfg.rollout
 
     rewards_seen: list[list[float]] = []

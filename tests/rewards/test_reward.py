@@ -73,6 +73,29 @@ def test_timeout_is_counted_scored_zero_and_recovers():
     v.close()
 
 
+def test_warm_starts_the_worker_without_counting_an_outcome():
+    """``warm`` (vs_trl.py calls it before its timed steps): the worker is up after it, nothing is
+    counted, and the next symbolic sample is graded by that same worker, quickly."""
+    import time
+
+    v = MathVerifier()
+    try:
+        v.warm()
+        proc = v._proc
+        assert proc is not None and proc.poll() is None
+        assert (v.stats.total, v.stats.correct, v.stats.symbolic_match, v.stats.errors) == (0, 0, 0, 0)
+        t0 = time.perf_counter()
+        assert v.score("\\boxed{x^2+2x+1}", "(x+1)^2") == 1.0
+        first = time.perf_counter() - t0
+        assert v._proc is proc and v.stats.symbolic_match == 1
+        print(f"first symbolic sample after warm: {first * 1e3:.0f} ms")
+    finally:
+        v.close()
+    off = MathVerifier(symbolic=False)
+    off.warm()  # symbolic matching off: nothing to start
+    assert off._proc is None
+
+
 def test_symbolic_works_from_a_thread():
     """math-verify's own signal-based timeout fails off the main thread; ours does not."""
     import threading
