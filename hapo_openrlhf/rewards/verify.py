@@ -102,11 +102,16 @@ class MathVerifier:
     def warm(self) -> None:
         """Start the math-verify worker now and have it grade one symbolic pair, so that its
         start-up (an interpreter, sympy, the parser's first use: ~1 s) is not charged to the first
-        sample that needs it (a benchmark's timed step). The outcome counts are not touched; a
-        worker that cannot start disables symbolic matching, as at a sample."""
+        sample that needs it (a benchmark's timed step). The outcome counts are not touched, not
+        even by a time-out or an error (logged); a worker that cannot start disables symbolic
+        matching, as at a sample."""
         with self._lock:
             if self.symbolic:
-                self._symbolic("x + 1", ["1 + x"])
+                counts, self.stats = self.stats, RewardStats()
+                try:
+                    self._symbolic("x + 1", ["1 + x"])
+                finally:
+                    self.stats = counts
 
     def score_batch(self, responses: Iterable[str], answers: Iterable[Answer]) -> list[float]:
         return [self.score(r, a) for r, a in zip(responses, answers, strict=True)]

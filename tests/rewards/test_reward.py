@@ -94,6 +94,12 @@ def test_warm_starts_the_worker_without_counting_an_outcome():
     off = MathVerifier(symbolic=False)
     off.warm()  # symbolic matching off: nothing to start
     assert off._proc is None
+    slow = MathVerifier(timeout_s=0.0)  # its first answer times out: logged, not counted
+    try:
+        slow.warm()
+        assert (slow.stats.total, slow.stats.timeouts, slow.stats.errors) == (0, 0, 0)
+    finally:
+        slow.close()
 
 
 def test_symbolic_works_from_a_thread():
