@@ -8,8 +8,9 @@ actors, vLLM engines, fork-server ranks, Slurm jobs -- which the timeline's own 
 
 ``sample`` reads every process's CPU time from /proc every ``--interval`` seconds and writes
 "time worker cpu_seconds" lines: each process's CPU since the last sample, credited to the xdist
-worker it descends from (or, for a process outside that tree -- a Slurm job -- the worker named
-in its environment; the Python 3.12 leg's processes as ``main``). ``attribute`` credits each
+worker it descends from, the worker's own included (as ``pid:N``, named gwN by ``attribute`` from
+the timeline's ``pid=``), or, for a process outside that tree -- a Slurm job -- to the worker named
+in its environment; the Python 3.12 leg's processes as ``main``. ``attribute`` credits each
 sample to the test that worker was running then (the timeline) and prints the largest files and
 tests. A process that starts and ends between two samples is missed: keep the interval short.
 Linux only (/proc)."""
@@ -30,7 +31,10 @@ def _stat(pid: str):
 
 
 def _worker(pid: int, seen: dict, depth: int = 0) -> str:
-    """The xdist worker (gwN) ``pid`` descends from, else its environment's, else py312 / other."""
+    """The xdist worker ``pid`` descends from (``pid:N``, its process id: a worker learns its name
+    gwN after it starts, so its /proc environment has none; ``attribute`` names it from the
+    timeline), else its environment's gwN (a daemon or Slurm job started by a test), else py312 /
+    other."""
     if pid in seen:
         return seen[pid]
     label = "other"
@@ -40,8 +44,8 @@ def _worker(pid: int, seen: dict, depth: int = 0) -> str:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
         named = env.get(b"PYTEST_XDIST_WORKER", b"").decode()
-        if named and b"exec(eval(sys.stdin.readline()))" in cmd:  # an xdist worker itself
-            label = named
+        if b"exec(eval(sys.stdin.readline()))" in cmd:  # an xdist worker itself
+            label = named or f"pid:{pid}"
         else:
             ppid = _stat(str(pid))[0]
             if ppid > 1 and depth < 40:
@@ -83,14 +87,15 @@ def sample(out_path: str, interval: float) -> None:
 
 
 def attribute(timeline: str, samples: str, interval: float, top: int) -> dict:
-    spans = defaultdict(list)
+    spans, pids = defaultdict(list), {}
     for line in open(timeline):
         p = line.split()
         spans[p[0]].append((float(p[1]), float(p[2]), p[-1]))
+        pids.update({f"pid:{f[4:]}": p[0] for f in p[3:-1] if f.startswith("pid=")})
     per_test, lost = defaultdict(float), defaultdict(float)
     for line in open(samples):
         t, label, cpu = line.split()
-        t, cpu = float(t), float(cpu)
+        t, cpu, label = float(t), float(cpu), pids.get(label, label)
         # a sample covers the interval before it: the test running at its time, else one that ended in it
         ours = spans.get(label, ())
         hit = next((n for s, e, n in ours if s <= t <= e), None) or \

@@ -1,5 +1,6 @@
 """Where the test suite's wall time goes: reads the timeline that tests/conftest.py writes
-when HAPO_TEST_TIMELINE=FILE is set (one "worker start end cpu=SECONDS nodeid" line per test)
+when HAPO_TEST_TIMELINE=FILE is set (one "worker start end cpu=SECONDS pid=PID nodeid" line per
+test; older files without ``pid=`` or ``cpu=`` read too)
 and prints the wall time, each worker's busy time and test count, the longest tests, the
 tests that used the most CPU, and the tests the last worker ran in its last stretch (the
 tail that decides the wall time).
@@ -23,8 +24,12 @@ def load(path: str) -> tuple[list[tuple[str, float, float, str]], dict[str, floa
     with open(path) as f:
         for ln in f:
             w, a, b, node = ln.rstrip("\n").split(" ", 3)
+            c = None
             if node.startswith("cpu="):
                 c, node = node.split(" ", 1)
+            if node.startswith("pid="):
+                node = node.split(" ", 1)[1]
+            if c is not None:
                 cpu[node] = float(c[4:])
             rows.append((w, float(a), float(b), node))
     if not rows:

@@ -145,9 +145,10 @@ def _xdist_load_workers(config) -> int:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """HAPO_TEST_TIMELINE=FILE: append "worker start end cpu=SECONDS nodeid" per test (setup
-    to teardown; CPU of the worker and of the subprocesses it waited for -- not of Slurm
-    jobs or daemons), to see where the suite's wall and CPU time go
+    """HAPO_TEST_TIMELINE=FILE: append "worker start end cpu=SECONDS pid=PID nodeid" per test
+    (setup to teardown; CPU of the worker and of the subprocesses it waited for -- not of Slurm
+    jobs or daemons; the worker's process id, which benchmarks/suite_cpu.py needs to name an
+    xdist worker's own CPU), to see where the suite's wall and CPU time go
     (benchmarks/test_timeline.py reads it)."""
     path = os.environ.get("HAPO_TEST_TIMELINE")
     if not path:
@@ -166,7 +167,7 @@ def pytest_runtest_protocol(item, nextitem):
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         failed = "FAILED " if getattr(item, "_hapo_failed", False) else ""
         with open(path, "a") as f:
-            f.write(f"{worker} {start:.2f} {time.time():.2f} cpu={cpu() - cpu0:.1f} {failed}{item.nodeid}\n")
+            f.write(f"{worker} {start:.2f} {time.time():.2f} cpu={cpu() - cpu0:.1f} pid={os.getpid()} {failed}{item.nodeid}\n")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -2,6 +2,7 @@
 figures themselves come from full-size runs, never from tests)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -75,9 +76,10 @@ def test_megatron_head_script_reports_ratios_and_agreement_at_tp2(tmp_path):
 
 def test_timeline_script_reads_wall_busy_and_cpu(tmp_path):
     """benchmarks/test_timeline.py on a hand-made timeline (the format tests/conftest.py
-    writes, and the older one without CPU): wall, busy time per worker, total CPU, failures."""
+    writes, with the worker's process id, and the older ones without it or without CPU): wall, busy
+    time per worker, total CPU, failures."""
     f = tmp_path / "t.txt"
-    f.write_text("gw0 100.00 160.00 cpu=50.5 tests/a.py::test_x\n"
+    f.write_text("gw0 100.00 160.00 cpu=50.5 pid=4242 tests/a.py::test_x\n"
                  "gw1 110.00 130.00 cpu=3.0 FAILED tests/b.py::test_y[1 2]\n"
                  "gw0 160.00 170.00 tests/c.py::test_old_format\n")
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "test_timeline.py"), str(f), "--top", "2"],
@@ -192,14 +194,21 @@ def test_head_signals_script_reports_both_paths_as_ratios_to_the_head():
 
 def test_suite_cpu_script_samples_processes_and_credits_each_sample_to_the_running_test(tmp_path):
     """benchmarks/suite_cpu.py (issue 57): ``sample`` writes each process's CPU since the last sample under
-    a worker label; ``attribute`` credits each sample to the test that worker ran then, hand-checked."""
+    a worker label -- an xdist worker's own as ``pid:N`` (its /proc environment has no gwN: xdist names
+    it after it starts) -- and ``attribute`` credits each sample to the test that worker ran then,
+    naming ``pid:N`` from the timeline's ``pid=``, hand-checked."""
     import time
 
     samples = tmp_path / "samples.txt"
     p = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "suite_cpu.py"), "sample", str(samples),
                           "--interval", "0.2"])
     try:
-        burn = subprocess.run([sys.executable, "-c", "import time; t = time.time()\nwhile time.time() - t < 1.5: pass"])
+        time.sleep(1.0)  # the sampler's first pass (its baseline) before the burner starts
+        # started the way execnet starts an xdist worker: its command line is what names it one; it
+        # burns 1.5 s of CPU (not of wall: the machine may be busy)
+        burn = subprocess.Popen([sys.executable, "-c", "import sys;exec(eval(sys.stdin.readline()))"],
+                                stdin=subprocess.PIPE, text=True, env={**os.environ, "PYTEST_XDIST_WORKER": ""})
+        burn.communicate(repr("import time\nwhile time.process_time() < 1.5: pass") + "\n", timeout=60)
         assert burn.returncode == 0
         time.sleep(0.5)
     finally:
@@ -207,16 +216,18 @@ def test_suite_cpu_script_samples_processes_and_credits_each_sample_to_the_runni
         p.wait(timeout=30)
     rows = [ln.split() for ln in samples.read_text().splitlines()]
     assert rows and all(len(r) == 3 and float(r[2]) > 0 for r in rows)
-    assert sum(float(r[2]) for r in rows) > 1.0  # the burner's 1.5 s of CPU, most of it seen
-    # attribute, by hand: gw0 ran a then b; a sample at t belongs to the test running at t, else to one
-    # that ended in the 3 s before it; gw0's sample at 200 and gw9's (no test) are outside any test
-    (tmp_path / "timeline.txt").write_text("gw0 100.0 110.0 cpu=1.0 tests/t.py::a\n"
-                                           "gw0 110.5 120.0 cpu=1.0 tests/u.py::b\n")
+    burner = sum(float(r[2]) for r in rows if r[1] == f"pid:{burn.pid}")
+    assert burner > 1.0  # the burner's 1.5 s of CPU, most of it seen, under its process id
+    # attribute, by hand: gw0 (process 4242) ran a then b; a sample at t belongs to the test running at
+    # t, else to one that ended in the 3 s before it; gw0's sample at 200, gw9's (no test) and process
+    # 999's (no worker of the timeline) are outside any test
+    (tmp_path / "timeline.txt").write_text("gw0 100.0 110.0 cpu=1.0 pid=4242 tests/t.py::a\n"
+                                           "gw0 110.5 120.0 cpu=1.0 pid=4242 tests/u.py::b\n")
     (tmp_path / "s.txt").write_text("105.0 gw0 1.0\n111.0 gw0 1.0\n112.0 gw0 3.0\n119.0 gw0 1.0\n122.0 gw0 1.0\n"
-                                    "200.0 gw0 4.0\n150.0 gw9 2.0\n")
+                                    "200.0 gw0 4.0\n150.0 gw9 2.0\n113.0 pid:4242 2.0\n150.0 pid:999 1.0\n")
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "suite_cpu.py"), "attribute",
                           str(tmp_path / "timeline.txt"), str(tmp_path / "s.txt")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "13 CPU-s sampled; 7 in tests; outside any test: gw0 4, gw9 2" in out.stdout
+    assert "16 CPU-s sampled; 9 in tests; outside any test: gw0 4, gw9 2, pid:999 1" in out.stdout
     lines = out.stdout.splitlines()
-    assert "     6.0  tests/u.py::b" in lines and "     1.0  tests/t.py::a" in lines
+    assert "     8.0  tests/u.py::b" in lines and "     1.0  tests/t.py::a" in lines
