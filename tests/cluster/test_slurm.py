@@ -167,9 +167,13 @@ PAPER = ["qwen25_math_7b_hapo", "deepscaler_1p5b_24k_hapo", "qwen25_math_7b_hapo
 @pytest.mark.parametrize("name", PAPER)
 @pytest.mark.parametrize("nodes", [1, 4, 8])
 def test_paper_dry_runs_pass_sbatch_test_only(slurm, name, nodes):
-    """The checked-in docs examples are what `hapo submit --dry-run` prints, and sbatch accepts them."""
+    """The checked-in docs examples are what `hapo submit --dry-run` prints, and sbatch accepts them.
+    The static doctor runs beside the one-node case only: its report goes to stderr, which no case
+    reads (tests/test_doctor.py and tests/megatron/test_dryrun.py check it), and for the Megatron config
+    it is a full-size dry run of every rank role, ~9 CPU-s a case (issue 57); the script is the same
+    either way."""
     args = [f"configs/{name}.yaml", "--nodes", str(nodes), "--partition", "gpu", "--time", "48:00:00",
-            "--output-dir", f"/scratch/hapo/{name}_n{nodes}"]
+            "--output-dir", f"/scratch/hapo/{name}_n{nodes}", *(["--skip-doctor"] if nodes > 1 else [])]
     p = cli_in_process(["submit", *args, "--dry-run"])  # the script text, in this process (issue 57)
     assert p.returncode == 0, p.stderr
     example = REPO / "docs" / "cluster_examples" / f"{name}_n{nodes}.sbatch"
