@@ -31,6 +31,21 @@ def clone(tmp_path_factory):
     return d, head, ident
 
 
+def test_the_code_identity_imports_neither_torch_nor_the_runner():
+    """The script computes the worktree's code identity in a fresh interpreter: the experiment
+    package's names load on first use, so that costs the registration module, not torch (~1.5 s
+    a process; issue 57). The package's names still import from it."""
+    probe = ("import json, sys; from hapo_openrlhf.experiment.registration import code_identity; code_identity(); "
+             "light = sorted(m for m in ('torch', 'transformers', 'hapo_openrlhf.experiment.runner', "
+             "'hapo_openrlhf.experiment.report') if m in sys.modules); "
+             "from hapo_openrlhf.experiment import load_experiment, run_experiment, Experiment; "
+             "import hapo_openrlhf.experiment as e; print(json.dumps([light, 'torch' in sys.modules, "
+             "e.run_experiment is run_experiment, callable(load_experiment), hasattr(e, 'no_such_name')]))")
+    p = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [[], True, True, True, False]
+
+
 def _manifest(d, name, code):
     out = d / "runs" / name
     out.mkdir(parents=True, exist_ok=True)
