@@ -18,12 +18,16 @@ equals that checkout's. (Ray's helper processes, whose PYTHONPATH is Ray's own, 
 through the editable install and import none of it: coverage.py lists those files with no line run,
 which is not such a process.) Prints, per commit, the covered lines and statements, then
 the lines covered by the first commit's run and not the second's (file:line), and a JSON line last.
-Exit 1 when the second covers less than the first.
+Lines are matched across the two commits by content (``difflib`` over each file's two versions), so
+lines the second commit inserted do not shift the rest into false losses; a covered line the second
+commit edited or removed is listed apart, as changed, not as lost. Exit 1 when a line the second
+commit left alone is covered by the first run and not the second.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import shutil
@@ -108,12 +112,52 @@ def main() -> int:
                   "worktree (counted by path inside the package)")
         out.append({**info, "covered": n, "statements": statements})
     (before, _, _), (after, _, _) = runs
-    lost = sorted(f"{f}:{ln}" for f, ls in before.items() for ln in ls - after.get(f, set()))
-    gained = sorted(f"{f}:{ln}" for f, ls in after.items() for ln in ls - before.get(f, set()))
+    maps = {f: map_lines(_show(a.rev[0], f), _show(a.rev[1], f)) for f in set(before) | set(after)}
+    lost, gained, changed = compare(before, after, maps)
     for x in lost:
         print(f"covered at {a.rev[0]} only: {x}")
-    print(json.dumps({"runs": out, "lost": lost, "gained": len(gained)}))
+    if changed:
+        print(f"{len(changed)} lines covered at {a.rev[0]} are lines {a.rev[1]} changed or removed (not compared): "
+              + ", ".join(changed))
+    print(json.dumps({"runs": out, "lost": lost, "gained": len(gained), "changed": changed}))
     return 1 if lost or any(r["returncode"] != 0 for r in out) else 0
+
+
+def _show(rev: str, rel: str) -> str:
+    """``rel``'s text at ``rev`` ('' where the commit has no such file)."""
+    p = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], capture_output=True, text=True)
+    return p.stdout if p.returncode == 0 else ""
+
+
+def map_lines(old: str, new: str) -> dict[int, int]:
+    """Line number in ``old`` -> the same line's number in ``new``, for the lines the change left alone
+    (difflib's matching blocks: a line inserted above shifts the ones below; an edited or removed line
+    has no entry). 1-based, as coverage.py counts."""
+    a, b = old.splitlines(), new.splitlines()
+    out = {}
+    for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+        out.update({block.a + i + 1: block.b + i + 1 for i in range(block.size)})
+    return out
+
+
+def compare(before: dict[str, set[int]], after: dict[str, set[int]],
+            maps: dict[str, dict[int, int]]) -> tuple[list[str], list[str], list[str]]:
+    """(lost, gained, changed) as ``file:line``: a line covered before whose unchanged line is not covered
+    after; a line covered after with no covered counterpart before; a line covered before that the second
+    commit edited or removed (no counterpart to compare). Lines are matched through ``maps``
+    (:func:`map_lines` per file), so a commit that inserts lines does not read as a loss below them."""
+    lost, changed, seen = [], [], {}
+    for f, lines in before.items():
+        m, got = maps.get(f, {}), after.get(f, set())
+        for ln in sorted(lines):
+            if ln not in m:
+                changed.append(f"{f}:{ln}")
+            elif m[ln] not in got:
+                lost.append(f"{f}:{ln}")
+            else:
+                seen.setdefault(f, set()).add(m[ln])
+    gained = [f"{f}:{ln}" for f, lines in sorted(after.items()) for ln in sorted(lines - seen.get(f, set()))]
+    return sorted(lost), gained, sorted(changed)
 
 
 if __name__ == "__main__":
