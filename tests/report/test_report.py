@@ -152,22 +152,35 @@ def test_an_unknown_quadrant_label_is_named_with_file_and_line(two_runs, tmp_pat
     assert f"{f}:2: corrupt sample record (unknown quadrant label(s)" in res.stderr
 
 
-def test_each_competitors_metrics_get_their_own_figure(tmp_path):
+def test_each_competitors_metrics_get_their_own_figure(tmp_path, monkeypatch):
     """EAPO's weight range and kappa, PEPO's largest c, LESS's clusters, PRIME's PRM and rewards and its
     filter: plotted for the runs
-    that log them (hand-written metrics), and no figure for a method no run used."""
-    from hapo_openrlhf.report.plots import plot_runs
+    that log them (hand-written metrics), and no figure for a method no run used. A method's figure is a
+    grid of up to three columns, one panel per metric, the grid's spare panels blank (STARE's four
+    metrics: two rows of three, two blank)."""
+    from hapo_openrlhf.report import plots
 
+    grids = {}
+    save_png = plots.save_png
+
+    def recording(fig, out_dir, name, written, **kw):
+        grids[name] = [ax.axison for ax in fig.axes]
+        return save_png(fig, out_dir, name, written, **kw)
+
+    monkeypatch.setattr(plots, "save_png", recording)
     run = tmp_path / "eapo_run"
     run.mkdir()
     recs = [{"step": s, "reward/mean": 0.5, "actor/entropy": 1.0, "eapo/kappa": 1.386 * (1 - s / 10),
              "eapo/weight_min": 0.5, "eapo/weight_max": 2.0, "less/clusters": float(s), "stare/gate_on": 1.0,
-             "stare/reweight_w": 1.1, "stare/positive_reweight_frac": 0.1, "paec/masked_entropy": 0.9,
+             "stare/reweight_w": 1.1, "stare/positive_reweight_frac": 0.1, "stare/negative_reweight_frac": 0.2,
+             "paec/masked_entropy": 0.9,
              "prm/loss": 0.69 - 0.01 * s, "prm/auc_heldout": 0.5 + 0.02 * s, "prime/process_share": 0.4,
              "filter/rejected_frac": 0.7, **({"paec/h_low": 0.7} if s > 4 else {})} for s in range(1, 6)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    written = {p.name for p in plot_runs([run], tmp_path / "rep")}
+    written = {p.name for p in plots.plot_runs([run], tmp_path / "rep")}
     assert {"method_eapo.png", "method_less.png", "method_stare.png", "method_paec.png", "method_prime.png",
             "method_prm.png", "method_filter.png"} <= written
     assert "method_pepo.png" not in written
     assert (tmp_path / "rep" / "method_eapo.png").read_bytes()[:8] == PNG
+    assert grids["method_stare"] == [True] * 4 + [False] * 2  # 4 metrics: 2 x 3, the last two blank
+    assert grids["method_eapo"] == [True] * 3 and grids["method_paec"] == [True] * 2 and grids["method_less"] == [True]
