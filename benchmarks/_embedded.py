@@ -16,9 +16,10 @@ from hapo_openrlhf.config import load_config
 from hapo_openrlhf.local.trainer import LocalTrainer
 
 
-def grpo_step_batches(steps: int, warmup: int = 50) -> Iterator[tuple[algos.AdvantageInputs, float]]:
-    """(the step's estimator inputs, the step's wall time in s) for steps 2..``steps``."""
-    torch.set_num_threads(2)
+def grpo_step_batches(steps: int, warmup: int = 50, threads: int = 2) -> Iterator[tuple[algos.AdvantageInputs, float]]:
+    """(the step's estimator inputs, the step's wall time in s) for steps 2..``steps``, at ``threads``
+    intra-op threads."""
+    torch.set_num_threads(threads)
     cfg = load_config("configs/cpu_tiny.yaml", [f"warmup.steps={warmup}", f"trainer.steps={steps}",
                                                 "trainer.save_every=0", "trainer.sample_every=0",
                                                 "algorithm.estimator=grpo", "algorithm.estimator_params={}",

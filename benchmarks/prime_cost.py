@@ -1,4 +1,4 @@
-"""What PRIME adds to an RL step, as a ratio to GRPO measured in the same run (this CPU, 2 threads),
+"""What PRIME adds to an RL step, as a ratio to GRPO measured in the same run (this CPU, 2 threads unless ``--threads``),
 and by arithmetic at paper scale.
 
 Measured on the embedded trainer (``configs/cpu_tiny_prime.yaml`` after a short warm-up): one
@@ -63,8 +63,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch intra-op threads (the figures in docs are at 2; the suite's smoke run uses 1, as its "
+                         "other processes do, so that its OpenMP threads do not spin against theirs)")
     a = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
     common = [f"warmup.steps={a.warmup}", "trainer.steps=0", "trainer.save_every=0", "trainer.sample_every=0",
               f"rollout.prompts_per_step={a.prompts}", "algorithm.accuracy_filter.oversample=1.0"]
     cfg = load_config("configs/cpu_tiny_prime.yaml", common)
@@ -117,6 +120,7 @@ def main() -> None:
              "step_ratio_before_by_generation_share": {str(g): round(4 * g + 9 / 4 * (1 - g), 3)
                                                        for g in (0.5, 0.6, 0.7)}}
     out["paper_scale"] = paper
+    out["threads"] = a.threads
     print("paper scale: GRPO 4F; PRIME before 9F (x2.25), after 8F (x2); with 4x oversampled generation at a "
           "share g of a GRPO step: " + ", ".join(f"g={g}: x{r}" for g, r in
                                                  paper["step_ratio_before_by_generation_share"].items()))

@@ -94,12 +94,13 @@ def test_timeline_script_reads_wall_busy_and_cpu(tmp_path):
 def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
     out = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "competitors_cost.py"), "--steps", "2", "--repeat", "1", "--warmup", "5",
-         "--rows", "16", "--tokens", "64", "--head-tokens", "64", "--vocab", "500", "--hidden", "16"],
+         "--rows", "16", "--tokens", "64", "--head-tokens", "64", "--vocab", "500", "--hidden", "16",
+         "--threads", "1"],  # one thread, as every process of the suite (tests/conftest.py): no OpenMP spinning
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["grpo"]["embedded_ratio"] == 1.0 and res["paper_batch"] == [16, 64]
+    assert res["grpo"]["embedded_ratio"] == 1.0 and res["paper_batch"] == [16, 64] and res["threads"] == 1
     head = res["paec_head_signals"]["500"]
     assert res["loss_paec"]["paper_ratio"] > 0 and head["ratio_to_head"] > 0 and head["shape"] == [64, 16, 500]
     assert head["sorted_ratio_to_head"] > 0 and head["flat_ratio_to_head"] > 0
@@ -124,13 +125,13 @@ def test_vs_trl_refuses_a_ratio_when_a_trainers_reward_never_moves():
 
 def test_prime_cost_script_reports_each_update_order_as_a_ratio_to_grpo():
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prime_cost.py"), "--prompts", "2", "--repeat", "1",
-                          "--warmup", "2"], capture_output=True, text=True, timeout=600, cwd=REPO)
+                          "--warmup", "2", "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["rows"] == 8 and res["grpo"]["ratio_to_grpo"] == 1.0 and res["oversample_rollout_ratio"] == 4.0
     for order in ("before", "after", "none"):
         assert res[f"prime_{order}"]["median_ms"] > 0
-    assert res["paper_scale"]["training_side_ratio_before"] == 2.25
+    assert res["paper_scale"]["training_side_ratio_before"] == 2.25 and res["threads"] == 1
 
 
 def test_chain_cost_script_times_runs_and_compares_two_directories(tmp_path):
