@@ -3,8 +3,8 @@ starts) and their report: ``hapo experiment`` / ``hapo report EXPERIMENT_DIR``.
 
 The names below are imported on first use (PEP 562), so that a light submodule -- the
 registration's ``code_identity``, which ``scripts/run_registered.py`` runs in a fresh
-interpreter -- does not pay for the runner's and the report's imports (torch, matplotlib's
-caller): about 1.5 s a process."""
+interpreter -- does not pay for the runner's and the report's imports (torch and the trainer):
+about 1.5 s a process."""
 
 from __future__ import annotations
 
