@@ -13,7 +13,7 @@ import importlib
 _LAZY = {"Experiment": ".spec", "load_experiment": ".spec", "run_experiment": ".runner",
          "build_experiment_report": ".report", "is_experiment_dir": ".report"}
 
-__all__ = ["Experiment", "build_experiment_report", "is_experiment_dir", "load_experiment", "run_experiment"]
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
