@@ -126,11 +126,24 @@ class KVSampler:
         j = (c <= (u * mass).unsqueeze(-1)).sum(-1, keepdim=True).clamp_(max=p.shape[-1] - 1)
         return idx.gather(-1, j).squeeze(-1), mass.log(), short
 
-    @torch.no_grad()
     def sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float, top_p: float,
                max_new_tokens: int, eos_token_id: int, pad_token_id: int, repeats: int = 1) -> Sample:
         """Sample ``repeats`` responses for each prompt row (rows grouped: prompt j gives rows
-        ``[j * repeats, (j + 1) * repeats)``), at most ``max_new_tokens`` each."""
+        ``[j * repeats, (j + 1) * repeats)``), at most ``max_new_tokens`` each.
+
+        The loop runs under ``torch.inference_mode`` (no view or version-counter tracking: a
+        decode step is ~100 small operations, and this is ~10% of a rollout's time here,
+        docs/performance.md); what it returns is cloned out of it into ordinary tensors, which
+        callers may update in place and train on (an inference tensor refuses both outside
+        inference mode: an in-place update raises, and so does saving one for backward)."""
+        with torch.inference_mode():
+            s = self._sample(input_ids, attention_mask, temperature=temperature, top_p=top_p,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                             repeats=repeats)
+        return Sample(s.sequences.clone(), s.logprobs.clone(), s.entropy.clone(), s.nucleus_logmass.clone())
+
+    def _sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float, top_p: float,
+                max_new_tokens: int, eos_token_id: int, pad_token_id: int, repeats: int) -> Sample:
         if temperature <= 0:
             raise ValueError(f"KVSampler samples: temperature must be > 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
@@ -166,17 +179,20 @@ class KVSampler:
         bias[:, 0, :P].masked_fill_(~valid.repeat_interleave(repeats, 0), float("-inf"))
         bias = bias.repeat_interleave(g, 0)  # [B * Hkv, 1, L]
         tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=dev)
-        logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=dev)
-        entropy, logmass = torch.zeros_like(logprobs), torch.zeros_like(logprobs)
+        scores = torch.zeros(3, B, max_new_tokens, dtype=torch.float32, device=dev)  # log-prob, entropy, log-mass
         alive = torch.ones(B, dtype=torch.bool, device=dev)
+        full = True  # rows is every row (no compaction yet): plain column writes, no row gather
         n = 0
         for t in range(max_new_tokens):
             u = torch.rand(B, device=dev)  # every row draws, ended ones too: the stream is the same however rows end
-            tok, lp, en, lm = self.draw(logits, u[rows], temperature, top_p)
-            tok = tok.masked_fill(~alive, pad_token_id)
-            tokens[rows, t] = tok
-            for buf, val in ((logprobs, lp), (entropy, en), (logmass, lm)):
-                buf[rows, t] = val.masked_fill(~alive, 0.0)
+            tok, lp, en, lm = self.draw(logits, u if full else u[rows], temperature, top_p)
+            dead = ~alive
+            tok = tok.masked_fill(dead, pad_token_id)
+            val = torch.stack((lp, en, lm)).masked_fill_(dead, 0.0)
+            if full:
+                tokens[:, t], scores[:, :, t] = tok, val
+            else:
+                tokens[rows, t], scores[:, rows, t] = tok, val
             alive &= tok != eos_token_id
             n = t + 1
             left = int(alive.sum())
@@ -187,10 +203,12 @@ class KVSampler:
                 rows, tok, alive, cos, sin = rows[keep], tok[keep], alive[keep], cos[keep], sin[keep]
                 caches = [(kc[keep], vc[keep]) for kc, vc in caches]
                 bias = bias.view(-1, g, 1, L)[keep].view(-1, 1, L)
+                full = False
             at = P + t
             h = F.embedding(tok, emb)
+            cos_t, sin_t = cos[:, t], sin[:, t]
             for w, (kc, vc) in zip(layers, caches):
-                h = self._decode(w, h, cos[:, t], sin[:, t], kc, vc, bias, at)
+                h = self._decode(w, h, cos_t, sin_t, kc, vc, bias, at)
             logits = F.linear(dec.norm(h), *self._head()).float()
         seq = torch.cat([input_ids.repeat_interleave(repeats, 0), tokens[:, :n]], 1)
-        return Sample(seq, logprobs[:, :n], entropy[:, :n], logmass[:, :n])
+        return Sample(seq, *scores[:, :, :n])

@@ -284,6 +284,23 @@ def test_the_rollout_scores_equal_the_trainers_scoring_forward():
         assert torch.equal(sub.logprobs_BR, ro.logprobs_BR[[4, 1]])
 
 
+def test_the_samples_are_ordinary_tensors_a_training_forward_can_use():
+    """The loop runs under ``torch.inference_mode``; what ``sample`` returns is not an inference
+    tensor: a training forward and backward over the sampled sequences runs, and the outputs
+    can be written in place (on an inference tensor that raises outside inference mode)."""
+    from hapo_openrlhf.generation.decoder import Decoder
+
+    model, tok = _model("qwen2")
+    ids, am = _prompts(tok)
+    s = _sample(model, tok, ids, am, 0, temperature=1.0, top_p=0.95, max_new_tokens=6, repeats=2)
+    assert not any(t.is_inference() for t in (s.sequences, s.logprobs, s.entropy, s.nucleus_logmass))
+    mask = torch.cat([am.repeat_interleave(2, 0), torch.ones_like(s.logprobs, dtype=am.dtype)], 1)
+    model.train()
+    Decoder(model).forward(s.sequences, mask).sum().backward()
+    assert model.model.embed_tokens.weight.grad is not None
+    s.logprobs.mul_(2.0)
+
+
 def test_refusals_are_named():
     from transformers import GPT2Config, GPT2LMHeadModel
 
