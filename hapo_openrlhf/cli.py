@@ -317,7 +317,8 @@ def _add_experiment_parsers(sub) -> None:
                    help="override a run-config key in every run (merged into 'common')")
     x.add_argument("--code-change", default=None, metavar="REASON",
                    help="go on with an experiment registered under other code (package sources, torch or "
-                        "transformers); the reason is recorded in experiment.json and printed in the report")
+                        "transformers) or on other CPU arithmetic (ATen's CPU capability, the CPU model); the reason "
+                        "is recorded in experiment.json and printed in the report")
     x.set_defaults(fn=_experiment)
     r = sub.add_parser("report", help="plots from run directories, or an experiment directory's report")
     r.add_argument("run_dirs", nargs="+", help="run directories, one experiment directory, or one experiment's "

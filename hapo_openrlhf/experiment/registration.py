@@ -20,6 +20,13 @@ registered ``code`` is refused by name, unless ``--code-change REASON`` is given
 differences and the time are appended to ``code_changes``, and the report prints them. The
 family-wise level of Holm's verdicts (``familywise_alpha``) is frozen with the registration.
 
+The machine's CPU arithmetic is part of what a run's numbers depend on, and is recorded and checked
+the same way (``code`` holds it beside the code: :func:`arithmetic_identity`): the same code and seed
+gave another run on another machine (League 2's registered code, 5a482dd, on an AVX2 machine: GRPO
+seed 701 ends at held-out 0.7866 where League 2's run on the machine it ran on ended at 0.7581, and
+its warm start at 0.5686 against 0.5691; docs/reproduction.md, "League 2"). A registration or run
+that predates the record has no arithmetic to compare, and is not flagged.
+
 The registration is written before the first job runs (not when it ends: a runner stopped during
 the warm start leaves it), holds the code that runs it (``code``: the package's version, a
 sha256 of its sources, and the git commit where there is one), and is marked
@@ -109,20 +116,48 @@ def code_identity() -> dict[str, Any]:
     return out
 
 
+def arithmetic_identity() -> dict[str, str]:
+    """The machine's CPU arithmetic, which a run's numbers depend on beside the code: ATen's CPU
+    capability (the vector kernels torch dispatches to: ``DEFAULT``, ``AVX2``, ``AVX512``, ...; the
+    matrix products' kernels follow the same instruction set) and the CPU's model name (the math
+    libraries also choose kernels by vendor and model). Imports torch, unlike :func:`code_identity`."""
+    import platform
+
+    import torch
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+            "cpu_model": model or platform.processor() or platform.machine() or "unknown"}
+
+
+def run_identity() -> dict[str, Any]:
+    """What an invocation's runs are computed with: :func:`code_identity` and :func:`arithmetic_identity`."""
+    return {**code_identity(), **arithmetic_identity()}
+
+
 # what makes two invocations "the same code": the package's sources and the libraries its numbers depend on
-CODE_KEYS = ("sources_sha256", "torch", "transformers")
+SOURCE_KEYS = ("sources_sha256", "torch", "transformers")
+# ... and the machine's CPU arithmetic (arithmetic_identity)
+ARITHMETIC_KEYS = ("cpu_capability", "cpu_model")
+CODE_KEYS = SOURCE_KEYS + ARITHMETIC_KEYS
 # what each run records of the code it ran with (the runner, experiment.json's jobs; the results file)
-RUN_CODE_KEYS = ("sources_sha256", "git_commit", "git_dirty", "torch", "transformers")
+RUN_CODE_KEYS = ("sources_sha256", "git_commit", "git_dirty", "torch", "transformers") + ARITHMETIC_KEYS
 
 
 def run_code(code: dict[str, Any]) -> dict[str, Any]:
-    """The part of :func:`code_identity` a finished run keeps."""
+    """The part of :func:`run_identity` a finished run keeps."""
     return {k: code[k] for k in RUN_CODE_KEYS if k in code}
 
 
-def code_difference(registered: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key: registered -> current`` for each of CODE_KEYS both record and that differ."""
-    return [f"{k}: {registered[k]} -> {current[k]}" for k in CODE_KEYS
+def code_difference(registered: dict[str, Any], current: dict[str, Any],
+                    keys: tuple[str, ...] = CODE_KEYS) -> list[str]:
+    """``key: registered -> current`` for each of ``keys`` both record and that differ."""
+    return [f"{k}: {registered[k]} -> {current[k]}" for k in keys
             if k in registered and k in current and registered[k] != current[k]]
 
 
@@ -139,10 +174,10 @@ def register(previous: dict[str, Any], exp, variants: list[str], path: Path,
     ``finished``: each finished run's name -> when it finished (its summary's mtime): runs that
     finished before the registration mark it ``recorded_after_runs``. A later invocation from other
     code (:data:`CODE_KEYS`) is refused by name unless ``code_change`` gives the reason, which is
-    recorded (``code_changes``) and printed by the report. ``code``: this invocation's
-    :func:`code_identity` (computed here when not given)."""
+    recorded (``code_changes``) and printed by the report; so is one on other CPU arithmetic. ``code``:
+    this invocation's :func:`run_identity` (computed here when not given)."""
     t = now()
-    code = code or code_identity()  # the runner passes the one it stamps this invocation's runs with
+    code = code or run_identity()  # the runner passes the one it stamps this invocation's runs with
     finished = finished or {}
     settings = {v: fingerprint(exp.runs[(v, exp.seeds[0])].config) for v in variants}
     warm = fingerprint(exp.warm_jobs()[0].config)
@@ -176,12 +211,19 @@ def register(previous: dict[str, Any], exp, variants: list[str], path: Path,
                          f"{reg['familywise_alpha']} ({reg['at']}); the level of the pre-registered verdicts cannot "
                          f"change. Use another --output-dir")
     changes = [dict(c) for c in previous.get("code_changes") or [] if isinstance(c, dict)]
-    diff = code_difference(reg.get("code") or {}, code)
+    registered = reg.get("code") or {}
+    diff = code_difference(registered, code)
     if diff and not code_change:
-        raise ValueError(f"{path}: this experiment was registered ({reg['at']}) with other code than this checkout's "
-                         f"({'; '.join(diff)}); runs from other code would not be the registered experiment. Run it "
-                         f"from the registered code (git commit {(reg.get('code') or {}).get('git_commit', 'unknown')}), "
-                         f"or pass --code-change 'REASON' to go on, recorded and printed in the report")
+        sources = code_difference(registered, code, SOURCE_KEYS)
+        arith = code_difference(registered, code, ARITHMETIC_KEYS)
+        what = ([f"with other code than this checkout's ({'; '.join(sources)})"] if sources else []) + (
+            [f"on other CPU arithmetic than this machine's ({'; '.join(arith)}: the same code and seed compute "
+             f"another run there)"] if arith else [])
+        where = ([f"from the registered code (git commit {registered.get('git_commit', 'unknown')})"] if sources else []
+                 ) + (["on a machine with the registered CPU"] if arith else [])
+        raise ValueError(f"{path}: this experiment was registered ({reg['at']}) {' and '.join(what)}; such runs would "
+                         f"not be the registered experiment's. Run it {' and '.join(where)}, or pass --code-change "
+                         f"'REASON' to go on, recorded and printed in the report")
     if diff:
         changes.append({"at": t, "reason": str(code_change), "differences": diff,
                         "git_commit": code.get("git_commit"), "git_dirty": code.get("git_dirty")})

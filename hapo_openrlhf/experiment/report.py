@@ -15,7 +15,7 @@ from ..algos.quadrants import QUADRANTS
 from ..rundir.jsonfile import read_json_object
 from ..report.plots import moving_average, save_png
 from .credit import credit_from_counts
-from .registration import check_jobs, code_difference
+from .registration import ARITHMETIC_KEYS, SOURCE_KEYS, check_jobs, code_difference
 from .credit import markdown as credit_markdown
 from .findings import evaluate_findings
 from .verdicts import compare
@@ -91,8 +91,10 @@ def _code_lines(manifest: dict, runs: list[RunStats] = ()) -> list[str]:
     commit = code.get("git_commit")
     where = (f"git commit {commit[:12]}" + (" with uncommitted changes" if code.get("git_dirty") else "")
              if isinstance(commit, str) else "no git checkout")
+    arith = (f"; CPU arithmetic {code['cpu_capability']} ({code.get('cpu_model', '?')})" if "cpu_capability" in code
+             else "; the CPU arithmetic not recorded (a registration before it was)")
     lines = [f"Registered code: {where}; package sources sha256 {str(code.get('sources_sha256', '?'))[:16]}...; "
-             f"torch {code.get('torch', '?')}, transformers {code.get('transformers', '?')}.", ""]
+             f"torch {code.get('torch', '?')}, transformers {code.get('transformers', '?')}{arith}.", ""]
     lines += _run_code_lines(code, runs, manifest.get("code_changes") or [])
     for c in manifest.get("code_changes") or []:
         if isinstance(c, dict):
@@ -102,16 +104,26 @@ def _code_lines(manifest: dict, runs: list[RunStats] = ()) -> list[str]:
 
 
 def _run_code_lines(registered: dict, runs: list[RunStats], changes: list) -> list[str]:
-    """Each finished run's recorded code against the registered (package sources, torch, transformers)."""
+    """Each finished run's recorded code against the registered (package sources, torch, transformers;
+    the CPU arithmetic, where both record it)."""
     if not runs:
         return []
-    other = [f"{r.variant}/seed_{r.seed}" for r in runs if r.code is not None and code_difference(registered, r.code)]
+
+    def named(xs):
+        return ", ".join(xs[:6]) + (f" and {len(xs) - 6} more" if len(xs) > 6 else "")
+
+    recorded = [(f"{r.variant}/seed_{r.seed}", r.code) for r in runs if r.code is not None]
+    other = [name for name, code in recorded if code_difference(registered, code, SOURCE_KEYS)]
+    arith = [name for name, code in recorded
+             if name not in other and code_difference(registered, code, ARITHMETIC_KEYS)]
     unrecorded = sum(r.code is None for r in runs)
-    same = len(runs) - len(other) - unrecorded
+    same = len(runs) - len(other) - len(arith) - unrecorded
     text = f"Each run's code: {same} of {len(runs)} finished runs recorded the registered code"
     if other:
-        text += (f"; **{len(other)} ran from other code**: " + ", ".join(other[:6])
-                 + (f" and {len(other) - 6} more" if len(other) > 6 else ""))
+        text += f"; **{len(other)} ran from other code**: " + named(other)
+    if arith:
+        text += (f"; **{len(arith)} ran on other CPU arithmetic** (the same code computes other numbers there): "
+                 + named(arith))
     if unrecorded:
         text += (f"; {unrecorded} finished before runs recorded their code (each invocation that ran them was "
                  f"checked against the registration: {len(changes)} code change(s) recorded)")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..rundir.jsonfile import read_json_object
-from .registration import code_identity, read_manifest_for_update, register, run_code
+from .registration import read_manifest_for_update, register, run_code, run_identity
 from .spec import Experiment, Job, config_matches
 
 
@@ -301,7 +301,7 @@ def _run_locked(exp: Experiment, suites: list[str], on_event, code_change: str |
                 "jobs": previous.get("jobs", {})}
     finished = {name: (j.out / "summary.json").stat().st_mtime for j in warm + [j for js in runs.values() for j in js]
                 if (name := j.name) in results}
-    manifest.update(register(previous, exp, variants, manifest_path, finished, code_change, code := code_identity()))
+    manifest.update(register(previous, exp, variants, manifest_path, finished, code_change, code := run_identity()))
     ran_with = run_code(code)  # each job this invocation runs records it (issue 60: the run's code identity)
     exp.output_dir.mkdir(parents=True, exist_ok=True)
     _write_json(manifest_path, manifest)  # the registration, before the first job starts

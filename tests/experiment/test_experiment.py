@@ -159,8 +159,8 @@ def test_experiment_cli_smoke(tmp_path):
     # every run records the code it ran with (issue 60), the registered code here; a reused run keeps its record
     registered = manifest["registration"]["code"]
     for name, job in manifest["jobs"].items():
-        assert {k: job["code"][k] for k in ("sources_sha256", "torch", "transformers")} == \
-            {k: registered[k] for k in ("sources_sha256", "torch", "transformers")}, name
+        keys = ("sources_sha256", "torch", "transformers", "cpu_capability", "cpu_model")  # the code and CPU arithmetic
+        assert {k: job["code"][k] for k in keys} == {k: registered[k] for k in keys}, name
     assert rerun["hapo/seed_1"]["code"] == manifest["jobs"]["hapo/seed_1"]["code"]
     assert rerun["forking/seed_1"]["code"] == manifest["jobs"]["forking/seed_1"]["code"]  # run again, same code
 

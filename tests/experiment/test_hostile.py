@@ -243,7 +243,7 @@ def test_other_code_than_the_registered_is_refused_unless_named_and_the_report_p
     a later invocation whose sources or libraries differ is refused by name; ``--code-change REASON``
     goes on and records the reason and the differences, which the report prints. The family-wise
     level is frozen with the registration."""
-    from hapo_openrlhf.experiment.registration import code_identity
+    from hapo_openrlhf.experiment.registration import run_identity
 
     def exp(alpha=None):
         body = {"variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]}, "comparisons": [{"a": "a", "b": "b"}],
@@ -255,7 +255,8 @@ def test_other_code_than_the_registered_is_refused_unless_named_and_the_report_p
     path = tmp_path / "o" / "experiment.json"
     first = register({}, exp(), ["a", "b"], path)
     code = first["registration"]["code"]
-    assert code == code_identity() and {"sources_sha256", "torch", "transformers"} <= set(code)
+    assert code == run_identity()
+    assert {"sources_sha256", "torch", "transformers", "cpu_capability", "cpu_model"} <= set(code)
     assert first["registration"]["familywise_alpha"] == 0.05
     assert register(first, exp(), ["a", "b"], path)["code_changes"] == []  # the same code: nothing to say
     other = json.loads(json.dumps(first))
@@ -285,7 +286,8 @@ def test_other_code_than_the_registered_is_refused_unless_named_and_the_report_p
         return RunStats("a", seed, 4, 2, [0, 2], [0.5, 0.6], [0.7, 0.8], [1, 2], [1.0, 0.9], code=code)
 
     mine = run_code(code)
-    assert set(mine) <= {"sources_sha256", "git_commit", "git_dirty", "torch", "transformers"}
+    assert set(mine) <= {"sources_sha256", "git_commit", "git_dirty", "torch", "transformers", "cpu_capability",
+                         "cpu_model"} and {"cpu_capability", "cpu_model"} <= set(mine)
     text = "\n".join(_code_lines(first, [run(1, mine), run(2, mine)]))
     assert "Each run's code: 2 of 2 finished runs recorded the registered code." in text
     text = "\n".join(_code_lines({**other, **went}, [run(1, {**mine, "sources_sha256": "0" * 64, "torch": "2.0.0"}), run(2, mine),
@@ -293,6 +295,60 @@ def test_other_code_than_the_registered_is_refused_unless_named_and_the_report_p
     assert ("Each run's code: 1 of 3 finished runs recorded the registered code; **1 ran from other code**: a/seed_2; "
             "1 finished before runs recorded their code (each invocation that ran them was checked against the "
             "registration: 1 code change(s) recorded).") in text
+
+
+def test_other_cpu_arithmetic_than_the_registered_is_refused_unless_named_and_the_report_names_its_runs(tmp_path):
+    """The machine's CPU arithmetic (ATen's CPU capability, the CPU model) is registered with the code:
+    the same code and seed compute another run on other vector kernels (League 2's code on an AVX2
+    machine, docs/reproduction.md). An invocation on other arithmetic is refused by name -- not as other
+    code -- unless ``--code-change`` names why; the report prints the registered arithmetic and names the
+    runs made on another. A registration or run from before the record has none to compare: not flagged."""
+    from hapo_openrlhf.experiment.registration import arithmetic_identity, run_code
+    from hapo_openrlhf.experiment.report import _code_lines
+    from hapo_openrlhf.experiment.stats import RunStats
+
+    here = arithmetic_identity()
+    assert set(here) == {"cpu_capability", "cpu_model"} and all(isinstance(v, str) and v for v in here.values())
+    import torch
+
+    assert here["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    body = {"variants": {"a": {}, "b": {}}, "suites": {"s": ["a", "b"]}, "comparisons": [{"a": "a", "b": "b"}],
+            "seeds": [1]}
+    exp = load_experiment(_exp(tmp_path, body), output_dir=str(tmp_path / "o"))
+    path = tmp_path / "o" / "experiment.json"
+    first = register({}, exp, ["a", "b"], path)
+    assert {k: first["registration"]["code"][k] for k in here} == here
+    elsewhere = json.loads(json.dumps(first))
+    elsewhere["registration"]["code"].update(cpu_capability="AVX512_TEST", cpu_model="Some Other CPU")
+    with pytest.raises(ValueError) as err:
+        register(elsewhere, exp, ["a", "b"], path)
+    msg = str(err.value)
+    assert (f"on other CPU arithmetic than this machine's (cpu_capability: AVX512_TEST -> {here['cpu_capability']}; "
+            f"cpu_model: Some Other CPU -> {here['cpu_model']}") in msg
+    assert "with other code" not in msg and "on a machine with the registered CPU" in msg and "--code-change" in msg
+    went = register(elsewhere, exp, ["a", "b"], path, code_change="resumed on the cluster's AVX2 nodes")
+    (c,) = went["code_changes"]
+    assert c["differences"] == [f"cpu_capability: AVX512_TEST -> {here['cpu_capability']}",
+                                f"cpu_model: Some Other CPU -> {here['cpu_model']}"]
+    # a registration from before the record (no arithmetic): nothing to compare, nothing refused
+    old = json.loads(json.dumps(first))
+    for k in here:
+        del old["registration"]["code"][k]
+    assert register(old, exp, ["a", "b"], path)["code_changes"] == []
+
+    def run(seed, code):
+        return RunStats("a", seed, 4, 2, [0, 2], [0.5, 0.6], [0.7, 0.8], [1, 2], [1.0, 0.9], code=code)
+
+    mine = run_code(first["registration"]["code"])
+    other_both = {**mine, "sources_sha256": "0" * 64, "cpu_capability": "AVX512_TEST"}
+    text = "\n".join(_code_lines(first, [run(1, mine), run(2, {**mine, "cpu_capability": "AVX512_TEST"}),
+                                         run(3, other_both)]))
+    assert f"; CPU arithmetic {here['cpu_capability']} ({here['cpu_model']})." in text
+    assert ("Each run's code: 1 of 3 finished runs recorded the registered code; **1 ran from other code**: a/seed_3; "
+            "**1 ran on other CPU arithmetic** (the same code computes other numbers there): a/seed_2.") in text
+    text = "\n".join(_code_lines(old, [run(1, mine)]))
+    assert "the CPU arithmetic not recorded (a registration before it was)" in text
+    assert "Each run's code: 1 of 1 finished runs recorded the registered code." in text
 
 
 def test_the_report_shows_late_comparisons_apart(tmp_path):
