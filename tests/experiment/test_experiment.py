@@ -289,6 +289,37 @@ def test_league_is_the_chain_task_with_its_named_comparisons_and_fresh_seeds():
                                            {"a": "pepo", "b": "grpo"}]
 
 
+def test_the_committed_results_files_load_and_hold_the_figures_the_docs_quote():
+    """results/*.json (issue 60: kept under version control; `hapo report FILE` rebuilds from them):
+    each loads under today's reader, and the figures docs/reproduction.md quotes from them recompute:
+    League 2's HAPO - GRPO (the two-level mean over its 20 warm starts, p), and the rerun of its warm
+    start 700 on another machine (the runs that differ from League 2's, GRPO seed 701's value, the
+    token-credit means that League 2's own file cannot give)."""
+    from hapo_openrlhf.experiment import results
+    from hapo_openrlhf.experiment.credit import credit_from_counts
+    from hapo_openrlhf.experiment.report import warm_start_of_seed
+    from hapo_openrlhf.experiment.verdicts import compare
+
+    files = sorted((REPO / "results").glob("*.json"))
+    assert {f.name for f in files} >= {"league2.json", "league2_pilot.json", "league2_rerun_w700.json"}
+    loaded = {f.name: results.load(f) for f in files}
+    m, runs = loaded["league2.json"]
+    assert len(runs) == 520 and all(r.credit is None for r in runs)
+    (row,) = compare(runs, [{"a": "hapo", "b": "grpo"}], clusters=warm_start_of_seed(m))
+    assert row["n"] == 20 and (round(row["diff"], 4), round(row["se"], 4), round(row["p"], 2)) == (-0.0078, 0.0075, 0.31)
+    m2, rerun = loaded["league2_rerun_w700.json"]
+    assert len(rerun) == 26 and all(r.credit is not None for r in rerun)
+    old = {(r.variant, r.seed): r for r in runs}
+    assert all(r.avg != old[(r.variant, r.seed)].avg for r in rerun)  # none reproduced on the other machine
+    assert {r.avg[0] for r in rerun} == {0.568603515625} and {old[k].avg[0] for k in old if k[1] in (701, 702)} == \
+        {0.569091796875}  # the warm start already differs
+    grpo = next(r for r in rerun if (r.variant, r.seed) == ("grpo", 701))
+    assert grpo.final == 0.78662109375 and old[("grpo", 701)].final == 0.758056640625
+    scale = {v: credit_from_counts([r.credit for r in rerun if r.variant == v]) for v in ("hapo", "less", "prime")}
+    rounded = {v: tuple(round(t[c]["mean_scale"], 3) for c in ("fork", "result", "routine")) for v, t in scale.items()}
+    assert rounded == {"hapo": (1.007, 1.004, 0.914), "less": (0.656, 0.745, 0.414), "prime": (1.289, 1.277, 1.208)}
+
+
 def test_league2_arms_differ_only_as_its_file_declares():
     """configs/experiments/league2.yaml (issue 60), frozen: the credit-only arms share one rollout setting
     (T 1.0 / top-p 0.95, G 8, 16 prompts, no dynamic sampling, no overlong penalty, no accuracy filter) and
