@@ -32,7 +32,7 @@ import torch
 
 from hapo_openrlhf import algos
 
-from _embedded import best_of, grpo_step_batches, peaked_hidden  # benchmarks/_embedded.py (the script's own folder is on sys.path)
+from _embedded import add_threads_argument, best_of, grpo_step_batches, peaked_hidden  # benchmarks/_embedded.py (the script's own folder is on sys.path)
 
 METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}, "less": {}}
 # label -> (registry loss, params); rsi_s's bounds are ours (the paper publishes none)
@@ -97,9 +97,7 @@ def main() -> None:
     ap.add_argument("--head-tokens", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 151936])
-    ap.add_argument("--threads", type=int, default=2,
-                    help="torch intra-op threads (the figures in docs are at 2; the suite's smoke run uses 1, as its "
-                         "other processes do, so that its OpenMP threads do not spin against theirs)")
+    add_threads_argument(ap)
     a = ap.parse_args()
     steps = []
     for inputs, step_s in grpo_step_batches(a.steps, a.warmup, a.threads):

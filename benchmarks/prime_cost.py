@@ -42,6 +42,8 @@ from hapo_openrlhf.algos.step import before_update
 from hapo_openrlhf.config import load_config
 from hapo_openrlhf.local.trainer import LocalTrainer
 
+from _embedded import add_threads_argument  # benchmarks/_embedded.py (the script's own folder is on sys.path)
+
 
 def _policy_side(tr: LocalTrainer, batch) -> None:
     """GRPO's or PRIME's training side on ``batch``, the step's work after generation (train_step's)."""
@@ -63,9 +65,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--threads", type=int, default=2,
-                    help="torch intra-op threads (the figures in docs are at 2; the suite's smoke run uses 1, as its "
-                         "other processes do, so that its OpenMP threads do not spin against theirs)")
+    add_threads_argument(ap)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     common = [f"warmup.steps={a.warmup}", "trainer.steps=0", "trainer.save_every=0", "trainer.sample_every=0",
