@@ -134,6 +134,14 @@ def test_prime_cost_script_reports_each_update_order_as_a_ratio_to_grpo():
     assert res["paper_scale"]["training_side_ratio_before"] == 2.25 and res["threads"] == 1
 
 
+def test_the_cost_scripts_refuse_a_thread_count_that_is_not_a_positive_integer():
+    for script, bad in (("prime_cost.py", "0"), ("competitors_cost.py", "2\n; rm -rf /")):
+        out = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--threads", bad],
+                             capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-800:]
+        assert f"argument --threads: must be a positive integer, got {bad!r}" in out.stderr
+
+
 def test_chain_cost_script_times_runs_and_compares_two_directories(tmp_path):
     """benchmarks/chain_cost.py reduced to a few steps: it writes the experiment file from the
     decisive one, runs it in a subprocess, reads each job's wall time from experiment.json;
