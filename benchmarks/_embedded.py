@@ -5,7 +5,6 @@ best-of-n timing."""
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from typing import Callable, Iterator
@@ -16,17 +15,13 @@ from hapo_openrlhf import algos
 from hapo_openrlhf.config import load_config
 from hapo_openrlhf.local.trainer import LocalTrainer
 
+from _args import positive_int
+
 
 def add_threads_argument(ap) -> None:
     """``--threads``: torch's intra-op threads of a cost benchmark (default 2, as its figures in docs);
     anything but a positive integer is argparse's one-line error."""
-
-    def positive(text: str) -> int:
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-        return int(text)
-
-    ap.add_argument("--threads", type=positive, default=2,
+    ap.add_argument("--threads", type=positive_int, default=2,
                     help="torch intra-op threads (the figures in docs are at 2; the suite's smoke run uses 1, as its "
                          "other processes do, so that its OpenMP threads do not spin against theirs)")
 

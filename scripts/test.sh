@@ -143,6 +143,11 @@ else
     fi
 fi
 
+# how fast the machine is, before and after the tests (the same code's wall time has moved by a
+# quarter between runs on one idle machine: docs/performance.md, "Test suite")
+speed() { say "machine speed $1 the tests: $(python benchmarks/machine_speed.py 2>&1 | tail -n 1)"; }
+speed before
+
 workers="${HAPO_TEST_WORKERS:-4}"
 rc=0
 if [ "$workers" = 0 ]; then
@@ -164,4 +169,5 @@ if [ -n "$py312_pid" ]; then
         [ "$rc" != 0 ] || rc=$py312_rc
     fi
 fi
+speed after
 exit "$rc"

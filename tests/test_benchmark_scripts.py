@@ -142,6 +142,33 @@ def test_the_cost_scripts_refuse_a_thread_count_that_is_not_a_positive_integer()
         assert f"argument --threads: must be a positive integer, got {bad!r}" in out.stderr
 
 
+def test_machine_speed_script_reports_each_workload_and_their_index_to_the_reference():
+    """benchmarks/machine_speed.py (printed by scripts/test.sh before and after the tests): each
+    workload's median wall and CPU seconds, and the index: the geometric mean of their ratios to
+    the reference; a repeat count that is not a positive integer is argparse's one-line error."""
+    import importlib.util
+    import math
+
+    script = REPO / "benchmarks" / "machine_speed.py"
+    out = subprocess.run([sys.executable, str(script), "--repeats", "1"], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    spec = importlib.util.spec_from_file_location("machine_speed", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ref = module.REFERENCE
+    assert set(got) == {"repeats", "index", *ref} and got["repeats"] == 1
+    for name in ref:  # one thread, no waiting: the CPU seconds are the wall seconds, within the clocks' ticks
+        assert got[name]["wall_s"] > 0 and got[name]["cpu_s"] == pytest.approx(got[name]["wall_s"], rel=0.5), got
+    want = math.prod(got[k]["wall_s"] / ref[k] for k in ref) ** (1 / len(ref))
+    assert got["index"] == pytest.approx(want, abs=2e-3)
+    for bad in ("0", "two"):
+        res = subprocess.run([sys.executable, str(script), "--repeats", bad], capture_output=True, text=True,
+                             timeout=60, cwd=REPO)
+        assert res.returncode == 2 and f"argument --repeats: must be a positive integer, got {bad!r}" in res.stderr
+
+
 def test_chain_cost_script_times_runs_and_compares_two_directories(tmp_path):
     """benchmarks/chain_cost.py reduced to a few steps: it writes the experiment file from the
     decisive one, runs it in a subprocess, reads each job's wall time from experiment.json;
