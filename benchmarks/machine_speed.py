@@ -1,6 +1,6 @@
 """How fast this machine is at the moment, in the kinds of work the test suite does (issue 57):
 the same code has taken 16.3 to 19.9 minutes of tests on the same 2-core machine, idle, within a
-day, and an embedded RL step 145 ms one hour and 230 ms another. A wall time means little without
+day, and an embedded RL step 145-151 ms one hour and 249 ms another. A wall time means little without
 the machine's speed beside it; ``scripts/test.sh`` prints this probe's line before and after the
 tests, so each run's figure comes with it.
 
@@ -16,8 +16,10 @@ Four fixed workloads, one thread each, each timed ``--repeats`` times (the media
   hundreds of interpreters).
 
 Prints one JSON line: each workload's median wall seconds and CPU seconds, and ``index``: the
-geometric mean of the four medians' ratios to :data:`REFERENCE` (1.0: as fast as when the
-reference was measured; 1.5: the same work takes half as long again). The reference is a unit, not a
+geometric mean of the four CPU medians' ratios to :data:`REFERENCE` (1.0: as fast as when the
+reference was measured; 1.5: the same work takes half as long again). CPU seconds, not wall: a
+process beside the probe takes the cores from it, which is not the machine being slower (the
+wall seconds say how much it was taken). The reference is a unit, not a
 target: it was measured on this 2-core machine on 2026-12-07 (docs/performance.md, "Test suite").
 """
 
@@ -33,7 +35,7 @@ import subprocess
 import sys
 import time
 
-# median wall seconds of each workload over four runs of this script on the 2-core machine, idle, at
+# median seconds (wall and CPU alike) of each workload over four runs of this script on the 2-core machine, idle, at
 # 2026-12-07 19:42 UTC; in between, vs_trl.py's embedded step took 249 ms in the median (145-151 ms earlier
 # the same day: the machine was faster then; and the probe's runs differ by up to 40% among themselves)
 REFERENCE = {"python": 0.40, "torch_ops": 0.31, "gemm": 0.30, "import_torch": 1.96}
@@ -101,7 +103,7 @@ def measure(repeats: int) -> dict:
         out[name] = {"wall_s": round(statistics.median(r[0] for r in runs), 4),
                      "cpu_s": round(statistics.median(r[1] for r in runs), 4)}
     if all(REFERENCE.values()):  # the geometric mean of the four ratios: each workload counts alike
-        out["index"] = round(math.prod(out[k]["wall_s"] / REFERENCE[k] for k in REFERENCE) ** (1 / len(REFERENCE)), 3)
+        out["index"] = round(math.prod(out[k]["cpu_s"] / REFERENCE[k] for k in REFERENCE) ** (1 / len(REFERENCE)), 3)
     return out
 
 

@@ -108,6 +108,15 @@ else
     say "could not download the transformer-engine 2.20.2 wheel: the TE stand-in's fidelity test will skip"
 fi
 
+# how fast the machine is, before a whole run (before the 3.12 leg starts beside it) and after it:
+# the same code's wall time has moved by a quarter between runs on one idle machine
+# (docs/performance.md, "Test suite"); ~10 s each
+speed() {
+    [ "$nargs" != 0 ] || say "machine speed $1 the tests: $(python benchmarks/machine_speed.py 2>&1 | tail -n 1)"
+}
+nargs=$#
+speed before
+
 # The Python 3.12 leg (issues 44, 57): what differs under megatron-core 0.19.2 -- the newest of the
 # range, which declares Python >= 3.12 -- in .venv-py312
 # (scripts/py312_venv.sh: pyenv's 3.12, torch 2.13.0's CUDA build from PyPI, which runs on the CPU).
@@ -142,11 +151,6 @@ else
         fi
     fi
 fi
-
-# how fast the machine is, before and after the tests (the same code's wall time has moved by a
-# quarter between runs on one idle machine: docs/performance.md, "Test suite")
-speed() { say "machine speed $1 the tests: $(python benchmarks/machine_speed.py 2>&1 | tail -n 1)"; }
-speed before
 
 workers="${HAPO_TEST_WORKERS:-4}"
 rc=0

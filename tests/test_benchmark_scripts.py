@@ -144,8 +144,8 @@ def test_the_cost_scripts_refuse_a_thread_count_that_is_not_a_positive_integer()
 
 def test_machine_speed_script_reports_each_workload_and_their_index_to_the_reference():
     """benchmarks/machine_speed.py (printed by scripts/test.sh before and after the tests): each
-    workload's median wall and CPU seconds, and the index: the geometric mean of their ratios to
-    the reference; a repeat count that is not a positive integer is argparse's one-line error."""
+    workload's median wall and CPU seconds, and the index: the geometric mean of the CPU seconds'
+    ratios to the reference; a repeat count that is not a positive integer is argparse's one-line error."""
     import importlib.util
     import math
 
@@ -159,9 +159,9 @@ def test_machine_speed_script_reports_each_workload_and_their_index_to_the_refer
     spec.loader.exec_module(module)
     ref = module.REFERENCE
     assert set(got) == {"repeats", "index", *ref} and got["repeats"] == 1
-    for name in ref:  # one thread, no waiting: the CPU seconds are the wall seconds, within the clocks' ticks
-        assert got[name]["wall_s"] > 0 and got[name]["cpu_s"] == pytest.approx(got[name]["wall_s"], rel=0.5), got
-    want = math.prod(got[k]["wall_s"] / ref[k] for k in ref) ** (1 / len(ref))
+    for name in ref:  # one thread: its CPU seconds at most its wall seconds (less where others take the cores)
+        assert 0 < got[name]["cpu_s"] <= got[name]["wall_s"] * 1.05 + 0.02, got
+    want = math.prod(got[k]["cpu_s"] / ref[k] for k in ref) ** (1 / len(ref))
     assert got["index"] == pytest.approx(want, abs=2e-3)
     for bad in ("0", "two"):
         res = subprocess.run([sys.executable, str(script), "--repeats", bad], capture_output=True, text=True,
