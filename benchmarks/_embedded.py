@@ -15,16 +15,6 @@ from hapo_openrlhf import algos
 from hapo_openrlhf.config import load_config
 from hapo_openrlhf.local.trainer import LocalTrainer
 
-from _args import positive_int
-
-
-def add_threads_argument(ap) -> None:
-    """``--threads``: torch's intra-op threads of a cost benchmark (default 2, as its figures in docs);
-    anything but a positive integer is argparse's one-line error."""
-    ap.add_argument("--threads", type=positive_int, default=2,
-                    help="torch intra-op threads (the figures in docs are at 2; the suite's smoke run uses 1, as its "
-                         "other processes do, so that its OpenMP threads do not spin against theirs)")
-
 
 def grpo_step_batches(steps: int, warmup: int = 50, threads: int = 2) -> Iterator[tuple[algos.AdvantageInputs, float]]:
     """(the step's estimator inputs, the step's wall time in s) for steps 2..``steps``, at ``threads``

@@ -32,7 +32,8 @@ import torch
 
 from hapo_openrlhf import algos
 
-from _embedded import add_threads_argument, best_of, grpo_step_batches, peaked_hidden  # benchmarks/_embedded.py (the script's own folder is on sys.path)
+from _args import add_threads_argument  # benchmarks/_args.py (the script's own folder is on sys.path)
+from _embedded import best_of, grpo_step_batches, peaked_hidden  # benchmarks/_embedded.py (the script's own folder is on sys.path)
 
 METHODS = {"grpo": {}, "hapo": {"alpha": 0.2, "phi": 2.0}, "eapo_entropic": {}, "pepo": {}, "less": {}}
 # label -> (registry loss, params); rsi_s's bounds are ours (the paper publishes none)

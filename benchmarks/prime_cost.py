@@ -42,7 +42,7 @@ from hapo_openrlhf.algos.step import before_update
 from hapo_openrlhf.config import load_config
 from hapo_openrlhf.local.trainer import LocalTrainer
 
-from _embedded import add_threads_argument  # benchmarks/_embedded.py (the script's own folder is on sys.path)
+from _args import add_threads_argument  # benchmarks/_args.py (the script's own folder is on sys.path)
 
 
 def _policy_side(tr: LocalTrainer, batch) -> None:
