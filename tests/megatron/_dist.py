@@ -18,10 +18,14 @@ import tempfile
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# what every rank imports; the fork server imports them before its first fork (a module
-# that fails to import there is skipped by multiprocessing and imported by the rank itself)
-PRELOAD = ["torch", "torch.distributed", "pytest", "transformers", "transformers.models.qwen2.modeling_qwen2",
-           "transformers.models.qwen3.modeling_qwen3", "transformers.models.llama.modeling_llama",
+# what every rank imports; the fork server imports them before its first fork. A module that fails to
+# import there is skipped by multiprocessing without a word and imported by each rank itself, so the
+# first entry puts the OpenRLHF tests' stubs on the server's path (which is the interpreter's default,
+# not this process's: tests/integrations/openrlhf/stub_path.py), and a test checks that a rank finds
+# every module preloaded (tests/megatron/test_fork_preload.py)
+PRELOAD = ["tests.integrations.openrlhf.stub_path", "torch", "torch.distributed", "pytest", "transformers",
+           "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
+           "transformers.models.llama.modeling_llama",
            "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
            "hapo_openrlhf.megatron.model", "hapo_openrlhf.megatron.schedule", "tests.megatron.cuda_shim",
            # the Megatron policy actor's tests (OpenRLHF, DeepSpeed, Ray: imported, nothing started)

