@@ -224,11 +224,19 @@ def run_cli(args, cwd=REPO, timeout=600, env=None, fresh=False, **kw):
     pid, exit code, signals, pipes, directory and environment, ``hapo_openrlhf`` imported and run afresh
     as ``__main__``. ``fresh`` (the tests of the entry point itself), any other ``subprocess.run``
     argument (``kw``), ``HAPO_TEST_FORK_SERVER=0`` or coverage: a fresh interpreter, nothing imported."""
+    return run_python(["-m", "hapo_openrlhf", *args], cwd=cwd, timeout=timeout, env=env, fresh=fresh, **kw)
+
+
+def run_python(args, cwd=REPO, timeout=600, env=None, fresh=False, **kw):
+    """``python ARGS`` (a script and its arguments, or ``-m MODULE ...``) as :func:`run_cli` runs the
+    CLI: forked from this test process's server, the script or module run afresh as ``__main__`` with
+    its own directory on the path. For the benchmark scripts whose figures are times and tensors, not
+    the process's own memory or start (those keep ``subprocess.run`` and a fresh interpreter)."""
     import subprocess
 
     from tests import fork_server
 
-    argv = [sys.executable, "-m", "hapo_openrlhf", *map(str, args)]
+    argv = [sys.executable, *map(str, args)]
     server = None if fresh or kw else fork_server.cli_server()
     if server is not None:
         argv, env = server.command(argv[1:]), server.launcher_env(env)

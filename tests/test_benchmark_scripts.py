@@ -8,15 +8,13 @@ import sys
 
 import pytest
 
-from .conftest import REPO
+from .conftest import REPO, run_python
 
 
 def test_loss_head_script_reports_ratios_and_gradient_agreement():
-    out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "loss_head.py"), "--tokens", "96", "--vocab", "3000", "--hidden",
-         "32", "--chunk", "16", "--methods", "naive,chunked,fused,fused_fwdgrad"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
+    out = run_python(  # the parent only times and compares: each method's memory is its own subprocess's
+        [REPO / "benchmarks" / "loss_head.py", "--tokens", "96", "--vocab", "3000", "--hidden", "32", "--chunk", "16",
+         "--methods", "naive,chunked,fused,fused_fwdgrad"], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     for m in ("chunked", "fused", "fused_fwdgrad"):
@@ -26,10 +24,8 @@ def test_loss_head_script_reports_ratios_and_gradient_agreement():
 
 
 def test_loss_head_script_names_a_failing_method():
-    out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "loss_head.py"), "--tokens", "8", "--vocab", "50", "--hidden", "8",
-         "--methods", "naive,nope"], capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
+    out = run_python([REPO / "benchmarks" / "loss_head.py", "--tokens", "8", "--vocab", "50", "--hidden", "8",
+                      "--methods", "naive,nope"], timeout=300)
     assert out.returncode == 0
     assert "unknown method 'nope'" in out.stdout
 
@@ -92,12 +88,10 @@ def test_timeline_script_reads_wall_busy_and_cpu(tmp_path):
 
 
 def test_competitors_cost_script_reports_a_ratio_to_grpo_per_method():
-    out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "competitors_cost.py"), "--steps", "2", "--repeat", "1", "--warmup", "5",
+    out = run_python(
+        [REPO / "benchmarks" / "competitors_cost.py", "--steps", "2", "--repeat", "1", "--warmup", "5",
          "--rows", "16", "--tokens", "64", "--head-tokens", "64", "--vocab", "500", "--hidden", "16",
-         "--threads", "1"],  # one thread, as every process of the suite (tests/conftest.py): no OpenMP spinning
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
+         "--threads", "1"])  # one thread, as every process of the suite (tests/conftest.py): no OpenMP spinning
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["grpo"]["embedded_ratio"] == 1.0 and res["paper_batch"] == [16, 64] and res["threads"] == 1
@@ -124,8 +118,8 @@ def test_vs_trl_refuses_a_ratio_when_a_trainers_reward_never_moves():
 
 
 def test_prime_cost_script_reports_each_update_order_as_a_ratio_to_grpo():
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prime_cost.py"), "--prompts", "2", "--repeat", "1",
-                          "--warmup", "2", "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = run_python([REPO / "benchmarks" / "prime_cost.py", "--prompts", "2", "--repeat", "1", "--warmup", "2",
+                      "--threads", "1"])
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["rows"] == 8 and res["grpo"]["ratio_to_grpo"] == 1.0 and res["oversample_rollout_ratio"] == 4.0
@@ -136,8 +130,7 @@ def test_prime_cost_script_reports_each_update_order_as_a_ratio_to_grpo():
 
 def test_the_cost_scripts_refuse_a_thread_count_that_is_not_a_positive_integer():
     for script, bad in (("prime_cost.py", "0"), ("competitors_cost.py", "2\n; rm -rf /")):
-        out = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--threads", bad],
-                             capture_output=True, text=True, timeout=120, cwd=REPO)
+        out = run_python([REPO / "benchmarks" / script, "--threads", bad], timeout=120)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-800:]
         assert f"argument --threads: must be a positive integer, got {bad!r}" in out.stderr
 
@@ -176,24 +169,22 @@ def test_chain_cost_script_times_runs_and_compares_two_directories(tmp_path):
     smoke = ["trainer.steps=1", "warmup.steps=5", "data.synthetic.eval_size=4", "data.synthetic.train_size=64",
              "eval.n_samples=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
              "rollout.max_new_tokens=8", "eval.max_new_tokens=8", "trainer.sample_every=0"]
-    cmd = [sys.executable, str(REPO / "benchmarks" / "chain_cost.py"), "--variants", "grpo",
-           *[a for kv in smoke for a in ("--set", kv)]]
+    cmd = [REPO / "benchmarks" / "chain_cost.py", "--variants", "grpo", *[a for kv in smoke for a in ("--set", kv)]]
     for out, extra in ((tmp_path / "a", []), (tmp_path / "b", []), (tmp_path / "b", ["--rerun"])):
-        res = subprocess.run([*cmd, "--out", str(out), *extra], capture_output=True, text=True, timeout=600, cwd=REPO)
+        res = run_python([*cmd, "--out", out, *extra])
         assert res.returncode == 0, res.stderr[-2000:]
         got = json.loads(res.stdout.strip().splitlines()[-1])
         assert set(got["jobs_s"]) == {"warm_start/seed_100", "grpo/seed_101"} and got["jobs_s"]["grpo/seed_101"] > 0
     assert (tmp_path / "b" / "runs.1" / "grpo").is_dir() and (tmp_path / "b" / "runs" / "grpo").is_dir()
-    cmp = subprocess.run([sys.executable, str(REPO / "benchmarks" / "chain_cost.py"), "--compare", str(tmp_path / "a"),
-                          str(tmp_path / "b")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    cmp = run_python([REPO / "benchmarks" / "chain_cost.py", "--compare", tmp_path / "a", tmp_path / "b"], timeout=120)
     ratios = json.loads(cmp.stdout)["ratio_head_over_base"]
     assert set(ratios) == {"warm_start/seed_100", "grpo/seed_101"} and all(r > 0 for r in ratios.values())
 
 
 def test_nucleus_metric_script_reports_ratios_and_agreement():
-    out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "nucleus_metric.py"), "--tokens", "512", "--vocab", "2000",
-         "--hidden", "16", "--chunk", "256", "--repeat", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = run_python(  # its memory is counted by a dispatch mode over the tensors, not the process's
+        [REPO / "benchmarks" / "nucleus_metric.py", "--tokens", "512", "--vocab", "2000", "--hidden", "16",
+         "--chunk", "256", "--repeat", "1"], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["with_sorted_metric"] > 1 and res["with_masked_metric"] > 1 and res["sorted_vs_masked_time"] > 0
@@ -215,9 +206,8 @@ def test_head_signals_script_reports_both_paths_as_ratios_to_the_head():
     """benchmarks/head_signals.py (issue 61), small: each row kind's signals and metric with the top-k
     path and with every row sorted, as ratios to the fused head in the same run; the two paths agree;
     the peaked rows' nuclei lie in the top 64, the flat rows' do not (every row sorted)."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "head_signals.py"), "--tokens", "128", "--hidden", "16",
-         "--vocab", "3000", "--chunk", "64", "--repeat", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = run_python([REPO / "benchmarks" / "head_signals.py", "--tokens", "128", "--hidden", "16", "--vocab", "3000",
+                      "--chunk", "64", "--repeat", "1"], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     runs = {r["rows"]: r for r in res["runs"]}
