@@ -23,8 +23,9 @@ CP64K = "configs/deepscaler_1p5b_64k_hapo_megatron_cp.yaml"
 
 
 def _dry_run(config, *args):
-    p = subprocess.run([sys.executable, "-m", "hapo_openrlhf.megatron.dryrun", "--config", config, "--json", *args],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    from tests.conftest import run_python  # the module's CLI, forked from the test process's server
+
+    p = run_python(["-m", "hapo_openrlhf.megatron.dryrun", "--config", config, "--json", *args])
     return p, (json.loads(p.stdout) if p.stdout.strip().startswith("{") else None)
 
 
