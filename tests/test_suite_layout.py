@@ -58,16 +58,13 @@ def test_every_megatron_test_file_is_in_the_py312_leg_or_named_out_of_it():
 def test_every_case_the_py312_leg_deselects_exists_and_says_what_carries_it():
     """A --deselect that names no collected case deselects nothing and says nothing: each of the leg's
     deselected cases must be a case pytest collects (its parametrisation id included), with a reason."""
-    import subprocess
-    import sys
-
+    from tests.conftest import run_python
     from tests.megatron.py312_leg import DESELECTED, LEG
 
     files = sorted({f"tests/megatron/{n.split('::')[0]}" for n in DESELECTED})
     assert all(f.split("/")[-1] in LEG for f in files)
-    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
-                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
-                       env={**os.environ, "HAPO_REQUIRE_MEGATRON": "0"})
+    p = run_python(["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                   cwd=Path(__file__).resolve().parents[1], env={**os.environ, "HAPO_REQUIRE_MEGATRON": "0"})
     collected = {ln.strip() for ln in p.stdout.splitlines() if "::" in ln}
     missing = [n for n in DESELECTED if f"tests/megatron/{n}" not in collected]
     assert missing == [], (missing, p.stdout[-2000:], p.stderr[-2000:])
