@@ -22,24 +22,19 @@ def _missing(preload: list[str]) -> list[str]:
     return [m for m in _expected(preload) if m not in sys.modules]
 
 
-def _record(rank, out):  # at the rank's entry, before its own code imports anything
+def _record(rank, out, preload):  # at the rank's entry, before its own code imports anything
     with open(out, "w") as f:
-        json.dump(_missing(PRELOAD), f)
-
-
-def _record_te(rank, out):
-    with open(out, "w") as f:
-        json.dump(_missing(TE_PRELOAD), f)
+        json.dump(_missing(preload), f)
 
 
 def test_a_rank_finds_every_module_of_the_preload_list_already_imported(tmp_path):
     assert ACTOR in PRELOAD  # the check covers the actor (the module whose preload had failed)
     out = tmp_path / "missing.json"
-    spawn(_record, 1, str(out))
+    spawn(_record, 1, str(out), PRELOAD)
     assert json.loads(out.read_text()) == [], "not preloaded by the ranks' fork server"
 
 
 def test_a_te_rank_finds_every_module_of_the_te_preload_list_already_imported(tmp_path):
     out = tmp_path / "missing.json"
-    spawn_te("tests.megatron.test_fork_preload:_record_te", 1, str(out), process_group=False)
+    spawn_te("tests.megatron.test_fork_preload:_record", 1, str(out), TE_PRELOAD, process_group=False)
     assert json.loads(out.read_text()) == [], "not preloaded by the TE ranks' fork server"

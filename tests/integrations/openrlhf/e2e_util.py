@@ -4,7 +4,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -53,25 +52,21 @@ def run_e2e(out, dump, sets, engine="cpu", **env):
     (eager mode: vLLM's CPU torch.compile warm-up would add a minute per launch).
     (DeepSpeed JIT-builds its CPU Adam / shm ops once into TORCH_EXTENSIONS_DIR.)
     With the shim's CPU engine the driver runs on this interpreter, forked from the test process's
-    server that has imported torch and transformers (``tests/fork_server.py``, as ``run_cli``'s
+    server that has imported torch and transformers (``tests/conftest.py::run_python``, as ``run_cli``'s
     ``hapo`` runs): ~5 of a driver's ~10 CPU-s were those imports (issue 57)."""
-    from tests import fork_server
-    from tests.conftest import VLLM_CPU_ENV, VLLM_PYTHON
+    from tests.conftest import VLLM_CPU_ENV, VLLM_PYTHON, run_python
 
     full_env = {**os.environ, "HAPO_OPENRLHF_DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1", **env}
-    server = None
     if engine == "vllm":
-        python, sets = VLLM_PYTHON, [*sets, "openrlhf.vllm_enforce_eager=true"]
+        sets = [*sets, "openrlhf.vllm_enforce_eager=true"]
         full_env.update(VLLM_CPU_ENV)
-    else:
-        python, server = sys.executable, fork_server.cli_server()
     args = [str(RUN), str(CFG), str(out), "--engine", engine, *[x for s in sets for x in ("--set", s)]]
-    if server is not None:
-        args, full_env = server.command(args), server.launcher_env(full_env)
-    else:
-        args = [python, *args]
     with e2e_slot():
-        p = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1200)
+        if engine == "vllm":
+            p = subprocess.run([VLLM_PYTHON, *args], cwd=REPO, env=full_env, capture_output=True, text=True,
+                               timeout=1200)
+        else:
+            p = run_python(args, timeout=1200, env=full_env)
     # every Ray worker came from the launch's fork server (and a CPU-engine driver from the test process's),
     # none from a fresh interpreter behind it
     assert "starts as a fresh interpreter" not in p.stderr, p.stderr[-6000:]
